@@ -1,0 +1,325 @@
+"""Model configuration: the attention hyper-parameters of DeepSeek-V4 (SPEC §1).
+
+``ModelConfig`` holds only what the attention block needs. Presets:
+
+* ``"v4-flash"`` — DeepSeek-V4-Flash (43 layers + MTP, 64 heads, CSA/HCA interleaved after two SWA layers);
+* ``"v4-pro"``   — DeepSeek-V4-Pro (61 layers + MTP, 128 heads, two HCA layers then CSA/HCA interleaved);
+* ``"tiny"``     — the same structure at CPU-test size (small hidden size and head counts, a 16-token window,
+  HCA ratio 16, top-k 8); head dim 512 / rope 64 / indexer dim 128 are kept so every storage format applies.
+
+``ModelConfig.from_hf`` reads a ``transformers`` ``DeepseekV4Config``, its dict, or a ``config.json`` path
+(official inference-style names are accepted too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+__all__ = ["LayerKind", "ModelConfig"]
+
+
+class LayerKind(str, enum.Enum):
+    """The three attention layer kinds. Every kind has the sliding window; CSA/HCA add compressed entries."""
+
+    SWA = "swa"  # sliding window only (compress ratio 0)
+    CSA = "csa"  # compressed sparse attention (ratio 4, overlapping windows, lightning indexer + top-k)
+    HCA = "hca"  # heavily compressed attention (ratio 128, non-overlapping, attended densely)
+
+
+_HF_LAYER_TYPE = {
+    LayerKind.SWA: "sliding_attention",
+    LayerKind.CSA: "compressed_sparse_attention",
+    LayerKind.HCA: "heavily_compressed_attention",
+}
+_KIND_OF_HF_LAYER_TYPE = {v: k for k, v in _HF_LAYER_TYPE.items()}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Attention hyper-parameters of one DeepSeek-V4 model (official names in comments).
+
+    ``compress_ratios`` has one entry per layer plus one for each MTP block (0 = SWA, ``csa_ratio`` = CSA,
+    ``hca_ratio`` = HCA), exactly as the official ``config.json`` ships it.
+    """
+
+    name: str
+    hidden_size: int  # dim (d)
+    num_layers: int  # n_layers
+    num_heads: int  # n_heads (H)
+    head_dim: int  # D = 512
+    rope_dim: int  # rope_head_dim (R = 64): the last R dims of every head get RoPE
+    q_lora_rank: int
+    o_groups: int  # G
+    o_lora_rank: int  # per-group width of the grouped output projection
+    window: int  # window_size / sliding_window (n_win)
+    csa_ratio: int  # m
+    hca_ratio: int  # m'
+    index_n_heads: int  # H_I
+    index_head_dim: int  # c_I
+    index_topk: int  # k
+    compress_ratios: tuple[int, ...]
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # sliding-only layers (no YaRN)
+    compress_rope_theta: float = 160000.0  # CSA/HCA layers (with YaRN)
+    yarn_factor: float = 16.0  # rope_factor
+    yarn_original_seq_len: int = 65536  # original_seq_len
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    max_position: int = 1 << 20  # max_position_embeddings
+    num_mtp_layers: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.head_dim <= self.rope_dim or self.rope_dim % 2:
+            problems.append(f"rope_dim ({self.rope_dim}) must be even and smaller than head_dim ({self.head_dim})")
+        if self.num_heads % self.o_groups:
+            problems.append(f"num_heads ({self.num_heads}) must be divisible by o_groups ({self.o_groups})")
+        if self.index_head_dim < self.rope_dim:
+            problems.append(f"index_head_dim ({self.index_head_dim}) must be >= rope_dim ({self.rope_dim})")
+        if len(self.compress_ratios) != self.num_layers + self.num_mtp_layers:
+            problems.append(
+                f"compress_ratios has {len(self.compress_ratios)} entries; expected num_layers + num_mtp_layers"
+                f" = {self.num_layers + self.num_mtp_layers}"
+            )
+        bad = sorted({r for r in self.compress_ratios if r not in (0, self.csa_ratio, self.hca_ratio)})
+        if bad:
+            problems.append(f"compress_ratios contains {bad}; allowed: 0, {self.csa_ratio} (CSA), {self.hca_ratio} (HCA)")
+        if self.csa_ratio == self.hca_ratio or min(self.csa_ratio, self.hca_ratio) < 1:
+            problems.append("csa_ratio and hca_ratio must be distinct positive integers")
+        if self.window < 1:
+            problems.append("window must be >= 1")
+        if problems:
+            raise ValueError(f"invalid ModelConfig {self.name!r}: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------ derived geometry
+    @property
+    def nope_dim(self) -> int:
+        """N = D − R: the dims that carry no position (FP8 in the official cache)."""
+        return self.head_dim - self.rope_dim
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers including the MTP block(s): the length of ``compress_ratios``."""
+        return len(self.compress_ratios)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @property
+    def index_weight_scale(self) -> float:
+        """``c_I^{-1/2} · H_I^{-1/2}``: folded into the indexer head weights (SPEC §5 step 2)."""
+        return self.index_head_dim**-0.5 * self.index_n_heads**-0.5
+
+    def layer_kind(self, layer_idx: int) -> LayerKind:
+        """Kind of layer ``layer_idx`` (0-based; ``num_layers`` … are the MTP blocks)."""
+        if not 0 <= layer_idx < len(self.compress_ratios):
+            raise IndexError(f"layer_idx {layer_idx} out of range for {self.name!r} ({len(self.compress_ratios)} layers)")
+        r = self.compress_ratios[layer_idx]
+        return LayerKind.SWA if r == 0 else LayerKind.CSA if r == self.csa_ratio else LayerKind.HCA
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(self.layer_kind(i) for i in range(len(self.compress_ratios)))
+
+    def ratio(self, layer_idx: int) -> int:
+        """Compression ratio of the layer (0 for SWA)."""
+        self.layer_kind(layer_idx)
+        return self.compress_ratios[layer_idx]
+
+    def layers_of_kind(self, kind: LayerKind) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k is kind]
+
+    # ------------------------------------------------------------------ presets
+    @staticmethod
+    def preset(name: str) -> "ModelConfig":
+        """``"v4-flash"``, ``"v4-pro"`` or ``"tiny"``."""
+        try:
+            return _PRESETS[name]()
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}") from None
+
+    @staticmethod
+    def presets() -> list[str]:
+        return sorted(_PRESETS)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ transformers interop
+    @classmethod
+    def from_hf(cls, config: Any, name: str | None = None) -> "ModelConfig":
+        """Build from a ``transformers`` ``DeepseekV4Config``, its ``to_dict()``, a ``config.json`` path or a
+        directory holding one. Official inference names (``dim``, ``n_heads``, ``window_size`` …) work too.
+
+        The per-layer pattern comes from ``compress_ratios`` (the list real checkpoints ship, MTP entries
+        included) or else from ``layer_types`` + ``compress_rates``.
+        """
+        if isinstance(config, (str, os.PathLike)):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                d = json.load(f)
+            name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf"
+        elif isinstance(config, Mapping):
+            d = dict(config)
+        elif hasattr(config, "to_dict"):
+            d = config.to_dict()
+            # transformers turns `compress_ratios` into `layer_types` and drops it; fine, handled below.
+        else:
+            raise TypeError(f"from_hf expects a DeepseekV4Config, a dict or a path, got {type(config).__name__}")
+        return cls._from_dict(d, name or "hf")
+
+    @classmethod
+    def _from_dict(cls, d: Mapping[str, Any], name: str) -> "ModelConfig":
+        def get(*keys: str, default: Any = None, required: bool = True) -> Any:
+            for k in keys:
+                if k in d and d[k] is not None:
+                    return d[k]
+            if required and default is None:
+                raise ValueError(f"config is missing {' / '.join(keys)}")
+            return default
+
+        rates = d.get("compress_rates") or {}
+        csa = int(get("compress_rate_csa", default=rates.get("compressed_sparse_attention", 4)))
+        hca = int(get("compress_rate_hca", default=rates.get("heavily_compressed_attention", 128)))
+        num_layers = int(get("num_hidden_layers", "n_layers"))
+        n_mtp = int(get("num_nextn_predict_layers", "n_mtp_layers", default=1, required=False))
+        if d.get("compress_ratios") is not None:
+            ratios = [int(r) for r in d["compress_ratios"]]
+            if len(ratios) < num_layers:
+                raise ValueError(f"compress_ratios has {len(ratios)} entries, fewer than num_layers={num_layers}")
+            # Later revisions pad the list with trailing zeros for extra MTP stages; keep what the MTP count covers.
+            n_mtp = len(ratios) - num_layers
+        elif d.get("layer_types") is not None:
+            lt = list(d["layer_types"])[:num_layers]
+            by_type = {"sliding_attention": 0, "compressed_sparse_attention": csa, "heavily_compressed_attention": hca}
+            try:
+                ratios = [by_type[t] for t in lt]
+            except KeyError as e:
+                raise ValueError(f"unknown layer type {e.args[0]!r} in layer_types") from None
+            ratios += [0] * n_mtp  # the MTP block is sliding-only (SPEC §1.2)
+        else:
+            raise ValueError("config has neither compress_ratios nor layer_types; cannot tell the layer pattern")
+
+        rope = d.get("rope_parameters") or {}
+        comp = rope.get("compress") if isinstance(rope.get("compress"), Mapping) else (d.get("rope_scaling") or rope)
+        main = rope.get("main") if isinstance(rope.get("main"), Mapping) else {}
+        comp = comp or {}
+        rope_dim = get("qk_rope_head_dim", "rope_head_dim", required=False)
+        head_dim = int(get("head_dim"))
+        if rope_dim is None:
+            prf = d.get("partial_rotary_factor") or main.get("partial_rotary_factor") or 64 / 512
+            rope_dim = int(round(head_dim * prf))
+        return cls(
+            name=name,
+            hidden_size=int(get("hidden_size", "dim")),
+            num_layers=num_layers,
+            num_heads=int(get("num_attention_heads", "n_heads")),
+            head_dim=head_dim,
+            rope_dim=int(rope_dim),
+            q_lora_rank=int(get("q_lora_rank")),
+            o_groups=int(get("o_groups")),
+            o_lora_rank=int(get("o_lora_rank")),
+            window=int(get("sliding_window", "window_size")),
+            csa_ratio=csa,
+            hca_ratio=hca,
+            index_n_heads=int(get("index_n_heads")),
+            index_head_dim=int(get("index_head_dim")),
+            index_topk=int(get("index_topk")),
+            compress_ratios=tuple(ratios),
+            norm_eps=float(get("rms_norm_eps", "norm_eps", default=1e-6)),
+            rope_theta=float(main.get("rope_theta") or get("rope_theta", default=10000.0)),
+            compress_rope_theta=float(comp.get("rope_theta") or get("compress_rope_theta", default=160000.0)),
+            yarn_factor=float(comp.get("factor") or get("rope_factor", default=16.0)),
+            yarn_original_seq_len=int(
+                comp.get("original_max_position_embeddings") or get("original_seq_len", default=65536)
+            ),
+            yarn_beta_fast=float(comp.get("beta_fast") or get("beta_fast", default=32.0)),
+            yarn_beta_slow=float(comp.get("beta_slow") or get("beta_slow", default=1.0)),
+            max_position=int(get("max_position_embeddings", "max_seq_len", default=1 << 20)),
+            num_mtp_layers=n_mtp,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The fields a ``transformers`` ``DeepseekV4Config`` needs for this attention geometry
+        (layer pattern as ``layer_types`` of the ``num_layers`` main layers; MTP blocks are not modelled there)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": 1,
+            "head_dim": self.head_dim,
+            "partial_rotary_factor": self.rope_dim / self.head_dim,
+            "q_lora_rank": self.q_lora_rank,
+            "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank,
+            "sliding_window": self.window,
+            "compress_rates": {"compressed_sparse_attention": self.csa_ratio, "heavily_compressed_attention": self.hca_ratio},
+            "layer_types": [_HF_LAYER_TYPE[self.layer_kind(i)] for i in range(self.num_layers)],
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "compress_rope_theta": self.compress_rope_theta,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": self.yarn_factor,
+                "original_max_position_embeddings": self.yarn_original_seq_len,
+                "beta_fast": self.yarn_beta_fast,
+                "beta_slow": self.yarn_beta_slow,
+            },
+            "max_position_embeddings": self.max_position,
+            "num_nextn_predict_layers": self.num_mtp_layers,
+        }
+
+    def describe(self) -> str:
+        kinds = self.layer_kinds
+        counts = {k.name: sum(1 for x in kinds if x is k) for k in LayerKind}
+        return (
+            f"{self.name}: {self.num_layers} layers + {self.num_mtp_layers} MTP "
+            f"({counts['SWA']} SWA, {counts['CSA']} CSA, {counts['HCA']} HCA), d={self.hidden_size}, "
+            f"H={self.num_heads}x{self.head_dim} (rope {self.rope_dim}), window {self.window}, "
+            f"ratios {self.csa_ratio}/{self.hca_ratio}, indexer {self.index_n_heads}x{self.index_head_dim} top-{self.index_topk}"
+        )
+
+
+def _flash() -> ModelConfig:
+    # [0, 0, 4, 128, 4, 128, …, 4, 128, 4, 0]: SWA, SWA, then CSA on even / HCA on odd layers; MTP sliding.
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
+    return ModelConfig(
+        name="v4-flash", hidden_size=4096, num_layers=43, num_heads=64, head_dim=512, rope_dim=64,
+        q_lora_rank=1024, o_groups=8, o_lora_rank=1024, window=128, csa_ratio=4, hca_ratio=128,
+        index_n_heads=64, index_head_dim=128, index_topk=512, compress_ratios=tuple(ratios),
+    )
+
+
+def _pro() -> ModelConfig:
+    # [128, 128, 4, 128, 4, …, 4, 128, 4, 0]: HCA, HCA, then CSA on even / HCA on odd layers; MTP sliding.
+    ratios = [128, 128] + [4 if i % 2 == 0 else 128 for i in range(2, 61)] + [0]
+    return ModelConfig(
+        name="v4-pro", hidden_size=7168, num_layers=61, num_heads=128, head_dim=512, rope_dim=64,
+        q_lora_rank=1536, o_groups=16, o_lora_rank=1024, window=128, csa_ratio=4, hca_ratio=128,
+        index_n_heads=64, index_head_dim=128, index_topk=1024, compress_ratios=tuple(ratios),
+    )
+
+
+def _tiny() -> ModelConfig:
+    # Same structure as Flash (SWA first, then CSA/HCA interleaved, MTP sliding) at CPU-test size.
+    return ModelConfig(
+        name="tiny", hidden_size=128, num_layers=4, num_heads=4, head_dim=512, rope_dim=64,
+        q_lora_rank=64, o_groups=2, o_lora_rank=32, window=16, csa_ratio=4, hca_ratio=16,
+        index_n_heads=4, index_head_dim=128, index_topk=8, compress_ratios=(0, 4, 16, 4, 0),
+        max_position=1 << 16,
+    )
+
+
+_PRESETS = {"v4-flash": _flash, "v4-pro": _pro, "tiny": _tiny}

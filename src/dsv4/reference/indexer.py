@@ -1,0 +1,63 @@
+"""The lightning indexer (SPEC §5): ``I[t,s] = Σ_h w[t,h]·ReLU(q[t,h]·K[s])`` and causal top-k (SPEC §6)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..numerics import Numerics
+from ..weights import IndexerWeights
+from .primitives import linear
+from .rope import apply_rope
+
+__all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "select_topk"]
+
+
+def indexer_queries(
+    q_latent: torch.Tensor, iw: IndexerWeights, positions: torch.Tensor, inv_freq: torch.Tensor, cfg: ModelConfig, numerics: Numerics
+) -> torch.Tensor:
+    """Indexer queries from the shared query latent: project, RoPE (compressed table), Hadamard + quantize.
+
+    Args:
+        q_latent: ``[T, q_lora_rank]`` ``c^Q`` (act dtype). positions: ``[T]``.
+    Returns:
+        ``[T, H_I, c_I]`` float32 (values on the index format's grid).
+    """
+    q = linear(q_latent, iw.wq_b, numerics.act_dtype).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+    return numerics.qdq_index(apply_rope(q, positions, inv_freq))
+
+
+def indexer_head_weights(x: torch.Tensor, iw: IndexerWeights, cfg: ModelConfig, numerics: Numerics) -> torch.Tensor:
+    """Per-head score weights ``w[t,h] = (W_w x_t)[h] · c_I^{-1/2} · H_I^{-1/2}``. Returns ``[T, H_I]`` float32."""
+    return linear(x, iw.weights_proj, numerics.act_dtype).float() * cfg.index_weight_scale
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+    """Index scores of every query against every key (no causality applied here).
+
+    Args:
+        q: ``[T, H_I, c_I]`` float32. weights: ``[T, H_I]`` float32. keys: ``[n, c_I]`` float32.
+    Returns:
+        ``[T, n]`` in ``numerics.score_dtype`` (accumulated in FP32, rounded once).
+    """
+    per_head = torch.relu(torch.einsum("thc,nc->thn", q, keys.float()))
+    return (per_head * weights.unsqueeze(-1)).sum(dim=1).to(numerics.score_dtype)
+
+
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Causal top-k: the ``min(k, n)`` best entries among the visible ones, −1 where fewer are visible.
+
+    Args:
+        scores: ``[T, n]`` index scores over all ``n`` entries that exist.
+        visible: ``[T]`` number of entries query ``t`` may see, ``⌊(t+1)/m⌋`` (entries ``0 … visible−1``).
+        k: ``index_topk``.
+    Returns:
+        ``[T, min(k, n)]`` int64 entry indices, −1 for invalid slots. Order within a row is unspecified.
+    """
+    n = scores.shape[-1]
+    k_eff = min(k, n)
+    if k_eff == 0:
+        return torch.empty((scores.shape[0], 0), dtype=torch.int64, device=scores.device)
+    future = torch.arange(n, device=scores.device)[None, :] >= visible[:, None]
+    chosen = scores.float().masked_fill(future, float("-inf")).topk(k_eff, dim=-1).indices
+    return torch.where(chosen >= visible[:, None], torch.full_like(chosen, -1), chosen)

@@ -1,0 +1,206 @@
+"""Weights of one DeepSeek-V4 attention layer (SPEC §1.3), under the official inference names.
+
+Every tensor is held in FP32 on the host by default (``.to(device, dtype)`` moves them); the numerics decide
+what each op rounds to. Shapes (d = hidden, H = heads, D = head dim, G = o_groups, c = compressor width):
+
+==========================  =====================================  ==========================================
+field                       shape                                  meaning
+==========================  =====================================  ==========================================
+``wq_a``                    ``[q_lora_rank, d]``                   query down-projection
+``q_norm``                  ``[q_lora_rank]``                      weighted RMSNorm of the query latent
+``wq_b``                    ``[H·D, q_lora_rank]``                 query up-projection
+``wkv``                     ``[D, d]``                             shared key/value projection
+``kv_norm``                 ``[D]``                                weighted RMSNorm of kv
+``attn_sink``               ``[H]``                                per-head sink logit (denominator only)
+``wo_a``                    ``[G·o_lora_rank, H·D/G]``             grouped output projection (group g = rows
+                                                                   ``g·o_lora_rank … (g+1)·o_lora_rank``)
+``wo_b``                    ``[d, G·o_lora_rank]``                 output projection
+``compressor.wkv/.wgate``   ``[2D, d]`` (CSA) / ``[D, d]`` (HCA)   compressor projections (run in FP32)
+``compressor.ape``          ``[m, 2D]`` / ``[m', D]``              learned in-window position bias of the gate
+``compressor.norm``         ``[D]``                                weighted RMSNorm of each entry
+``indexer.wq_b``            ``[H_I·c_I, q_lora_rank]``             indexer query projection (from the latent)
+``indexer.weights_proj``    ``[H_I, d]``                           indexer head weights
+``indexer.compressor.*``    as above with c = c_I (CSA only)       the indexer's own compressor
+==========================  =====================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .config import LayerKind, ModelConfig
+
+__all__ = ["AttentionWeights", "CompressorWeights", "IndexerWeights"]
+
+
+@dataclass
+class CompressorWeights:
+    """One compressor (main KV of CSA/HCA, or the CSA indexer's). ``width`` = 2c (CSA, overlapping) or c (HCA)."""
+
+    wkv: torch.Tensor  # [width, d]
+    wgate: torch.Tensor  # [width, d]
+    ape: torch.Tensor  # [m, width]
+    norm: torch.Tensor  # [c]
+
+
+@dataclass
+class IndexerWeights:
+    """The lightning indexer of a CSA layer."""
+
+    wq_b: torch.Tensor  # [H_I * c_I, q_lora_rank]
+    weights_proj: torch.Tensor  # [H_I, d]
+    compressor: CompressorWeights
+
+
+@dataclass
+class AttentionWeights:
+    """All parameters of one attention layer. ``compressor``/``indexer`` are ``None`` where the kind has none."""
+
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    attn_sink: torch.Tensor
+    wo_a: torch.Tensor
+    wo_b: torch.Tensor
+    compressor: CompressorWeights | None = None
+    indexer: IndexerWeights | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def random(cls, cfg: ModelConfig, layer_idx: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> "AttentionWeights":
+        """Random weights with realistic scales: projections ~ N(0, 1/fan_in) (unit-scale activations), norm
+        weights near 1, sinks and position biases O(1). Deterministic in ``seed`` and ``layer_idx``."""
+        g = torch.Generator().manual_seed(int(seed) * 1000003 + layer_idx)
+
+        def lin(out_f: int, in_f: int) -> torch.Tensor:
+            return (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).to(dtype)
+
+        def norm(n: int) -> torch.Tensor:
+            return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+
+        d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        kind = cfg.layer_kind(layer_idx)
+        w = cls(
+            wq_a=lin(cfg.q_lora_rank, d),
+            q_norm=norm(cfg.q_lora_rank),
+            wq_b=lin(H * D, cfg.q_lora_rank),
+            wkv=lin(D, d),
+            kv_norm=norm(D),
+            attn_sink=(torch.randn(H, generator=g) + 1.0).to(dtype),
+            wo_a=lin(cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups),
+            wo_b=lin(d, cfg.o_groups * cfg.o_lora_rank),
+        )
+
+        def compressor(c: int, m: int, overlap: bool) -> CompressorWeights:
+            width = 2 * c if overlap else c
+            return CompressorWeights(
+                wkv=lin(width, d), wgate=lin(width, d), ape=(0.5 * torch.randn(m, width, generator=g)).to(dtype), norm=norm(c)
+            )
+
+        if kind is LayerKind.CSA:
+            w.compressor = compressor(D, cfg.csa_ratio, overlap=True)
+            w.indexer = IndexerWeights(
+                wq_b=lin(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+                weights_proj=lin(cfg.index_n_heads, d),
+                compressor=compressor(cfg.index_head_dim, cfg.csa_ratio, overlap=True),
+            )
+        elif kind is LayerKind.HCA:
+            w.compressor = compressor(D, cfg.hca_ratio, overlap=False)
+        return w
+
+    @classmethod
+    def from_hf_module(cls, module: Any) -> "AttentionWeights":
+        """From a ``transformers`` ``DeepseekV4Attention`` (weights copied to FP32 on the host)."""
+
+        def t(p: torch.Tensor) -> torch.Tensor:
+            return p.detach().to("cpu", torch.float32).clone()
+
+        def comp(c: Any) -> CompressorWeights:
+            return CompressorWeights(wkv=t(c.kv_proj.weight), wgate=t(c.gate_proj.weight), ape=t(c.position_bias), norm=t(c.kv_norm.weight))
+
+        w = cls(
+            wq_a=t(module.q_a_proj.weight),
+            q_norm=t(module.q_a_norm.weight),
+            wq_b=t(module.q_b_proj.weight),
+            wkv=t(module.kv_proj.weight),
+            kv_norm=t(module.kv_norm.weight),
+            attn_sink=t(module.sinks),
+            wo_a=t(module.o_a_proj.weight),
+            wo_b=t(module.o_b_proj.weight),
+        )
+        if module.compressor is not None:
+            w.compressor = comp(module.compressor)
+            indexer = getattr(module.compressor, "indexer", None)
+            if indexer is not None:
+                w.indexer = IndexerWeights(wq_b=t(indexer.q_b_proj.weight), weights_proj=t(indexer.scorer.weights_proj.weight), compressor=comp(indexer))
+        return w
+
+    # ------------------------------------------------------------------ utilities
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(dotted official name, tensor)`` for every parameter."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                yield f.name, v
+        if self.compressor is not None:
+            for f in dataclasses.fields(self.compressor):
+                yield f"compressor.{f.name}", getattr(self.compressor, f.name)
+        if self.indexer is not None:
+            yield "indexer.wq_b", self.indexer.wq_b
+            yield "indexer.weights_proj", self.indexer.weights_proj
+            for f in dataclasses.fields(self.indexer.compressor):
+                yield f"indexer.compressor.{f.name}", getattr(self.indexer.compressor, f.name)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "AttentionWeights":
+        """A copy with every tensor moved/cast."""
+
+        def mv(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.to(device=device, dtype=dtype)
+            if dataclasses.is_dataclass(x):
+                return dataclasses.replace(x, **{f.name: mv(getattr(x, f.name)) for f in dataclasses.fields(x)})
+            return x
+
+        return mv(self)
+
+    def check(self, cfg: ModelConfig, layer_idx: int) -> None:
+        """Raise ``ValueError`` naming every tensor whose shape does not fit ``cfg``'s layer ``layer_idx``."""
+        d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        kind = cfg.layer_kind(layer_idx)
+        want: dict[str, tuple[int, ...]] = {
+            "wq_a": (cfg.q_lora_rank, d), "q_norm": (cfg.q_lora_rank,), "wq_b": (H * D, cfg.q_lora_rank),
+            "wkv": (D, d), "kv_norm": (D,), "attn_sink": (H,),
+            "wo_a": (cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups), "wo_b": (d, cfg.o_groups * cfg.o_lora_rank),
+        }
+        if kind is not LayerKind.SWA:
+            m = cfg.ratio(layer_idx)
+            width = 2 * D if kind is LayerKind.CSA else D
+            want.update({"compressor.wkv": (width, d), "compressor.wgate": (width, d), "compressor.ape": (m, width), "compressor.norm": (D,)})
+        if kind is LayerKind.CSA:
+            ci = cfg.index_head_dim
+            want.update({
+                "indexer.wq_b": (cfg.index_n_heads * ci, cfg.q_lora_rank), "indexer.weights_proj": (cfg.index_n_heads, d),
+                "indexer.compressor.wkv": (2 * ci, d), "indexer.compressor.wgate": (2 * ci, d),
+                "indexer.compressor.ape": (cfg.csa_ratio, 2 * ci), "indexer.compressor.norm": (ci,),
+            })
+        have = dict(self.named_tensors())
+        problems = []
+        for name, shape in want.items():
+            if name not in have:
+                problems.append(f"{name} missing (a {kind.name} layer needs it)")
+            elif tuple(have[name].shape) != shape:
+                problems.append(f"{name} has shape {tuple(have[name].shape)}, expected {shape}")
+        extra = sorted(set(have) - set(want))
+        if extra:
+            problems.append(f"unexpected tensors for a {kind.name} layer: {extra}")
+        bad = [n for n, v in have.items() if not torch.isfinite(v).all()]
+        if bad:
+            problems.append(f"non-finite values (NaN/Inf) in {bad}")
+        if problems:
+            raise ValueError(f"weights do not fit {cfg.name} layer {layer_idx}: " + "; ".join(problems))

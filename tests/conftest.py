@@ -1,0 +1,13 @@
+"""Shared test fixtures. GPU tests are marked ``gpu`` and skip cleanly when CUDA is absent."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
