@@ -135,6 +135,17 @@ def tie_block(gen: torch.Generator, k: int, block: int = 64) -> list[float]:
     return [float(448 * s)] + vals
 
 
+def per_token_tie_row(g: torch.Generator, amax: float) -> list[float]:
+    """amax followed by fp32 values nearest to (E4M3 midpoint) * scale and their fp32 neighbours, scale being the
+    per-token scale fp32(amax / 448): v / scale then lands on or next to a rounding boundary."""
+    amax = float(fp32(Fr(amax)))
+    scale = fp32(Fr(amax) / 448)
+    idx = torch.randint(0, len(E4M3_POS) - 1, (43,), generator=g).tolist()
+    mids = torch.tensor([float(fp32((E4M3_POS[i] + E4M3_POS[i + 1]) / 2 * scale)) for i in idx])
+    vals = torch.cat([mids, torch.nextafter(mids, mids * 2), -torch.nextafter(mids, mids * 0)])[:127]
+    return [amax] + vals.tolist()
+
+
 def fp8_cases(seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -148,6 +159,8 @@ def fp8_cases(seed: int) -> torch.Tensor:
     rows.append([448.0] + (torch.rand(63, generator=g) * 2 ** -5 - 2 ** -6).tolist()
                 + [-(2.0 ** 9)] + (torch.rand(63, generator=g) * 2 ** -4).tolist())  # e4m3-subnormal range
     rows.append([((-1) ** i) * (i + 0.5) for i in range(128)])  # mixed sign
+    for amax in (300.7, 1.234e-3, 5e3):
+        rows.append(per_token_tie_row(g, amax))
     return torch.tensor(rows, dtype=torch.float32)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._checks import as_float32, check_block, check_uint8
-from .fp8 import E4M3_MAX, dequantize_pow2_blocks, quantize_pow2_blocks
+from .fp8 import E4M3_MAX, dequantize_pow2_blocks, div_scalar, quantize_pow2_blocks
 
 __all__ = [
     "E2M1_MAX", "E2M1_VALUES", "MXFP4_AMAX_FLOOR", "NVFP4_SCALE_FLOOR",
@@ -132,6 +132,7 @@ def quantize_mxfp4(x: Tensor, block: int = 32, *, check: bool = True) -> tuple[T
     Returns:
         packed: uint8 ``[..., N // 2]`` E2M1 codes, two per byte (even element in the low nibble).
         exponents: uint8 ``[..., N // block]`` UE8M0 bytes ``log2(s) + 127``.
+        (Values within about one E2M1 step of the fp32 maximum can dequantize to +-inf, as in the kernels.)
     """
     fn = "quantize_mxfp4"
     check_block(block, fn)
@@ -188,7 +189,7 @@ def quantize_nvfp4(x: Tensor, block: int = 16, *, check: bool = True) -> tuple[T
         raise ValueError(f"{fn}: block must be even, got {block}")
     x32 = as_float32(x, fn, check=check, multiple=block)
     xb = x32.unflatten(-1, (-1, block))
-    t = torch.clamp(xb.abs().amax(dim=-1) / E2M1_MAX, NVFP4_SCALE_FLOOR, E4M3_MAX)
+    t = torch.clamp(div_scalar(xb.abs().amax(dim=-1), E2M1_MAX), NVFP4_SCALE_FLOOR, E4M3_MAX)
     scale_codes = t.to(torch.float8_e4m3fn).view(torch.uint8)
     scale = scale_codes.view(torch.float8_e4m3fn).float()
     q = torch.clamp(xb / scale.unsqueeze(-1), -E2M1_MAX, E2M1_MAX)

@@ -39,6 +39,15 @@ FP8_PER_TOKEN_AMAX_FLOOR = 1e-10
 FP8_KEY_AMAX_FLOOR = 1e-4
 
 
+def div_scalar(a: Tensor, d: float) -> Tensor:
+    """``a / d`` as a correctly rounded fp32 division on every device.
+
+    (On CUDA, ``tensor / python_scalar`` is computed as ``tensor * (1 / scalar)``, which can differ by one ulp; dividing
+    by a same-device tensor keeps the true division.)
+    """
+    return a / torch.full_like(a, d)
+
+
 def _fp32(v: float) -> float:
     """Round a Python float to the nearest fp32 value (returned as a Python float)."""
     return struct.unpack("<f", struct.pack("<f", v))[0]
@@ -208,6 +217,7 @@ def quantize_fp8_block(x: Tensor, block: int = 64, *, check: bool = True) -> tup
         check: verify finiteness (host sync); dtype/shape checks always run.
     Returns:
         codes: uint8 ``[..., N]`` E4M3 bit patterns.
+        (Values within about one E4M3 step of the fp32 maximum can dequantize to +-inf, as in the kernels.)
         exponents: uint8 ``[..., N // block]`` UE8M0 bytes ``log2(s) + 127``.
     """
     check_block(block, "quantize_fp8_block")
@@ -246,7 +256,7 @@ def _quantize_per_token(x: Tensor, fn: str, amax_floor: float, check: bool,
                         size: int | None = None) -> tuple[Tensor, Tensor]:
     x32 = as_float32(x, fn, check=check, size=size)
     a = torch.clamp_min(x32.abs().amax(dim=-1), amax_floor)
-    scale = a / E4M3_MAX  # fp32 division (exactly rounded)
+    scale = div_scalar(a, E4M3_MAX)  # true fp32 division
     q = torch.clamp(x32 / scale.unsqueeze(-1), -E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn).view(torch.uint8), scale
 

@@ -32,16 +32,16 @@ def indexer_head_weights(x: torch.Tensor, iw: IndexerWeights, cfg: ModelConfig, 
     return linear(x, iw.weights_proj, numerics.act_dtype).float() * cfg.index_weight_scale
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, score_dtype: torch.dtype) -> torch.Tensor:
     """Index scores of every query against every key (no causality applied here).
 
     Args:
         q: ``[T, H_I, c_I]`` float32. weights: ``[T, H_I]`` float32. keys: ``[n, c_I]`` float32.
     Returns:
-        ``[T, n]`` in ``numerics.score_dtype`` (accumulated in FP32, rounded once).
+        ``[T, n]`` in ``score_dtype`` (accumulated in FP32, rounded once; BF16 in the official numerics).
     """
     per_head = torch.relu(torch.einsum("thc,nc->thn", q, keys.float()))
-    return (per_head * weights.unsqueeze(-1)).sum(dim=1).to(numerics.score_dtype)
+    return (per_head * weights.unsqueeze(-1)).sum(dim=1).to(score_dtype)
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

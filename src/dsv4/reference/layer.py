@@ -144,7 +144,7 @@ def forward(
             assert w.indexer is not None, f"layer {layer_idx} is CSA but its weights have no indexer"
             index_keys = nm.qdq_index(compress(x, w.indexer.compressor, True, inv_freq, cfg.norm_eps, act))
             index_q = indexer_queries(q_latent, w.indexer, positions, inv_freq, cfg, nm)
-            scores = index_scores(index_q, indexer_head_weights(x, w.indexer, cfg, nm), index_keys, nm)
+            scores = index_scores(index_q, indexer_head_weights(x, w.indexer, cfg, nm), index_keys, nm.score_dtype)
             entry_idx = select_topk(scores, visible, cfg.index_topk)
         else:
             entry_idx = compressed_entry_indices(visible, entries.shape[0])

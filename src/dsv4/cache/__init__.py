@@ -1,0 +1,66 @@
+"""The hybrid KV cache: compressed pool (paged blocks) + per-request state (SWA ring, compressor tails).
+
+Modules, one job each: ``storage`` (entry codecs over uint8 pages), ``schema`` (per-layer geometry, bytes,
+capacity planning), ``allocator`` (block free list + refcounts), ``state`` (per-slot tensors), ``pool`` (paged
+tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``errors``.
+"""
+
+from .allocator import BlockAllocator
+from .batch import StepBatch, build_step_batch, visible_entries
+from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
+from .manager import CacheSnapshot, HybridCache, LayerCache, RequestRecord
+from .pool import CompressedPool
+from .schema import (
+    CapacityPlan,
+    LayerCacheSchema,
+    TensorSpec,
+    blocks_for_tokens,
+    bytes_per_token,
+    layer_schemas,
+    plan_capacity,
+)
+from .state import StateCache
+from .storage import (
+    EntryStorage,
+    Fp8DsMlaStorage,
+    Fp8KeyStorage,
+    Fp8PerTokenStorage,
+    Fp32Storage,
+    Mxfp4KeyStorage,
+    Nvfp4KeyStorage,
+    index_storage,
+    kv_storage,
+)
+
+__all__ = [
+    "BlockAllocator",
+    "CacheFullError",
+    "CacheSnapshot",
+    "CapacityPlan",
+    "CompressedPool",
+    "DuplicateRequestError",
+    "EntryStorage",
+    "Fp32Storage",
+    "Fp8DsMlaStorage",
+    "Fp8KeyStorage",
+    "Fp8PerTokenStorage",
+    "HybridCache",
+    "InvalidPlanError",
+    "LayerCache",
+    "LayerCacheSchema",
+    "Mxfp4KeyStorage",
+    "Nvfp4KeyStorage",
+    "RequestRecord",
+    "StateCache",
+    "StepBatch",
+    "TensorSpec",
+    "UnknownRequestError",
+    "blocks_for_tokens",
+    "build_step_batch",
+    "bytes_per_token",
+    "index_storage",
+    "kv_storage",
+    "layer_schemas",
+    "plan_capacity",
+    "visible_entries",
+]

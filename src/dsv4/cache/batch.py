@@ -1,0 +1,218 @@
+"""``StepBatch``: everything the device side of one step needs, built once on the host by
+``HybridCache.prepare_forward`` and consumed by the ops without host branching or syncs.
+
+Tokens of all scheduled requests are concatenated in plan order: request b owns tokens
+``cu_seqlens[b] … cu_seqlens[b+1]−1``, at positions ``start_pos[b] … end_pos[b]−1``.
+
+Compressed entry i of a layer with ratio m covers tokens ``[i·m, (i+1)·m)``; it is emitted in the step that
+processes token ``(i+1)·m − 1``, stored in block ``block_tables[b, (i·m) // block_size]`` at slot
+``((i·m) % block_size) // m``, carries RoPE position ``i·m``, and is visible to a query at t iff
+``i < (t+1) // m`` (SPEC §4, §6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepBatch", "visible_entries", "build_step_batch"]
+
+
+def visible_entries(positions: Tensor, m: int) -> Tensor:
+    """Compressed entries visible to a query at each position: ``(t + 1) // m`` (SPEC §6).
+
+    Computed from positions, never from block counts (a partly filled last block would overstate it).
+
+    Args:
+        positions: integer ``[...]`` absolute token positions.
+        m: compression ratio (≥ 1).
+    Returns:
+        ``[...]`` same dtype as ``positions``.
+    """
+    if m < 1:
+        raise ValueError(f"compression ratio must be >= 1, got {m}")
+    return torch.div(positions + 1, m, rounding_mode="floor")
+
+
+@dataclass
+class StepBatch:
+    """One step of the cache: tokens, positions, slots, block tables and the compressed entries it emits.
+
+    B = number of scheduled requests, T = total new tokens, ``m`` ranges over the compression ratios of the
+    cached layers (dict keys), E_m = entries emitted this step by layers of ratio m.
+
+    Host attributes:
+        request_ids: ``list[str]`` [B], plan order.
+        num_new: ``list[int]`` [B], new tokens per request this step.
+        start_positions: ``list[int]`` [B], position of each request's first new token.
+        num_tokens: ``int`` T = sum(num_new).
+        max_new: ``int`` max(num_new).
+        block_size: ``int`` token positions per pool block.
+        window: ``int`` SWA ring length.
+        ratios: ``tuple[int, ...]`` the compression ratios present (sorted), keys of the per-ratio dicts.
+        num_emit: ``dict[int, int]`` E_m per ratio (host copy, so ops can size buffers without a sync).
+
+    Device tensors (on the cache's device):
+        token_request: int32 [T] — index 0…B−1 of the request each token belongs to.
+        positions: int64 [T] — absolute position of each token.
+        cu_seqlens: int32 [B+1] — token offsets; request b owns tokens ``cu_seqlens[b]:cu_seqlens[b+1]``.
+        start_pos: int64 [B] — position of each request's first new token.
+        end_pos: int64 [B] — one past the last new token's position (= tokens cached after this step).
+        slots: int64 [B] — state-cache slot of each request.
+        token_slots: int64 [T] — state-cache slot of each token's request.
+        block_tables: int32 [B, max_blocks] — physical pool block of each logical block, −1 padded;
+            ``max_blocks`` = the longest table in this step (0 if no compressed layer is cached).
+        ring_slots: int64 [T] — SWA ring slot of each token, ``position % window``.
+        ring_keep: bool [T] — the token is among its request's last ``window`` positions of this step, i.e. its
+            window entry survives the step and must be written to the ring (the others would be overwritten by
+            later tokens of the same step; writing only these keeps ring writes collision-free).
+        entries_before[m]: int64 [B] — entries the request had before the step, ``start // m``.
+        entries_after[m]: int64 [B] — entries after the step, ``end // m``.
+        entries_to_emit[m]: int64 [B] — ``entries_after − entries_before``.
+        cu_emit[m]: int64 [B+1] — offsets of each request's emitted entries in the flat ``emit_*`` lists.
+        emit_request[m]: int32 [E_m] — request index of each emitted entry.
+        emit_entry[m]: int64 [E_m] — entry index i (within its request).
+        emit_block[m]: int64 [E_m] — physical block ``block_tables[b, (i·m) // block_size]``.
+        emit_slot[m]: int64 [E_m] — slot inside the block, ``((i·m) % block_size) // m``.
+        emit_position[m]: int64 [E_m] — RoPE position of the entry, ``i·m`` (first token of its window).
+        visible_entries[m]: int64 [T] — compressed entries visible to each token, ``(pos + 1) // m``.
+    """
+
+    request_ids: list[str]
+    num_new: list[int]
+    start_positions: list[int]
+    num_tokens: int
+    max_new: int
+    block_size: int
+    window: int
+    ratios: tuple[int, ...]
+    num_emit: dict[int, int]
+    token_request: Tensor
+    positions: Tensor
+    cu_seqlens: Tensor
+    start_pos: Tensor
+    end_pos: Tensor
+    slots: Tensor
+    token_slots: Tensor
+    block_tables: Tensor
+    ring_slots: Tensor
+    ring_keep: Tensor
+    entries_before: dict[int, Tensor] = field(default_factory=dict)
+    entries_after: dict[int, Tensor] = field(default_factory=dict)
+    entries_to_emit: dict[int, Tensor] = field(default_factory=dict)
+    cu_emit: dict[int, Tensor] = field(default_factory=dict)
+    emit_request: dict[int, Tensor] = field(default_factory=dict)
+    emit_entry: dict[int, Tensor] = field(default_factory=dict)
+    emit_block: dict[int, Tensor] = field(default_factory=dict)
+    emit_slot: dict[int, Tensor] = field(default_factory=dict)
+    emit_position: dict[int, Tensor] = field(default_factory=dict)
+    visible_entries: dict[int, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{r}:{s}+{n}" for r, s, n in zip(self.request_ids, self.start_positions, self.num_new))
+        emits = ", ".join(f"m={m}: {e}" for m, e in self.num_emit.items())
+        return (
+            f"StepBatch(B={self.num_requests}, T={self.num_tokens}, [{parts}], "
+            f"blocks={list(self.block_tables.shape)}, emit {{{emits}}}, device={self.device})"
+        )
+
+
+def build_step_batch(
+    request_ids: Sequence[str],
+    num_new: Sequence[int],
+    start_positions: Sequence[int],
+    slots: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    ratios: Sequence[int],
+    block_size: int,
+    window: int,
+    device: torch.device | str = "cpu",
+) -> StepBatch:
+    """Build a ``StepBatch`` from host lists (vectorised on the host in int64, then moved once to ``device``).
+
+    ``block_tables[b]`` must already cover every entry the step emits (``HybridCache.prepare_forward`` grows the
+    tables before calling this).
+    """
+    B = len(request_ids)
+    n = torch.tensor(list(num_new), dtype=torch.int64)
+    start = torch.tensor(list(start_positions), dtype=torch.int64)
+    end = start + n
+    T = int(n.sum())
+    cu = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(n, 0, out=cu[1:])
+    req = torch.repeat_interleave(torch.arange(B), n)  # [T]
+    positions = start[req] + torch.arange(T) - cu[:-1][req]
+    slot_t = torch.tensor(list(slots), dtype=torch.int64)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    tables = torch.full((B, max_blocks), -1, dtype=torch.int64)
+    for b, t in enumerate(block_tables):  # host loop over requests only
+        if len(t):
+            tables[b, : len(t)] = torch.tensor(list(t), dtype=torch.int64)
+
+    per_m: dict[str, dict[int, Tensor]] = {
+        k: {}
+        for k in (
+            "entries_before", "entries_after", "entries_to_emit", "cu_emit", "emit_request", "emit_entry",
+            "emit_block", "emit_slot", "emit_position", "visible_entries",
+        )
+    }
+    num_emit: dict[int, int] = {}
+    for m in sorted(set(ratios)):
+        before, after = start // m, end // m
+        emit = after - before
+        cu_e = torch.zeros(B + 1, dtype=torch.int64)
+        torch.cumsum(emit, 0, out=cu_e[1:])
+        E = int(cu_e[-1])
+        e_req = torch.repeat_interleave(torch.arange(B), emit)
+        e_entry = before[e_req] + torch.arange(E) - cu_e[:-1][e_req]
+        e_pos = e_entry * m
+        e_block = tables[e_req, e_pos // block_size] if E else torch.zeros(0, dtype=torch.int64)
+        if E and bool((e_block < 0).any()):
+            raise AssertionError(f"block tables do not cover the entries emitted at ratio {m} (internal error)")
+        num_emit[m] = E
+        per_m["entries_before"][m] = before
+        per_m["entries_after"][m] = after
+        per_m["entries_to_emit"][m] = emit
+        per_m["cu_emit"][m] = cu_e
+        per_m["emit_request"][m] = e_req.to(torch.int32)
+        per_m["emit_entry"][m] = e_entry
+        per_m["emit_block"][m] = e_block
+        per_m["emit_slot"][m] = (e_pos % block_size) // m
+        per_m["emit_position"][m] = e_pos
+        per_m["visible_entries"][m] = visible_entries(positions, m)
+
+    dev = torch.device(device)
+    to = lambda t: t.to(dev)  # noqa: E731
+    return StepBatch(
+        request_ids=list(request_ids),
+        num_new=[int(x) for x in num_new],
+        start_positions=[int(x) for x in start_positions],
+        num_tokens=T,
+        max_new=max((int(x) for x in num_new), default=0),
+        block_size=block_size,
+        window=window,
+        ratios=tuple(sorted(set(ratios))),
+        num_emit=num_emit,
+        token_request=to(req.to(torch.int32)),
+        positions=to(positions),
+        cu_seqlens=to(cu.to(torch.int32)),
+        start_pos=to(start),
+        end_pos=to(end),
+        slots=to(slot_t),
+        token_slots=to(slot_t[req]),
+        block_tables=to(tables.to(torch.int32)),
+        ring_slots=to(positions % window),
+        ring_keep=to(positions >= end[req] - window),
+        **{k: {m: to(t) for m, t in d.items()} for k, d in per_m.items()},
+    )

@@ -1,0 +1,410 @@
+"""``HybridCache``: the per-model cache manager (requests, state slots, pool blocks, ``prepare_forward``).
+
+Host side only: it owns the tensors (``CompressedPool``, ``StateCache``), the block allocator and one record per
+active request (state slot, tokens cached so far, block table). ``prepare_forward`` is the only place that
+allocates; the device step (ops) then runs on the ``StepBatch`` without allocating or syncing.
+
+Every mutating call validates everything first and changes nothing when it raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..config import ModelConfig
+from ..numerics import Numerics, NumericsLike, resolve_numerics
+from .allocator import BlockAllocator
+from .batch import StepBatch, build_step_batch
+from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
+from .pool import CompressedPool
+from .schema import LayerCacheSchema, resolve_layers, blocks_for_tokens, layer_schemas
+from .state import StateCache
+
+__all__ = ["HybridCache", "LayerCache", "CacheSnapshot", "RequestRecord"]
+
+Plan = Mapping[str, int] | Sequence[tuple[str, int]]
+
+
+@dataclass
+class RequestRecord:
+    """Host record of one active request: its state ``slot``, ``num_tokens`` cached so far, and its block table
+    ``blocks`` (physical pool block of each logical block)."""
+
+    slot: int
+    num_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """What the ops of one layer consume.
+
+    Attributes:
+        schema: the layer's geometry and storage codecs.
+        kv_pages: uint8 ``[num_blocks, kv_page_bytes]`` main KV pool pages (``None`` for SWA).
+        index_pages: uint8 ``[num_blocks, index_page_bytes]`` indexer key pages (CSA only, else ``None``).
+        state: per-slot tensors by name (``ring``, ``ring_positions``, ``tail_kv`` …; see ``dsv4.cache.state``).
+    """
+
+    schema: LayerCacheSchema
+    kv_pages: Tensor | None
+    index_pages: Tensor | None
+    state: Mapping[str, Tensor]
+
+    @property
+    def ring(self) -> Tensor:
+        """uint8 ``[max_requests, ring_page_bytes]``: the SWA ring of each slot (one page of ``window`` entries)."""
+        return self.state["ring"]
+
+    @property
+    def ring_positions(self) -> Tensor:
+        """int32 ``[max_requests, window]``: position held by each ring slot, −1 = empty."""
+        return self.state["ring_positions"]
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """Deep copy of a ``HybridCache``'s host records and device tensors (see ``HybridCache.snapshot``)."""
+
+    requests: dict[str, RequestRecord]
+    allocator: tuple[tuple[int, ...], tuple[int, ...]]
+    free_slots: tuple[int, ...]
+    tensors: dict[tuple[str, int, str], Tensor]
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Bitwise tensor equality (NaN == NaN, −0 ≠ +0)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class HybridCache:
+    """Paged, quantized KV cache of a stack of DeepSeek-V4 attention layers.
+
+    Args:
+        cfg: model configuration.
+        layers: layer indices to cache (default ``range(cfg.num_layers)``: the main layers; pass MTP indices
+            explicitly to cache them too).
+        max_requests: state slots (concurrent requests).
+        num_blocks: pool blocks (shared by all compressed layers). Exactly one of ``num_blocks`` /
+            ``memory_bytes`` must be given.
+        memory_bytes: total budget; ``num_blocks`` becomes what fits after the fixed state of ``max_requests``
+            slots.
+        block_size: token positions per pool block; a multiple of every cached compression ratio.
+        device: where the tensors live.
+        numerics: ``"official"`` / ``"exact"`` / a ``Numerics``: picks the KV and indexer storage formats.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: Iterable[int] | None = None,
+        max_requests: int = 8,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        block_size: int = 256,
+        device: torch.device | str = "cpu",
+        numerics: NumericsLike = "official",
+    ) -> None:
+        if (num_blocks is None) == (memory_bytes is None):
+            raise InvalidPlanError("give exactly one of num_blocks / memory_bytes")
+        if block_size < 1:
+            raise InvalidPlanError(f"block_size must be >= 1, got {block_size}")
+        self.cfg = cfg
+        self.numerics: Numerics = resolve_numerics(numerics)
+        self.block_size = int(block_size)
+        self.device = torch.device(device)
+        self.layer_indices: list[int] = resolve_layers(cfg, layers)
+        self.schemas: dict[int, LayerCacheSchema] = {
+            s.layer_idx: s for s in layer_schemas(cfg, self.layer_indices, self.numerics, self.block_size)
+        }
+        self.ratios: tuple[int, ...] = tuple(sorted({s.ratio for s in self.schemas.values() if s.ratio}))
+        self.min_ratio: int = self.ratios[0] if self.ratios else 0
+        state_per_slot = sum(s.state_bytes_per_request for s in self.schemas.values())
+        pool_per_block = sum(s.pool_bytes_per_block for s in self.schemas.values())
+        if memory_bytes is not None:
+            fixed = max_requests * state_per_slot
+            if memory_bytes < fixed:
+                raise InvalidPlanError(
+                    f"memory_bytes {memory_bytes} cannot hold the fixed state of {max_requests} slots "
+                    f"({state_per_slot} B each, {fixed} B in all)"
+                )
+            num_blocks = (memory_bytes - fixed) // pool_per_block if pool_per_block else 0
+        self.state = StateCache(list(self.schemas.values()), max_requests, self.device)
+        self.pool = CompressedPool(list(self.schemas.values()), int(num_blocks), self.device)
+        self.allocator = BlockAllocator(int(num_blocks))
+        self._requests: dict[str, RequestRecord] = {}
+
+    # ================================================================ requests
+    def add_request(self, request_id: str) -> int:
+        """Register ``request_id`` with a fresh (reset) state slot; returns the slot.
+
+        Raises:
+            DuplicateRequestError: the id is already active.
+            CacheFullError: no free state slot.
+        """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request ids are str, got {type(request_id).__name__} {request_id!r}")
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request {request_id!r} is already active (slot {self._requests[request_id].slot})")
+        if self.state.num_free == 0:
+            raise CacheFullError(
+                f"cannot add request {request_id!r}: all {self.state.max_requests} state slots are in use"
+            )
+        slot = self.state.allocate_slot()  # resets the slot
+        self._requests[request_id] = RequestRecord(slot=slot)
+        return slot
+
+    def release(self, request_id: str) -> None:
+        """Free the request's blocks (decref) and its state slot (reset). Unknown id → ``UnknownRequestError``."""
+        rec = self._record(request_id)
+        self.allocator.decref(rec.blocks)
+        self.state.free_slot(rec.slot)
+        del self._requests[request_id]
+
+    def prepare_forward(self, plan: Plan) -> StepBatch:
+        """Schedule one step: ``plan`` maps request id → number of new tokens (plan order = token order).
+
+        Validates everything first (non-empty plan; known ids, none twice; counts are ints ≥ 1; new lengths ≤
+        ``cfg.max_position``; enough free blocks for all requests together), then grows each request's block
+        table to ``blocks_for_tokens(end, m_min, block_size)`` blocks, advances its token count and returns the
+        ``StepBatch`` on the cache's device. On any error nothing changes.
+
+        Raises:
+            InvalidPlanError: malformed plan.
+            UnknownRequestError: an id that is not active.
+            CacheFullError: not enough free pool blocks.
+        """
+        items = self._normalise_plan(plan)
+        seen: set[str] = set()
+        needs: list[int] = []
+        for rid, n in items:
+            if not isinstance(rid, str):
+                raise InvalidPlanError(f"plan keys are request ids (str), got {type(rid).__name__} {rid!r}")
+            if rid in seen:
+                raise InvalidPlanError(f"request {rid!r} appears more than once in the plan")
+            seen.add(rid)
+            rec = self._record(rid)
+            if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+                raise InvalidPlanError(f"request {rid!r}: new-token count must be an int, got {type(n).__name__} {n!r}")
+            if n < 1:
+                raise InvalidPlanError(f"request {rid!r}: new-token count must be >= 1, got {n}")
+            end = rec.num_tokens + int(n)
+            if end > self.cfg.max_position:
+                raise InvalidPlanError(
+                    f"request {rid!r}: {rec.num_tokens} cached + {n} new = {end} tokens exceeds "
+                    f"max_position {self.cfg.max_position}"
+                )
+            needs.append(blocks_for_tokens(end, self.min_ratio, self.block_size) - len(rec.blocks))
+        total = sum(needs)
+        if total > self.allocator.num_free:
+            detail = ", ".join(f"{rid!r}: {k}" for (rid, _), k in zip(items, needs) if k)
+            raise CacheFullError(
+                f"step needs {total} new blocks ({detail}) but only {self.allocator.num_free} of "
+                f"{self.allocator.num_blocks} are free"
+            )
+
+        # ---- commit (allocation is atomic; roll back if building the batch fails)
+        new_blocks = self.allocator.allocate(total)
+        recs = [self._requests[rid] for rid, _ in items]
+        starts = [r.num_tokens for r in recs]
+        tables, offset = [], 0
+        for rec, k in zip(recs, needs):
+            tables.append(rec.blocks + new_blocks[offset : offset + k])
+            offset += k
+        try:
+            batch = build_step_batch(
+                request_ids=[rid for rid, _ in items],
+                num_new=[int(n) for _, n in items],
+                start_positions=starts,
+                slots=[r.slot for r in recs],
+                block_tables=tables,
+                ratios=self.ratios,
+                block_size=self.block_size,
+                window=self.cfg.window,
+                device=self.device,
+            )
+        except BaseException:
+            self.allocator.decref(new_blocks)
+            raise
+        for rec, table, (_, n) in zip(recs, tables, items):
+            rec.blocks = table
+            rec.num_tokens += int(n)
+        return batch
+
+    @staticmethod
+    def _normalise_plan(plan: Plan) -> list[tuple[str, int]]:
+        if isinstance(plan, Mapping):
+            items = list(plan.items())
+        elif isinstance(plan, Sequence) and not isinstance(plan, (str, bytes)):
+            items = []
+            for item in plan:
+                if not isinstance(item, (tuple, list)) or len(item) != 2:
+                    raise InvalidPlanError(f"plan entries must be (request_id, num_new) pairs, got {item!r}")
+                items.append((item[0], item[1]))
+        else:
+            raise InvalidPlanError(
+                f"plan must be a mapping or a sequence of (request_id, num_new) pairs, got {type(plan).__name__}"
+            )
+        if not items:
+            raise InvalidPlanError("empty plan: schedule at least one request")
+        return items
+
+    def _record(self, request_id: str) -> RequestRecord:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(
+                f"unknown request {request_id!r} (active: {len(self._requests)} requests)"
+            ) from None
+
+    # ================================================================ introspection
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens cached for the request so far (including those of prepared steps)."""
+        return self._record(request_id).num_tokens
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (physical block per logical block)."""
+        return list(self._record(request_id).blocks)
+
+    def slot(self, request_id: str) -> int:
+        """The request's state slot."""
+        return self._record(request_id).slot
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def max_requests(self) -> int:
+        return self.state.max_requests
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.state.num_free
+
+    @property
+    def active_requests(self) -> list[str]:
+        """Active request ids, in the order they were added."""
+        return list(self._requests)
+
+    def layer(self, layer_idx: int) -> LayerCache:
+        """The tensors and schema of one cached layer."""
+        if layer_idx not in self.schemas:
+            raise KeyError(f"layer {layer_idx} is not cached (cached layers: {self.layer_indices})")
+        pool = self.pool.tensors.get(layer_idx, {})
+        return LayerCache(
+            schema=self.schemas[layer_idx],
+            kv_pages=pool.get("kv_pages"),
+            index_pages=pool.get("index_pages"),
+            state=self.state.tensors[layer_idx],
+        )
+
+    def memory_bytes(self) -> int:
+        """Bytes of every tensor the cache allocated (pool pages + state)."""
+        return self.pool.nbytes() + self.state.nbytes()
+
+    def memory_in_use(self) -> int:
+        """Bytes of the blocks in use plus the state of active slots."""
+        return self.allocator.num_used * self.pool.bytes_per_block + len(self._requests) * self.state.bytes_per_slot
+
+    # ================================================================ checks and snapshots
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` on the first broken invariant: allocator consistency; every block's refcount
+        equals the number of table references to it; tables have exactly the blocks their token counts need;
+        slots are unique and disjoint from the free list; free slots hold reset state (host sync)."""
+        self.allocator.check_invariants()
+        refs: Counter[int] = Counter()
+        for rid, rec in self._requests.items():
+            want = blocks_for_tokens(rec.num_tokens, self.min_ratio, self.block_size)
+            if len(rec.blocks) != want:
+                raise AssertionError(f"request {rid!r}: {len(rec.blocks)} blocks for {rec.num_tokens} tokens, want {want}")
+            if len(set(rec.blocks)) != len(rec.blocks):
+                raise AssertionError(f"request {rid!r}: repeated block in table {rec.blocks}")
+            if not 0 <= rec.num_tokens <= self.cfg.max_position:
+                raise AssertionError(f"request {rid!r}: num_tokens {rec.num_tokens} out of range")
+            refs.update(rec.blocks)
+        refcounts, _ = self.allocator.state()
+        for b, rc in enumerate(refcounts):
+            if refs[b] != rc:
+                raise AssertionError(f"block {b}: refcount {rc} but referenced by {refs[b]} table entries")
+        used_slots = [rec.slot for rec in self._requests.values()]
+        free_slots = self.state.free_slots
+        if len(set(used_slots)) != len(used_slots):
+            raise AssertionError(f"two requests share a state slot: {used_slots}")
+        if set(used_slots) & set(free_slots) or len(set(free_slots)) != len(free_slots):
+            raise AssertionError(f"slot bookkeeping broken: used {used_slots}, free {list(free_slots)}")
+        if len(used_slots) + len(free_slots) != self.max_requests:
+            raise AssertionError(f"{len(used_slots)} used + {len(free_slots)} free != {self.max_requests} slots")
+        for s in free_slots:
+            if not self.state.is_reset(s):
+                raise AssertionError(f"free state slot {s} does not hold its reset values")
+
+    def snapshot(self) -> CacheSnapshot:
+        """Deep copy of all host records and device tensors (expensive; for tests and debugging)."""
+        tensors: dict[tuple[str, int, str], Tensor] = {}
+        for layer, d in self.state.tensors.items():
+            for name, t in d.items():
+                tensors[("state", layer, name)] = t.clone()
+        for layer, d in self.pool.tensors.items():
+            for name, t in d.items():
+                tensors[("pool", layer, name)] = t.clone()
+        return CacheSnapshot(
+            requests=copy.deepcopy(self._requests),
+            allocator=self.allocator.state(),
+            free_slots=self.state.free_slots,
+            tensors=tensors,
+        )
+
+    def differences(self, snap: CacheSnapshot) -> list[str]:
+        """What differs between the cache now and ``snap`` (empty list: identical, byte for byte)."""
+        diffs = []
+        if self._requests != snap.requests:
+            diffs.append(f"request records: {snap.requests} -> {self._requests}")
+        if self.allocator.state() != snap.allocator:
+            diffs.append("allocator refcounts / free list")
+        if self.state.free_slots != snap.free_slots:
+            diffs.append(f"free slots: {list(snap.free_slots)} -> {list(self.state.free_slots)}")
+        now = self.snapshot().tensors
+        for key, t in snap.tensors.items():
+            if key not in now or not _same_bits(now[key], t):
+                diffs.append(f"tensor {key}")
+        diffs += [f"new tensor {k}" for k in now.keys() - snap.tensors.keys()]
+        return diffs
+
+    def equal_to_snapshot(self, snap: CacheSnapshot) -> bool:
+        return not self.differences(snap)
+
+    def assert_same(self, snap: CacheSnapshot) -> None:
+        """``AssertionError`` listing every difference from ``snap``."""
+        diffs = self.differences(snap)
+        if diffs:
+            raise AssertionError("cache changed: " + "; ".join(diffs))
+
+    def __repr__(self) -> str:
+        def desc(s: LayerCacheSchema) -> str:
+            return f"{s.layer_idx}:{s.kind.name}" + (f"/{s.ratio}" if s.ratio else "")
+
+        layers = ", ".join(desc(s) for s in self.schemas.values())
+        return (
+            f"HybridCache({self.cfg.name}, layers=[{layers}], kv={self.numerics.kv_format}, "
+            f"index={self.numerics.index_format}, block_size={self.block_size}, "
+            f"blocks {self.allocator.num_used}/{self.allocator.num_blocks} used, "
+            f"slots {len(self._requests)}/{self.max_requests} used, "
+            f"{self.memory_bytes() / 2**20:.2f} MiB on {self.device})"
+        )
