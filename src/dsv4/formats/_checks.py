@@ -32,7 +32,7 @@ def check_last_dim(x: Tensor, fn: str, *, size: int | None = None, multiple: int
 
 
 def check_block(block: int, fn: str) -> None:
-    """Raise ``ValueError`` unless ``block`` is a positive even integer (nibble packing needs even blocks)."""
+    """Raise ``ValueError`` unless ``block`` is a positive int."""
     if not isinstance(block, int) or block <= 0:
         raise ValueError(f"{fn}: block must be a positive int, got {block!r}")
 
