@@ -29,6 +29,14 @@ from .state import StateCache
 
 __all__ = ["HybridCache", "LayerCache", "CacheSnapshot", "RequestRecord"]
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """A device with its index filled in (``"cuda"`` → ``cuda:<current>``), so tensors' ``.device`` compare equal."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 Plan = Mapping[str, int] | Sequence[tuple[str, int]]
 
 
@@ -121,7 +129,7 @@ class HybridCache:
         self.cfg = cfg
         self.numerics: Numerics = resolve_numerics(numerics)
         self.block_size = int(block_size)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.layer_indices: list[int] = resolve_layers(cfg, layers)
         self.schemas: dict[int, LayerCacheSchema] = {
             s.layer_idx: s for s in layer_schemas(cfg, self.layer_indices, self.numerics, self.block_size)
