@@ -37,19 +37,14 @@ def run_chunked(w, cfg, layer_idx, x, chunks, numerics, block_size=32, num_block
 
 
 def tie_rows(ref, got_idx: torch.Tensor) -> torch.Tensor:
-    """Rows whose selected set differs from the reference's; asserts every difference is a tie, i.e. both sets
-    have the same multiset of reference index scores. Returns a bool mask [S]."""
-    S = got_idx.shape[0]
-    differs = torch.zeros(S, dtype=torch.bool)
-    for t in range(S):
-        a = sorted(ref.entry_idx[t][ref.entry_idx[t] >= 0].tolist())
-        b = sorted(got_idx[t][got_idx[t] >= 0].tolist())
-        if a != b:
-            assert ref.index_scores is not None, f"token {t}: attended entries {b} != reference {a} (no indexer: no ties)"
-            differs[t] = True
-            sa = sorted(ref.index_scores[t, a].float().tolist())
-            sb = sorted(ref.index_scores[t, b].float().tolist())
-            assert len(a) == len(b) and sa == pytest.approx(sb, rel=1e-5, abs=1e-6), f"token {t}: top-k differs beyond ties"
+    """Rows whose selected set differs from the reference's; asserts every difference is a tie (both sets select
+    the same multiset of reference index scores). Returns a bool mask [S]."""
+    if ref.index_scores is None:  # HCA/SWA: no indexer, so no ties: the attended entries must be identical
+        differs, _ = dsv4.reference.topk_differences(torch.zeros(got_idx.shape[0], 1), ref.entry_idx, got_idx)
+        assert not differs.any(), f"attended entries differ at tokens {differs.nonzero().squeeze(1).tolist()}"
+        return differs
+    differs, ties = dsv4.reference.topk_differences(ref.index_scores, ref.entry_idx, got_idx)
+    assert torch.equal(differs, ties), f"top-k differs beyond ties at tokens {(differs & ~ties).nonzero().squeeze(1).tolist()}"
     return differs
 
 

@@ -3,7 +3,9 @@
 Until the continuous-batching runner lands, ``dsv4 run`` runs the real reference forward of every layer of a
 preset (every layer kind) on random weights and inputs, in both numerics, and reports what it computed: per
 layer its kind, the keys each query saw, the compressed entries produced, how far the official (FP8/MXFP4)
-numerics land from the exact FP32 ones, and the time taken.
+numerics land from the exact FP32 ones, and the time taken. It then runs the same sequence through the paged
+``HybridCache`` with ``dsv4.Attention`` (a prefill chunk, more chunks, then 1–4-token decode steps) and checks
+the outputs against the reference (PASS/FAIL).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any, Sequence
 import torch
 
 from . import __version__
+from .cache import HybridCache
 from .config import LayerKind, ModelConfig
-from .reference import forward
+from .layer import Attention
+from .reference import forward, topk_differences
 from .weights import AttentionWeights
 
 
@@ -36,6 +40,46 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def _chunks(S: int) -> list[int]:
+    """A prefill chunk, a few more chunks, then decode steps of 1–4 tokens (speculative decoding)."""
+    out, left = [], S
+    for n in (S // 3, S // 5, S // 7):
+        if left and n:
+            out.append(min(n, left))
+            left -= out[-1]
+    step = 0
+    while left:
+        out.append(min(1 + step % 4, left))
+        left -= out[-1]
+        step += 1
+    return out
+
+
+def _through_cache(
+    w: AttentionWeights, cfg: ModelConfig, li: int, x: torch.Tensor, numerics: str
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Run ``x`` through a HybridCache in ``_chunks`` steps.
+
+    Returns outputs ``[S, d]``, attended compressed entries ``[S, K]`` (−1 padded), steps, cache bytes in use."""
+    chunks = _chunks(x.shape[0])
+    cache = HybridCache(cfg, layers=[li], max_requests=1, memory_bytes=64 << 20, block_size=256 if cfg.window >= 128 else 64,
+                        device=x.device, numerics=numerics)
+    layer = Attention(w, cfg, li)
+    cache.add_request("seq")
+    outs, idx, at = [], [], 0
+    for n in chunks:
+        res = layer.forward_with_aux(x[at : at + n], cache.prepare_forward({"seq": n}), cache)
+        outs.append(res.y)
+        idx.append(res.entry_idx)
+        at += n
+    in_use = cache.memory_in_use()
+    cache.release("seq")
+    cache.check_invariants()
+    width = max(i.shape[1] for i in idx)
+    idx = [torch.nn.functional.pad(i, (0, width - i.shape[1]), value=-1) for i in idx]
+    return torch.cat(outs), torch.cat(idx), len(chunks), in_use
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.preset(args.preset)
     device = _pick_device(args.device)
@@ -47,7 +91,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     say(f"dsv4 {__version__} run — reference forward on {device} ({platform.processor() or platform.machine()})")
     say(cfg.describe())
     say(f"sequence: {S} tokens at positions 0..{S - 1}; layers {layers}; seed {args.seed}\n")
-    say(f"{'layer':>5} {'kind':>4} {'entries':>7} {'keys/query':>10} {'exact ms':>9} {'official ms':>11} {'official vs exact':>17}")
+    say(f"{'layer':>5} {'kind':>4} {'entries':>7} {'keys/query':>10} {'exact ms':>9} {'official ms':>11} "
+        f"{'official vs exact':>17} {'cache vs ref':>12} {'cache ms':>9} {'check':>5}")
+    failures = 0
 
     rows: list[dict[str, Any]] = []
     t_all = time.perf_counter()
@@ -76,17 +122,38 @@ def cmd_run(args: argparse.Namespace) -> int:
         if kind is LayerKind.CSA and ex.index_keys is not None and S >= cfg.csa_ratio:
             same = [set(a[a >= 0].tolist()) == set(b[b >= 0].tolist()) for a, b in zip(of.entry_idx, ex.entry_idx)]
             row["topk_rows_equal_exact"] = sum(same) / len(same)
+        # The same sequence through the paged cache in prefill chunks + decode steps, checked against the reference.
+        t0 = time.perf_counter()
+        y_cache, idx_cache, steps, in_use = _through_cache(w, cfg, li, x, "official")
+        row["cache_ms"] = (time.perf_counter() - t0) * 1e3
+        row["cache_steps"], row["cache_bytes_in_use"] = steps, in_use
+        # CSA: torch.topk breaks exact score ties arbitrarily; rows whose selection differs only by a tie are
+        # excluded from the output comparison (any other difference fails the check).
+        scores = of.index_scores if of.index_scores is not None else torch.zeros(S, 1)
+        differs, ties = topk_differences(scores.cpu(), of.entry_idx.cpu(), idx_cache.cpu())
+        keep = ~differs.to(y_cache.device)
+        row["cache_tie_rows"] = int(ties.sum())
+        row["cache_vs_reference_rel_err"] = _rel_err(y_cache[keep].float(), of.y[keep].float())
+        # 0 where the ops are the same; BF16 GEMMs over other row blocks may round differently.
+        ok = torch.equal(differs, ties) and row["cache_vs_reference_rel_err"] <= 1e-3
+        row["check"] = "PASS" if ok else "FAIL"
+        failures += row["check"] == "FAIL"
         rows.append(row)
         say(f"{li:>5} {kind.name:>4} {row['compressed_entries']:>7} {keys_last:>10} {timings['exact']:>9.1f} "
-            f"{timings['official']:>11.1f} {row['official_vs_exact_rel_err']:>17.2e}")
+            f"{timings['official']:>11.1f} {row['official_vs_exact_rel_err']:>17.2e} "
+            f"{row['cache_vs_reference_rel_err']:>12.2e} {row['cache_ms']:>9.1f} {row['check']:>5}")
     total = time.perf_counter() - t_all
     say(f"\n{len(layers)} layers x {S} tokens x 2 numerics in {total:.2f} s "
         f"({2 * len(layers) * S / total:,.0f} token-layers/s). The official numerics store window and compressed "
-        f"entries as 584-B FP8 entries and indexer keys as 68-B MXFP4; 'official vs exact' is their effect on the output.")
+        f"entries as 584-B FP8 entries and indexer keys as 68-B MXFP4; 'official vs exact' is their effect on the output.\n"
+        f"'cache vs ref': the same tokens through HybridCache + dsv4.Attention in {rows[0]['cache_steps'] if rows else 0} "
+        f"steps (prefill chunks, then 1-4 token decodes) against the reference, on tokens whose top-k had no exact tie "
+        f"({sum(r['cache_tie_rows'] for r in rows)} tie rows): {'PASS' if not failures else 'FAIL'}.")
     if args.json:
         print(json.dumps({"version": __version__, "device": str(device), "config": cfg.name, "seq_len": S,
-                          "seed": args.seed, "total_s": total, "layers": rows}, indent=2))
-    return 0
+                          "seed": args.seed, "total_s": total, "layers": rows, "check": "FAIL" if failures else "PASS"},
+                         indent=2))
+    return 1 if failures else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

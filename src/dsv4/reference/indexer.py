@@ -10,7 +10,7 @@ from ..weights import IndexerWeights
 from .primitives import linear
 from .rope import apply_rope
 
-__all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "select_topk"]
+__all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "select_topk", "topk_differences"]
 
 
 def indexer_queries(
@@ -61,3 +61,31 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
     future = torch.arange(n, device=scores.device)[None, :] >= visible[:, None]
     chosen = scores.float().masked_fill(future, float("-inf")).topk(k_eff, dim=-1).indices
     return torch.where(chosen >= visible[:, None], torch.full_like(chosen, -1), chosen)
+
+
+def topk_differences(scores: torch.Tensor, want: torch.Tensor, got: torch.Tensor, rel: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compare two top-k selections "up to ties" (``torch.topk`` breaks ties arbitrarily).
+
+    Args:
+        scores: ``[T, n]`` the index scores both selections were made from (e.g. the reference's).
+        want, got: int64 ``[T, k1]`` / ``[T, k2]`` selected entry indices, −1 = invalid (widths may differ).
+        rel: relative tolerance when comparing the selected scores.
+    Returns:
+        ``differs``: bool ``[T]``, rows whose sets differ; ``ties_only``: bool ``[T]``, rows whose sets differ but
+        select the same multiset of scores (so the difference is a tie). A correct top-k has
+        ``differs == ties_only``.
+    """
+    T = want.shape[0]
+    differs = torch.zeros(T, dtype=torch.bool)
+    ties_only = torch.zeros(T, dtype=torch.bool)
+    for t in range(T):
+        a = sorted(want[t][want[t] >= 0].tolist())
+        b = sorted(got[t][got[t] >= 0].tolist())
+        if a == b:
+            continue
+        differs[t] = True
+        if len(a) == len(b):
+            sa = torch.sort(scores[t, a].double()).values
+            sb = torch.sort(scores[t, b].double()).values
+            ties_only[t] = bool(torch.allclose(sa, sb, rtol=rel, atol=1e-6))
+    return differs, ties_only
