@@ -18,37 +18,7 @@ from dsv4.formats import hadamard as H
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def floor_log2(a: Fr) -> int:
-    e = a.numerator.bit_length() - a.denominator.bit_length()
-    return e - 1 if Fr(2) ** e > a else e
-
-
-def rne(v: Fr, man_bits: int, emin: int) -> Fr:
-    """Nearest binary float with ``man_bits`` fraction bits, min normal exponent ``emin``, ties to even."""
-    if v == 0:
-        return Fr(0)
-    a = abs(v)
-    e = max(floor_log2(a), emin)
-    ulp = Fr(2) ** (e - man_bits)
-    r = round(a / ulp) * ulp
-    return r if v > 0 else -r
-
-
-def fp32(v: Fr) -> Fr:
-    return rne(v, 23, -126)
-
-
-FLT_MAX = float(Fr(2) ** 127 * (2 - Fr(2) ** -23))
-
-
-def to_float32(v: Fr) -> float:
-    """v rounded to fp32 as a Python float, overflowing to +-inf like IEEE fp32 arithmetic."""
-    r = fp32(v)
-    return float(r) if abs(r) <= FLT_MAX else math.copysign(math.inf, r)
-
-
-def neg(x: float) -> bool:
-    return math.copysign(1.0, x) < 0
+from scalar_model import FLT_MAX, ceil_log2, floor_log2, fp32, neg, rne, to_float32  # noqa: E402,F401
 
 
 E2M1_GRID = [Fr(0), Fr(1, 2), Fr(1), Fr(3, 2), Fr(2), Fr(3), Fr(4), Fr(6)]

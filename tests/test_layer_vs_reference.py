@@ -7,7 +7,6 @@ import torch
 
 import dsv4
 from dsv4.cache import HybridCache
-from dsv4.config import LayerKind
 from dsv4.layer import Attention
 
 TINY = dsv4.ModelConfig.preset("tiny")  # window 16, CSA 4, HCA 16, top-k 8

@@ -4,7 +4,6 @@ dsv4 follows the official inference code; these tests document each difference w
 future transformers release that changes behaviour shows up here.
 """
 
-import math
 
 import pytest
 import torch

@@ -16,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 __all__ = ["LayerKind", "ModelConfig"]
 
