@@ -71,14 +71,15 @@ class Attention:
         self.ratio = cfg.ratio(layer_idx)
         self.backend = backend
         self.check_inputs = check_inputs
-        self._device_weights: dict[torch.device, AttentionWeights] = {}
+        self._device_weights: dict[torch.device, tuple[AttentionWeights, Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend})"
 
-    def _weights_on(self, device: torch.device) -> AttentionWeights:
+    def _weights_on(self, device: torch.device) -> tuple[AttentionWeights, Tensor]:
+        """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused)."""
         if device not in self._device_weights:
-            self._device_weights[device] = self.weights.to(device)
+            self._device_weights[device] = (self.weights.to(device), rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[device]
 
     def _validate(self, x: Tensor, batch: StepBatch, cache: HybridCache) -> None:
@@ -122,12 +123,12 @@ class Attention:
             advances by the step. On invalid input nothing is written.
         """
         self._validate(x, batch, cache)
-        cfg, nm, w = self.cfg, cache.numerics, self._weights_on(x.device)
+        cfg, nm = self.cfg, cache.numerics
+        w, inv_freq = self._weights_on(x.device)
         layer = cache.layer(self.layer_idx)
         act = nm.act_dtype
         x = x.to(act)
         pos = batch.positions
-        inv_freq = rope_inv_freq(cfg, self.kind, x.device)
 
         q, q_latent = query_path(w, cfg, x, pos, inv_freq, nm)
         kv = window_kv(w, cfg, x, pos, inv_freq, nm)  # [T, D], rounded as stored

@@ -38,14 +38,12 @@ writer is unspecified), as for any scatter.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from abc import ABC, abstractmethod
-from typing import Callable
 
 import torch
 from torch import Tensor
 
+from .. import formats
 from ..numerics import INDEX_FORMATS, KV_FORMATS
 
 __all__ = [
@@ -59,27 +57,6 @@ __all__ = [
     "kv_storage",
     "index_storage",
 ]
-
-
-@functools.lru_cache(maxsize=None)
-def _accepts_check(fn: Callable) -> bool:
-    try:
-        return "check" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-
-
-def _quiet(fn: Callable, *args, **kwargs):
-    """Call a formats quantizer without its host-side NaN check (which would sync the device every step)."""
-    if _accepts_check(fn):
-        kwargs["check"] = False
-    return fn(*args, **kwargs)
-
-
-def _formats():
-    from .. import formats  # lazy: the cache geometry (schema, planner) must not need the codecs
-
-    return formats
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -225,12 +202,12 @@ class Fp8DsMlaStorage(EntryStorage):
     page_align = 576
 
     def encode(self, values: Tensor) -> Tensor:
-        data, scales = _quiet(_formats().encode_kv_entries, values)
+        data, scales = formats.encode_kv_entries(values, check=False)
         return torch.cat([data, scales], dim=-1)
 
     def decode(self, entries: Tensor) -> Tensor:
         self._check_entries(entries)
-        return _formats().decode_kv_entries(entries[..., :576], entries[..., 576:])
+        return formats.decode_kv_entries(entries[..., :576], entries[..., 576:])
 
 
 class Fp8PerTokenStorage(EntryStorage):
@@ -248,7 +225,7 @@ class Fp8PerTokenStorage(EntryStorage):
         self.segments = (self.nope_dim + 2 * rope_dim + 4,)
 
     def encode(self, values: Tensor) -> Tensor:
-        codes, scale = _quiet(_formats().quantize_fp8_per_token, values[..., : self.nope_dim])
+        codes, scale = formats.quantize_fp8_per_token(values[..., : self.nope_dim], check=False)
         rope = values[..., self.nope_dim :].to(torch.bfloat16)
         scale = scale.float().reshape(*values.shape[:-1], 1)
         return torch.cat([codes, _as_bytes(rope), _as_bytes(scale)], dim=-1)
@@ -259,7 +236,7 @@ class Fp8PerTokenStorage(EntryStorage):
         codes = entries[..., :n]
         rope = entries[..., n : n + 2 * r].contiguous().view(torch.bfloat16).float()
         scale = entries[..., n + 2 * r :].contiguous().view(torch.float32)[..., 0]
-        return torch.cat([_formats().dequantize_fp8_per_token(codes, scale), rope], dim=-1)
+        return torch.cat([formats.dequantize_fp8_per_token(codes, scale), rope], dim=-1)
 
 
 class Fp32Storage(EntryStorage):
@@ -288,11 +265,11 @@ class Mxfp4KeyStorage(EntryStorage):
     segments = (64, 4)
 
     def encode(self, values: Tensor) -> Tensor:
-        return _quiet(_formats().encode_mxfp4_keys, values)
+        return formats.encode_mxfp4_keys(values, check=False)
 
     def decode(self, entries: Tensor) -> Tensor:
         self._check_entries(entries)
-        return _formats().decode_mxfp4_keys(entries)
+        return formats.decode_mxfp4_keys(entries)
 
 
 class Nvfp4KeyStorage(EntryStorage):
@@ -303,12 +280,12 @@ class Nvfp4KeyStorage(EntryStorage):
     segments = (64, 8)
 
     def encode(self, values: Tensor) -> Tensor:
-        packed, scale_codes = _quiet(_formats().quantize_nvfp4, values, 16)
+        packed, scale_codes = formats.quantize_nvfp4(values, 16, check=False)
         return torch.cat([packed, scale_codes], dim=-1)
 
     def decode(self, entries: Tensor) -> Tensor:
         self._check_entries(entries)
-        return _formats().dequantize_nvfp4(entries[..., :64], entries[..., 64:], 16)
+        return formats.dequantize_nvfp4(entries[..., :64], entries[..., 64:], 16)
 
 
 class Fp8KeyStorage(EntryStorage):
@@ -319,11 +296,11 @@ class Fp8KeyStorage(EntryStorage):
     segments = (128, 4)
 
     def encode(self, values: Tensor) -> Tensor:
-        return _quiet(_formats().encode_fp8_keys, values)
+        return formats.encode_fp8_keys(values, check=False)
 
     def decode(self, entries: Tensor) -> Tensor:
         self._check_entries(entries)
-        return _formats().decode_fp8_keys(entries)
+        return formats.decode_fp8_keys(entries)
 
 
 # ====================================================================================== factories

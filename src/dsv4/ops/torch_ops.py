@@ -12,6 +12,8 @@ ring slots that its own earlier queries still read).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -165,6 +167,11 @@ def write_entries(pages: Tensor, storage: EntryStorage, batch: StepBatch, m: int
 
 
 # ------------------------------------------------------------------------------------------------ pool reads
+def _max_entries(batch: StepBatch, m: int) -> int:
+    """The most compressed entries any request of the step has after it (host arithmetic, no sync)."""
+    return max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
+
+
 def _entry_addresses(batch: StepBatch, m: int, token_req: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     """Physical (block, slot) of entry ``idx`` of each row's request; ``idx`` ≥ 0. Shapes as ``idx``."""
     first_pos = idx * m
@@ -191,7 +198,7 @@ def gather(layer: LayerCache, batch: StepBatch, m: int, entry_idx: Tensor, dtype
 
 def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
     """HCA: every entry visible to each token, −1 padded to the step's largest count. int64 ``[T, N]``."""
-    n_max = max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
+    n_max = _max_entries(batch, m)
     vis = batch.visible_entries[m]
     idx = torch.arange(n_max, device=vis.device)[None, :].expand(vis.shape[0], n_max)
     return torch.where(idx < vis[:, None], idx, torch.full_like(idx, -1))
@@ -210,12 +217,8 @@ def indexer_topk(
         int64 ``[T, min(k, N)]`` entry indices, −1 padded (N = the most entries any request of the step has).
     """
     storage = layer.schema.index_storage
-    n_max = max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
-    T = batch.num_tokens
-    out = torch.full((T, min(k, n_max)), -1, dtype=torch.int64, device=q_idx.device)
-    cu = [0]
-    for n in batch.num_new:
-        cu.append(cu[-1] + n)
+    out = torch.full((batch.num_tokens, min(k, _max_entries(batch, m))), -1, dtype=torch.int64, device=q_idx.device)
+    cu = [0, *itertools.accumulate(batch.num_new)]
     for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):  # host loop over requests (oracle)
         n_entries = (s + n) // m
         if n_entries == 0:

@@ -20,7 +20,8 @@ from .indexer import index_scores, indexer_head_weights, indexer_queries, select
 from .primitives import linear, rms_norm
 from .rope import apply_rope, rope_inv_freq
 
-__all__ = ["ReferenceResult", "attention", "forward", "query_path", "window_kv", "output_projection", "compressed_entry_indices"]
+__all__ = ["ReferenceResult", "attention", "forward", "query_path", "window_kv", "output_projection", "grouped_output",
+           "compressed_entry_indices"]
 
 
 @dataclass
@@ -84,13 +85,21 @@ def window_kv(
 def output_projection(
     w: AttentionWeights, cfg: ModelConfig, o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, numerics: Numerics
 ) -> torch.Tensor:
-    """SPEC §3 steps 6–7 after attention: inverse RoPE at the query position, grouped ``W_oa``, then ``W_ob``.
+    """SPEC §3 steps 6–7 after attention: inverse RoPE at the query position, then ``grouped_output``.
 
     Args:
         o: ``[T, H, D]`` attention output. Returns ``[T, d]`` act dtype.
     """
+    return grouped_output(w, cfg, apply_rope(o, positions, inv_freq, inverse=True), numerics)
+
+
+def grouped_output(w: AttentionWeights, cfg: ModelConfig, o: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+    """SPEC §3 step 7: grouped ``W_oa`` (G contiguous head groups), then ``W_ob``.
+
+    Args:
+        o: ``[T, H, D]`` attention output after the inverse RoPE. Returns ``[T, d]`` act dtype.
+    """
     act = numerics.act_dtype
-    o = apply_rope(o, positions, inv_freq, inverse=True)
     groups = o.reshape(o.shape[0], cfg.o_groups, -1).to(act)  # [T, G, H/G·D], heads contiguous per group
     wo_a = w.wo_a.to(o.device, act).unflatten(0, (cfg.o_groups, cfg.o_lora_rank))  # [G, o_lora, H/G·D]
     y_groups = torch.einsum("tgi,goi->tgo", groups, wo_a)
@@ -154,8 +163,8 @@ def forward(
     o, lse = attend_with_sink(
         q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), w.attn_sink.to(x.device), cfg.softmax_scale, nm.prob_dtype, act
     )
-    y = output_projection(w, cfg, o, positions, inv_freq, nm)
     o = apply_rope(o, positions, inv_freq, inverse=True)
+    y = grouped_output(w, cfg, o, nm)
     return ReferenceResult(y, q, q_latent, kv, entries, index_keys, index_q, scores, entry_idx, o, lse)
 
 
