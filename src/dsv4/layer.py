@@ -4,7 +4,9 @@ A step carries the new tokens of every scheduled request, concatenated in plan o
 of prefill chunks and decode tokens (1–4 per request for speculative decoding). The layer computes the query
 and KV paths, feeds the compressors (emitting the entries whose window closes in this step into the paged pool),
 runs the indexer (CSA), attends over window ∪ compressed keys with the sink, writes the window ring, and projects
-the output. ``backend="torch"`` runs ``dsv4.ops.torch_ops`` on any device.
+the output. ``backend="torch"`` runs ``dsv4.ops.torch_ops`` on any device; ``backend="triton"`` runs
+``dsv4.ops.triton_ops`` (Hopper kernels, CUDA tensors); ``"auto"`` picks Triton for CUDA inputs when it is
+available, else torch.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from torch import Tensor
 from .cache.batch import StepBatch
 from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig
-from .ops import torch_ops as ops
-from .reference.indexer import indexer_head_weights, indexer_queries
-from .reference.layer import output_projection, query_path, window_kv
+from .ops import backend_ops, triton_available
+from .reference.indexer import indexer_head_weights
+from .reference.layer import output_projection, query_path
+from .reference.primitives import linear, rms_norm
 from .reference.rope import rope_inv_freq
 from .weights import AttentionWeights
 
 __all__ = ["Attention", "BACKENDS", "StepOutputs"]
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -51,7 +54,8 @@ class Attention:
         weights: the layer's weights (checked against ``cfg``).
         cfg: the model configuration.
         layer_idx: which layer (its kind and ratio come from ``cfg``).
-        backend: ``"torch"`` (any device). ``"auto"`` picks the best available here.
+        backend: ``"torch"`` (any device), ``"triton"`` (CUDA) or ``"auto"`` (Triton for CUDA inputs when
+            available, else torch; decided per call from the input's device).
         check_inputs: validate ``x`` (shape, dtype, device, finite values). The finiteness check synchronises
             with the device; turn it off inside CUDA graphs.
     """
@@ -59,9 +63,7 @@ class Attention:
     def __init__(
         self, weights: AttentionWeights, cfg: ModelConfig, layer_idx: int, backend: str = "auto", check_inputs: bool = True
     ) -> None:
-        if backend == "auto":
-            backend = "torch"
-        if backend not in BACKENDS:
+        if backend not in (*BACKENDS, "auto"):
             raise ValueError(f"unknown backend {backend!r}; available: {BACKENDS}")
         weights.check(cfg, layer_idx)
         self.weights = weights
@@ -72,6 +74,16 @@ class Attention:
         self.backend = backend
         self.check_inputs = check_inputs
         self._device_weights: dict[torch.device, tuple[AttentionWeights, Tensor]] = {}
+
+    def backend_for(self, device: torch.device) -> str:
+        """The backend a step on ``device`` runs (resolves ``"auto"``)."""
+        if self.backend != "auto":
+            return self.backend
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+    def graph_safe(self, device: torch.device) -> bool:
+        """Whether a step on ``device`` can be captured in a CUDA graph (graph-safe backend, no input check)."""
+        return bool(backend_ops(self.backend_for(device)).GRAPH_SAFE) and not self.check_inputs
 
     def __repr__(self) -> str:
         return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend})"
@@ -97,6 +109,8 @@ class Attention:
             )
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+        if self.backend_for(x.device) == "triton" and x.device.type != "cuda":
+            raise ValueError(f"the triton backend needs CUDA tensors, got x on {x.device}")
         if x.device != cache.device:
             raise ValueError(f"x is on {x.device} but the cache is on {cache.device}")
         if batch.device != cache.device:
@@ -123,6 +137,7 @@ class Attention:
             advances by the step. On invalid input nothing is written.
         """
         self._validate(x, batch, cache)
+        ops = backend_ops(self.backend_for(x.device))
         cfg, nm = self.cfg, cache.numerics
         w, inv_freq = self._weights_on(x.device)
         layer = cache.layer(self.layer_idx)
@@ -131,28 +146,22 @@ class Attention:
         pos = batch.positions
 
         q, q_latent = query_path(w, cfg, x, pos, inv_freq, nm)
-        kv = window_kv(w, cfg, x, pos, inv_freq, nm)  # [T, D], rounded as stored
-        keys, valid = ops.window_keys(layer, batch, kv)
-        entry_idx = torch.empty((batch.num_tokens, 0), dtype=torch.int64, device=x.device)
-
+        kv = ops.window_entries(rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps), pos, inv_freq, nm, cfg.nope_dim)
+        m, entry_idx = self.ratio, None
         if self.kind is not LayerKind.SWA:
-            m = self.ratio
-            overlap = self.kind is LayerKind.CSA
-            entries = ops.compressor_step(x, w.compressor, layer.state, "", batch, m, overlap, inv_freq, cfg.norm_eps, act)
-            ops.write_entries(layer.kv_pages, layer.schema.kv_storage, batch, m, nm.qdq_kv(entries, cfg.nope_dim))
+            ops.compress(layer, batch, x, w.compressor, "kv", m, self.kind is LayerKind.CSA, inv_freq, cfg.norm_eps, nm, cfg.nope_dim)
             if self.kind is LayerKind.CSA:
-                index_keys = ops.compressor_step(
-                    x, w.indexer.compressor, layer.state, "index_", batch, m, True, inv_freq, cfg.norm_eps, act
+                ops.compress(
+                    layer, batch, x, w.indexer.compressor, "index", m, True, inv_freq, cfg.norm_eps, nm, cfg.nope_dim
                 )
-                ops.write_entries(layer.index_pages, layer.schema.index_storage, batch, m, nm.qdq_index(index_keys))
-                q_idx = indexer_queries(q_latent, w.indexer, pos, inv_freq, cfg, nm)
+                q_idx = ops.indexer_queries(q_latent, w.indexer, pos, inv_freq, cfg, nm)
                 head_w = indexer_head_weights(x, w.indexer, cfg, nm)
                 entry_idx = ops.indexer_topk(layer, batch, m, q_idx, head_w, cfg.index_topk, nm.score_dtype)
             else:
                 entry_idx = ops.all_visible_entries(batch, m)
-            keys = torch.cat((keys, ops.gather(layer, batch, m, entry_idx, kv.dtype)), dim=1)
-            valid = torch.cat((valid, entry_idx >= 0), dim=1)
 
-        o, lse = ops.sparse_attention(q, keys, valid, w.attn_sink, cfg.softmax_scale, nm.prob_dtype, act)
+        o, lse = ops.attend(layer, batch, q, kv, m, entry_idx, w.attn_sink, cfg.softmax_scale, nm)
         ops.append_swa(layer, batch, kv)
+        if entry_idx is None:
+            entry_idx = torch.empty((batch.num_tokens, 0), dtype=torch.int64, device=x.device)
         return StepOutputs(output_projection(w, cfg, o, pos, inv_freq, nm), lse, entry_idx)

@@ -22,13 +22,20 @@ from ..cache.manager import LayerCache
 from ..cache.storage import EntryStorage
 from ..reference.compressor import finish_entries, pool_windows, project
 from ..reference.core import attend_with_sink, window_indices
-from ..reference.indexer import index_scores, select_topk
-from ..weights import CompressorWeights
+from ..config import ModelConfig
+from ..numerics import Numerics
+from ..reference.indexer import index_scores, indexer_queries as _reference_indexer_queries, select_topk
+from ..reference.rope import apply_rope
+from ..weights import CompressorWeights, IndexerWeights
 
 __all__ = [
-    "window_keys", "append_swa", "compressor_step", "indexer_topk", "gather", "sparse_attention", "visible_entries",
-    "all_visible_entries",
+    # the backend interface (dsv4.ops.BACKEND_OPS), called by dsv4.Attention
+    "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend", "append_swa",
+    # building blocks of the torch backend
+    "window_keys", "compressor_step", "write_entries", "gather", "sparse_attention", "visible_entries",
 ]
+
+GRAPH_SAFE = False  # host loops and boolean-mask indexing: the oracle, not for CUDA graphs
 
 
 def visible_entries(batch: StepBatch, m: int) -> Tensor:
@@ -38,6 +45,18 @@ def visible_entries(batch: StepBatch, m: int) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ sliding window
+def window_entries(kv: Tensor, positions: Tensor, inv_freq: Tensor, numerics: Numerics, nope_dim: int) -> Tensor:
+    """The step's window entries as stored: RoPE on the last dims, then rounded to the KV storage format.
+
+    Args:
+        kv: ``[T, D]`` act dtype, ``RMSNorm(W_kv x)`` of the step's tokens.
+        positions: int64 ``[T]``; inv_freq: float32 ``[R/2]``.
+    Returns:
+        ``[T, D]`` act dtype: each token's key/value exactly as the ring will hold it.
+    """
+    return numerics.qdq_kv(apply_rope(kv, positions, inv_freq), nope_dim)
+
+
 def window_keys(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> tuple[Tensor, Tensor]:
     """Each token's window keys ``t−W+1 … t``: from this step's tokens where the position is new, else from the ring.
 
@@ -160,6 +179,38 @@ def compressor_step(
     return entries
 
 
+def compress(
+    layer: LayerCache,
+    batch: StepBatch,
+    x: Tensor,
+    cw: CompressorWeights,
+    role: str,
+    m: int,
+    overlap: bool,
+    inv_freq: Tensor,
+    eps: float,
+    numerics: Numerics,
+    nope_dim: int,
+) -> None:
+    """One compressor's part of a step: accumulate into the tails, pool every closing window, quantize, scatter.
+
+    Args:
+        x: ``[T, d]`` the step's attention inputs (act dtype).
+        cw: the compressor's weights.
+        role: ``"kv"`` (main entries → ``layer.kv_pages``, KV format) or ``"index"`` (CSA indexer keys →
+            ``layer.index_pages``, index format).
+        m, overlap: the compression ratio and CSA-style overlap (see ``compressor_step``).
+    """
+    if role == "kv":
+        entries = compressor_step(x, cw, layer.state, "", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
+        write_entries(layer.kv_pages, layer.schema.kv_storage, batch, m, numerics.qdq_kv(entries, nope_dim))
+    elif role == "index":
+        entries = compressor_step(x, cw, layer.state, "index_", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
+        write_entries(layer.index_pages, layer.schema.index_storage, batch, m, numerics.qdq_index(entries))
+    else:
+        raise ValueError(f"role must be 'kv' or 'index', got {role!r}")
+
+
 def write_entries(pages: Tensor, storage: EntryStorage, batch: StepBatch, m: int, entries: Tensor) -> None:
     """Scatter the step's emitted entries ``[E, c]`` (already rounded) into the pool through the block table."""
     if batch.num_emit[m]:
@@ -204,6 +255,16 @@ def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
     return torch.where(idx < vis[:, None], idx, torch.full_like(idx, -1))
 
 
+def indexer_queries(
+    q_latent: Tensor, iw: IndexerWeights, positions: Tensor, inv_freq: Tensor, cfg: ModelConfig, numerics: Numerics
+) -> Tensor:
+    """Indexer queries (SPEC §5): ``W_Iq c^Q`` per head, RoPE, rounded as the index format (Hadamard + quant).
+
+    Returns float32 ``[T, H_I, c_I]``; ``indexer_topk`` of the same backend consumes them.
+    """
+    return _reference_indexer_queries(q_latent, iw, positions, inv_freq, cfg, numerics)
+
+
 def indexer_topk(
     layer: LayerCache, batch: StepBatch, m: int, q_idx: Tensor, head_weights: Tensor, k: int, score_dtype: torch.dtype
 ) -> Tensor:
@@ -234,6 +295,36 @@ def indexer_topk(
 
 
 # ------------------------------------------------------------------------------------------------ attention
+def attend(
+    layer: LayerCache,
+    batch: StepBatch,
+    q: Tensor,
+    kv_new: Tensor,
+    m: int,
+    entry_idx: Tensor | None,
+    sink: Tensor,
+    scale: float,
+    numerics: Numerics,
+) -> tuple[Tensor, Tensor]:
+    """Attention of the step's queries over their window (ring ∪ this step's entries) and compressed entries.
+
+    Args:
+        q: ``[T, H, D]`` queries (head-normed, RoPE'd), act dtype.
+        kv_new: ``[T, D]`` this step's window entries as stored (``window_entries``).
+        m: the layer's compression ratio (0 for SWA layers).
+        entry_idx: int64 ``[T, K]`` compressed entries of each token's request to attend (CSA top-k, HCA all
+            visible), −1 = none; ``None`` for SWA layers.
+        sink: ``[H]`` float32 per-head sink logits; scale: softmax scale.
+    Returns:
+        ``o`` ``[T, H, D]`` act dtype (before the inverse RoPE), ``lse`` ``[T, H]`` float32 (sink included).
+    """
+    keys, valid = window_keys(layer, batch, kv_new)
+    if entry_idx is not None:
+        keys = torch.cat((keys, gather(layer, batch, m, entry_idx, kv_new.dtype)), dim=1)
+        valid = torch.cat((valid, entry_idx >= 0), dim=1)
+    return sparse_attention(q, keys, valid, sink, scale, numerics.prob_dtype, numerics.act_dtype)
+
+
 def sparse_attention(
     q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: float, prob_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
