@@ -21,7 +21,7 @@ from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig
 from .ops import backend_ops, triton_available
 from .reference.indexer import indexer_head_weights
-from .reference.layer import output_projection, query_path
+from .reference.layer import grouped_output, query_path
 from .reference.primitives import linear, rms_norm
 from .reference.rope import rope_inv_freq
 from .weights import AttentionWeights
@@ -160,8 +160,8 @@ class Attention:
             else:
                 entry_idx = ops.all_visible_entries(batch, m)
 
-        o, lse = ops.attend(layer, batch, q, kv, m, entry_idx, w.attn_sink, cfg.softmax_scale, nm)
+        o, lse = ops.attend(layer, batch, q, kv, m, entry_idx, w.attn_sink, cfg.softmax_scale, inv_freq, nm)
         ops.append_swa(layer, batch, kv)
         if entry_idx is None:
             entry_idx = torch.empty((batch.num_tokens, 0), dtype=torch.int64, device=x.device)
-        return StepOutputs(output_projection(w, cfg, o, pos, inv_freq, nm), lse, entry_idx)
+        return StepOutputs(grouped_output(w, cfg, o, nm), lse, entry_idx)

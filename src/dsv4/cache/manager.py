@@ -26,6 +26,7 @@ from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, Unk
 from .pool import CompressedPool
 from .schema import LayerCacheSchema, resolve_layers, blocks_for_tokens, layer_schemas
 from .state import StateCache
+from .workspace import Workspace
 
 __all__ = ["HybridCache", "LayerCache", "CacheSnapshot", "RequestRecord"]
 
@@ -59,12 +60,14 @@ class LayerCache:
         kv_pages: uint8 ``[num_blocks, kv_page_bytes]`` main KV pool pages (``None`` for SWA).
         index_pages: uint8 ``[num_blocks, index_page_bytes]`` indexer key pages (CSA only, else ``None``).
         state: per-slot tensors by name (``ring``, ``ring_positions``, ``tail_kv`` …; see ``dsv4.cache.state``).
+        workspace: the cache's scratch buffers for kernels (shared by all layers; see ``dsv4.cache.workspace``).
     """
 
     schema: LayerCacheSchema
     kv_pages: Tensor | None
     index_pages: Tensor | None
     state: Mapping[str, Tensor]
+    workspace: Workspace
 
     @property
     def ring(self) -> Tensor:
@@ -148,6 +151,7 @@ class HybridCache:
             num_blocks = (memory_bytes - fixed) // pool_per_block if pool_per_block else 0
         self.state = StateCache(list(self.schemas.values()), max_requests, self.device)
         self.pool = CompressedPool(list(self.schemas.values()), int(num_blocks), self.device)
+        self.workspace = Workspace(self.device)
         self.allocator = BlockAllocator(int(num_blocks))
         self._requests: dict[str, RequestRecord] = {}
 
@@ -321,6 +325,7 @@ class HybridCache:
             kv_pages=pool.get("kv_pages"),
             index_pages=pool.get("index_pages"),
             state=self.state.tensors[layer_idx],
+            workspace=self.workspace,
         )
 
     def memory_bytes(self) -> int:

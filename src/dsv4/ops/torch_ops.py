@@ -304,9 +304,11 @@ def attend(
     entry_idx: Tensor | None,
     sink: Tensor,
     scale: float,
+    inv_freq: Tensor,
     numerics: Numerics,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of the step's queries over their window (ring ∪ this step's entries) and compressed entries.
+    """Attention of the step's queries over their window (ring ∪ this step's entries) and compressed entries,
+    then the inverse RoPE at each query's position.
 
     Args:
         q: ``[T, H, D]`` queries (head-normed, RoPE'd), act dtype.
@@ -314,15 +316,17 @@ def attend(
         m: the layer's compression ratio (0 for SWA layers).
         entry_idx: int64 ``[T, K]`` compressed entries of each token's request to attend (CSA top-k, HCA all
             visible), −1 = none; ``None`` for SWA layers.
-        sink: ``[H]`` float32 per-head sink logits; scale: softmax scale.
+        sink: ``[H]`` float32 per-head sink logits; scale: softmax scale; inv_freq: float32 ``[R/2]``.
     Returns:
-        ``o`` ``[T, H, D]`` act dtype (before the inverse RoPE), ``lse`` ``[T, H]`` float32 (sink included).
+        ``o`` ``[T, H, D]`` act dtype (inverse RoPE applied on the last R dims), ``lse`` ``[T, H]`` float32 (sink
+        included).
     """
     keys, valid = window_keys(layer, batch, kv_new)
     if entry_idx is not None:
         keys = torch.cat((keys, gather(layer, batch, m, entry_idx, kv_new.dtype)), dim=1)
         valid = torch.cat((valid, entry_idx >= 0), dim=1)
-    return sparse_attention(q, keys, valid, sink, scale, numerics.prob_dtype, numerics.act_dtype)
+    o, lse = sparse_attention(q, keys, valid, sink, scale, numerics.prob_dtype, numerics.act_dtype)
+    return apply_rope(o, batch.positions, inv_freq, inverse=True), lse
 
 
 def sparse_attention(
