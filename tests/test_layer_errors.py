@@ -94,3 +94,18 @@ def test_weights_of_another_config_or_layer() -> None:
         Attention(bad, TINY, 0)
     with pytest.raises(ValueError, match="backend"):
         Attention(dsv4.AttentionWeights.random(TINY, 0, seed=0), TINY, 0, backend="cuda-magic")
+
+
+def test_triton_backend_needs_cuda_tensors(setup) -> None:
+    li, w, _, cache, batch = setup
+    layer = Attention(w, TINY, li, backend="triton")
+    snap = cache.snapshot()
+    with pytest.raises(ValueError, match="triton backend needs CUDA"):
+        layer(torch.randn(batch.num_tokens, TINY.hidden_size), batch, cache)
+    cache.assert_same(snap)
+
+
+def test_auto_backend_on_cpu_is_torch() -> None:
+    layer = Attention(dsv4.AttentionWeights.random(TINY, 0, seed=0), TINY, 0)
+    assert layer.backend == "auto" and layer.backend_for(torch.device("cpu")) == "torch"
+    assert not layer.graph_safe(torch.device("cpu"))  # the torch backend syncs with the host
