@@ -1,0 +1,176 @@
+"""Benchmark of the Triton lightning indexer: scores over paged MXFP4 keys, and the radix top-k, timed separately.
+
+Shapes: Flash indexer (64 heads × 128 dims, k = 512), batch 1/8/64/128 × context 8K/32K/128K/1M, decode (one query
+per request) and 4096-token prefill chunks (the chunk that ends at the context length, so queries see ~context/4
+entries). Pools are built directly (random MXFP4 bytes, random block tables), not through the cache.
+
+Roofline per row: ``max(bytes / copy bandwidth, FLOPs / FP8 matmul rate)``, both measured in this run
+(``dsv4.bench.roofline``). Scores: bytes = keys read once per request (68 B each) + scores written (BF16) +
+queries; FLOPs = the FP8 MMA work ``2 · Σ_t visible_t · 64 · 128``. Top-k: bytes = scores read once + indices
+written; no FLOPs.
+
+Usage: ``python benchmarks/bench_indexer.py [--quick] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
+
+H, C, K_TOP, M, BLOCK = 64, 128, 512, 4, 256
+EPP = BLOCK // M  # entries per page
+
+
+def _setup(batch: int, context: int, tokens: int, fmt: str, seed: int = 0):
+    """Random pool + step metadata for ``batch`` requests each at ``context`` tokens after a step of ``tokens``."""
+    from dsv4.kernels.indexer import FMT_FP8, FMT_MXFP4
+    from dsv4.ops.triton_indexer import head_pad
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    entries = context // M
+    blocks_per = -(-context // BLOCK)
+    nblocks = batch * blocks_per
+    entry_bytes = 68 if fmt == "mxfp4" else 132
+    pages = torch.randint(0, 256, (nblocks, EPP * entry_bytes), dtype=torch.uint8, device=dev, generator=g)
+    if fmt == "mxfp4":  # UE8M0 scales near 2**0 (realistic after the Hadamard rotation)
+        pages[:, EPP * 64:] = torch.randint(124, 129, (nblocks, EPP * 4), dtype=torch.uint8, device=dev, generator=g)
+    else:  # E4M3 codes without NaN, fp32 scales ~1/448
+        codes = pages[:, : EPP * 128]
+        codes[(codes & 0x7F) == 0x7F] = 0
+        pages[:, EPP * 128:] = torch.full((nblocks, EPP), 1 / 448, device=dev).view(torch.uint8)
+    perm = torch.randperm(nblocks, device=dev, generator=g).to(torch.int32)
+    block_tables = perm.view(batch, blocks_per)
+    cu = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * tokens
+    pos = (context - tokens + torch.arange(tokens, device=dev)).repeat(batch)
+    visible = (pos + 1) // M
+    T = batch * tokens
+    hp = head_pad(H)
+    q = torch.randint(0, 256, (T, 2, hp, 64), dtype=torch.uint8, device=dev, generator=g)
+    q[(q & 0x7F) == 0x7F] = 0
+    w = torch.randn(T, hp, device=dev, generator=g) * 1e-3
+    scores = torch.empty((T, entries), dtype=torch.bfloat16, device=dev)
+    return dict(pages=pages, block_tables=block_tables, cu=cu, visible=visible, q=q, w=w, scores=scores,
+                entries=entries, T=T, fmt=FMT_MXFP4 if fmt == "mxfp4" else FMT_FP8, entry_bytes=entry_bytes)
+
+
+def _scores_fn(s, batch: int, tokens: int, config: dict | None = None):
+    from dsv4.kernels.indexer import index_scores
+
+    def fn():
+        index_scores(s["pages"], s["block_tables"], s["cu"], s["visible"], s["q"], s["w"], s["scores"],
+                     fmt=s["fmt"], m=M, block_size=BLOCK, entries_per_page=EPP, num_requests=batch,
+                     max_new=tokens, max_entries=s["entries"], config=config)
+    return fn
+
+
+def _measure(name, fn, bytes_, flops, bw, rate, iters, **extra):
+    sec = time_cuda(fn, warmup=max(3, iters // 5), iters=iters)
+    row = roofline_row(name, sec, bytes_, flops, bw, rate, **extra)
+    print(_table([row], header=False), flush=True)  # progress (long sweeps)
+    return row
+
+
+def run(quick: bool = False, sweep: bool | None = None) -> list[dict]:
+    """Measure; returns the rows (see ``roofline_row``). ``quick``: acceptance shapes only (batch 64 × 128K decode,
+    plus a 4K prefill chunk at 128K), with a small config sweep of the scores kernel."""
+    from dsv4.kernels.topk import radix_topk
+
+    bw = measure_copy_bandwidth()
+    rate = measure_matmul_rate(dtype=torch.float8_e4m3fn)
+    rows: list[dict] = []
+    if quick:
+        shapes = [(64, 131072, 1), (1, 131072, 4096), (8, 32768, 4096)]
+    else:
+        shapes = [(b, c, t) for t in (1, 4096) for c in (8192, 32768, 131072, 1 << 20) for b in (1, 8, 64, 128)]
+    free = torch.cuda.mem_get_info()[0]
+    for batch, context, tokens in shapes:
+        T = batch * tokens
+        entries = context // M
+        mem = T * entries * 2 + batch * (context // BLOCK) * EPP * 132
+        vis_sum = batch * sum((p + 1) // M for p in range(context - tokens, context))
+        flops = 2.0 * vis_sum * H * C
+        mode = "decode" if tokens == 1 else f"prefill{tokens}"
+        tag = f"B={batch} ctx={context // 1024}K {mode}"
+        if mem > 0.6 * free:
+            print(f"skip {tag}: needs {mem / 2**30:.1f} GiB", file=sys.stderr)
+            continue
+        if flops > 3e14:
+            print(f"skip {tag}: {flops / 1e12:.0f} TFLOP per call (too long for this run)", file=sys.stderr)
+            continue
+        iters = 30 if flops < 1e12 else (10 if flops < 2e13 else 4)
+        s = _setup(batch, context, tokens, "mxfp4")
+        key_bytes = batch * entries * 68
+        sc_bytes = key_bytes + vis_sum * 2 + T * (2 * 64 * 64 + 64 * 4)
+        common = dict(batch=batch, context=context, tokens=tokens, entries=entries)
+        rows.append(_measure(f"scores mxfp4 {tag}", _scores_fn(s, batch, tokens), sc_bytes, flops, bw, rate, iters,
+                             op="scores", fmt="mxfp4", **common))
+        tk_bytes = vis_sum * 2 + T * K_TOP * 8
+        rows.append(_measure(f"topk k=512 {tag}", lambda: radix_topk(s["scores"], s["visible"], K_TOP), tk_bytes, 0,
+                             bw, rate, iters, op="topk", **common))
+        if quick and tokens == 1:
+            # variants at the acceptance shape
+            do_sweep = True if sweep is None else sweep
+            if do_sweep:
+                for cfg in ({"BLOCK_N": 128}, {"PROGRAMS_PER_SM": 4}, {"PROGRAMS_PER_SM": 64}, {"num_warps": 8},
+                            {"NUM_STAGES": 3}, {"USE_ASM": False}):
+                    label = ",".join(f"{k}={v}" for k, v in cfg.items())
+                    try:
+                        rows.append(_measure(f"scores mxfp4 {tag} [{label}]", _scores_fn(s, batch, tokens, cfg),
+                                             sc_bytes, flops, bw, rate, iters, op="scores-variant", fmt="mxfp4",
+                                             **common))
+                    except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+                        print(f"variant {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            sc = s["scores"]
+            rows.append(_measure(f"topk k=512 {tag} [histogram passes]",
+                                 lambda: radix_topk(sc, s["visible"], K_TOP, block=4096), tk_bytes, 0, bw, rate, iters,
+                                 op="topk-variant", **common))
+            sc.normal_()
+            rows.append(_measure(f"torch.topk k=512 {tag}", lambda: sc.topk(K_TOP, dim=-1), tk_bytes, 0, bw, rate,
+                                 iters, op="torch-topk", **common))
+            del s
+            s8 = _setup(batch, context, tokens, "fp8")
+            fb = batch * entries * 132 + vis_sum * 2 + T * (2 * 64 * 64 + 64 * 4)
+            rows.append(_measure(f"scores fp8-132B {tag}", _scores_fn(s8, batch, tokens), fb, flops, bw, rate, iters,
+                                 op="scores", fmt="fp8", **common))
+            del s8
+        else:
+            del s
+        torch.cuda.empty_cache()
+    for r in rows:
+        r["copy_bw_GBps"] = bw / 1e9
+        r["fp8_mm_TFLOPs"] = rate / 1e12
+    return rows
+
+
+def _table(rows: list[dict], header: bool = True) -> str:
+    out = [f"{'name':58s} {'us':>10s} {'MB':>9s} {'TFLOP':>8s} {'roof_us':>9s} {'%roof':>6s}"] if header else []
+    for r in rows:
+        out.append(f"{r['name']:58s} {r['us']:10.1f} {r['bytes'] / 1e6:9.1f} {r['flops'] / 1e12:8.3f} "
+                   f"{r['roofline_us']:9.1f} {100 * r['roofline_frac']:6.1f}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="acceptance shapes only")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the config variants in --quick")
+    ap.add_argument("--json", help="write rows + environment here")
+    args = ap.parse_args()
+    rows = run(quick=args.quick, sweep=not args.no_sweep)
+    env = environment()
+    print(f"device: {env['device']}  torch {env['torch']}  triton {env['triton']}  "
+          f"copy {rows[0]['copy_bw_GBps']:.0f} GB/s  fp8 mm {rows[0]['fp8_mm_TFLOPs']:.0f} TFLOP/s" if rows else "")
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

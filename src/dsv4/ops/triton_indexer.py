@@ -1,0 +1,172 @@
+"""Triton glue of the lightning indexer: ``indexer_queries`` and ``indexer_topk`` (see ``dsv4.ops.torch_ops``).
+
+``indexer_queries`` returns an ``IndexerQueries`` (only this module's ``indexer_topk`` consumes it): the query
+operand of the scores kernel plus one fp32 scale per (token, head). ``indexer_topk`` runs two launches — the scores
+kernel (``dsv4.kernels.indexer``) into the workspace buffer ``"indexer_scores"`` and the radix select
+(``dsv4.kernels.topk``) — and returns a fixed-width ``[T, k]`` (−1 padded), which keeps the step graph-safe.
+
+Key formats: ``mxfp4`` (official, 68 B), ``fp8`` (vLLM 132 B) and ``fp32`` (exact) run on the kernels. ``nvfp4``
+(the prototype's format) falls back to the torch backend's scores (then the same radix top-k): not graph-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import formats
+from ..cache.batch import StepBatch
+from ..cache.manager import LayerCache
+from ..config import ModelConfig
+from ..kernels.indexer import FMT_FP8, FMT_FP32, FMT_MXFP4, index_scores, mxfp4_queries
+from ..kernels.topk import radix_topk
+from ..numerics import Numerics
+from ..reference.indexer import index_scores as _reference_scores
+from ..reference.primitives import linear
+from ..reference.rope import apply_rope
+from ..weights import IndexerWeights
+from . import torch_ops
+
+__all__ = ["IndexerQueries", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad"]
+
+_FORMATS = {"mxfp4": FMT_MXFP4, "fp8": FMT_FP8, "fp32": FMT_FP32}
+
+
+@dataclass
+class IndexerQueries:
+    """Indexer queries as the scores kernel reads them.
+
+    Attributes:
+        fmt: the index format's name (``"mxfp4"``, ``"fp8"``, ``"fp32"``, or ``"nvfp4"`` = torch fallback).
+        q: ``[T, 2, HP, 64]``: for ``mxfp4`` uint8 E4M3 bytes of ``e2m1 · 2**(e_j − e_max + 6)`` with ``[:, 0]`` the
+            even and ``[:, 1]`` the odd channels; for ``fp8`` uint8 E4M3 codes, ``[:, 0]`` / ``[:, 1]`` = channels
+            0–63 / 64–127; for ``fp32`` float32 values split the same way. Padded heads (``h ≥ H``) are zero.
+        scale: float32 ``[T, HP]``: ``q_true = scale · value(q)`` per head (0 on padded heads).
+        num_heads: ``H``.
+        values: float32 ``[T, H, c_I]`` the rounded queries, kept only for the ``nvfp4`` fallback (else ``None``).
+    """
+
+    fmt: str
+    q: Tensor
+    scale: Tensor
+    num_heads: int
+    values: Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[0]
+
+
+def head_pad(num_heads: int) -> int:
+    """MMA width of the heads: the next power of two, at least 16."""
+    return max(16, 1 << (max(num_heads, 1) - 1).bit_length())
+
+
+def _split_halves(v: Tensor, hp: int, interleaved: bool) -> Tensor:
+    """``[T, H, 128]`` → ``[T, 2, HP, 64]`` (even/odd channels if ``interleaved`` else first/last 64), zero pads."""
+    T, H, _ = v.shape
+    out = v.new_zeros((T, 2, hp, 64))
+    if interleaved:
+        out[:, 0, :H], out[:, 1, :H] = v[..., 0::2], v[..., 1::2]
+    else:
+        out[:, 0, :H], out[:, 1, :H] = v[..., :64], v[..., 64:]
+    return out
+
+
+def _pad_scale(s: Tensor, hp: int) -> Tensor:
+    out = s.new_zeros((s.shape[0], hp), dtype=torch.float32)
+    out[:, : s.shape[1]] = s
+    return out
+
+
+def queries_from_float(values: Tensor, fmt: str) -> IndexerQueries:
+    """``IndexerQueries`` of float queries already on the index format's grid (e.g. the torch backend's output).
+
+    Used by tests and as the torch path of the non-MXFP4 formats. ``values``: float32 ``[T, H, 128]``; for
+    ``mxfp4`` / ``fp8`` the values must be exactly representable (re-quantizing them is then lossless).
+    """
+    T, H, c = values.shape
+    hp = head_pad(H)
+    v = values.float()
+    if fmt == "mxfp4":
+        packed, exps = formats.quantize_mxfp4(v, 32, check=False)
+        codes = formats.unpack_nibbles(packed).long()  # [T, H, 128]
+        e = exps.long()  # [T, H, 4]
+        e_max = e.amax(dim=-1)
+        d = (e - e_max[..., None] + 11).repeat_interleave(32, dim=-1)
+        mag, sign = codes & 7, (codes >> 3) & 1
+        base = torch.where(mag == 1, 8, (mag + 2) * 4)
+        byte = torch.where((mag == 0) | (d < 0), 0, base + d * 8) | (sign << 7)
+        q = _split_halves(byte.to(torch.uint8), hp, interleaved=True)
+        scale = torch.where(e_max >= 7, torch.ldexp(torch.ones_like(e_max, dtype=torch.float32), e_max - 133), 0.0)
+        return IndexerQueries(fmt, q, _pad_scale(scale, hp), H)
+    if fmt == "fp8":
+        codes, scale = formats.quantize_fp8_key(v, check=False)
+        return IndexerQueries(fmt, _split_halves(codes, hp, interleaved=False), _pad_scale(scale, hp), H)
+    if fmt == "fp32":
+        return IndexerQueries(fmt, _split_halves(v, hp, interleaved=False), _pad_scale(torch.ones(T, H, device=v.device), hp), H)
+    return IndexerQueries(fmt, v.new_zeros((T, 2, hp, 64)), v.new_zeros((T, hp)), H, values=v)
+
+
+def indexer_queries(
+    q_latent: Tensor, iw: IndexerWeights, positions: Tensor, inv_freq: Tensor, cfg: ModelConfig, numerics: Numerics
+) -> IndexerQueries:
+    """Indexer queries (SPEC §5): ``W_Iq c^Q`` (torch GEMM), then for MXFP4 one fused kernel (RoPE → Hadamard →
+    MXFP4 → operand bytes); other formats round in torch (``numerics.qdq_index``)."""
+    H, c = cfg.index_n_heads, cfg.index_head_dim
+    q = linear(q_latent, iw.wq_b, numerics.act_dtype)  # [T, H * c]
+    fmt = numerics.index_format
+    if fmt == "mxfp4" and c == 128 and inv_freq.numel() == 32 and q.is_cuda:
+        hp = head_pad(H)
+        q8, scale = mxfp4_queries(q, positions, inv_freq, H, hp)
+        return IndexerQueries(fmt, q8, scale, H)
+    values = numerics.qdq_index(apply_rope(q.unflatten(-1, (H, c)), positions, inv_freq))
+    return queries_from_float(values, fmt)
+
+
+def indexer_topk(
+    layer: LayerCache, batch: StepBatch, m: int, q_idx: IndexerQueries | Tensor, head_weights: Tensor, k: int,
+    score_dtype: torch.dtype,
+) -> Tensor:
+    """Index scores over each request's keys in the paged pool, then causal top-k (SPEC §5–6).
+
+    Args:
+        q_idx: this module's ``IndexerQueries`` (a float ``[T, H_I, c_I]`` tensor on the format's grid is converted).
+        head_weights: float32 ``[T, H_I]``.
+        k: ``index_topk``; score_dtype: BF16 (official) or FP32.
+    Returns:
+        int64 ``[T, k]`` entry indices of each token's request, −1 padded (fixed width: graph-safe).
+    """
+    storage = layer.schema.index_storage
+    if isinstance(q_idx, Tensor):
+        q_idx = queries_from_float(q_idx, storage.name)
+    T = batch.num_tokens
+    n_max = max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
+    visible = batch.visible_entries[m]
+    scores = layer.workspace.get("indexer_scores", (T, max(n_max, 1)), score_dtype)
+    if storage.name in _FORMATS and storage.dim == 128:
+        w = torch.zeros_like(q_idx.scale)
+        w[:, : q_idx.num_heads] = head_weights.float()
+        w.mul_(q_idx.scale)
+        index_scores(
+            layer.index_pages, batch.block_tables, batch.cu_seqlens, visible, q_idx.q, w, scores,
+            fmt=_FORMATS[storage.name], m=m, block_size=batch.block_size,
+            entries_per_page=layer.schema.entries_per_block, num_requests=batch.num_requests,
+            max_new=batch.max_new, max_entries=n_max,
+        )
+    else:  # nvfp4: the torch backend's scores (host loop), then the same top-k
+        values = q_idx.values
+        cu = [0, *torch.tensor(batch.num_new).cumsum(0).tolist()]
+        for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):
+            n_entries = (s + n) // m
+            if n_entries == 0 or n == 0:
+                continue
+            idx = torch.arange(n_entries, device=values.device)
+            block, slot = torch_ops._entry_addresses(batch, m, torch.full_like(idx, b), idx)
+            keys = storage.read(layer.index_pages, block, slot)
+            scores[cu[b] : cu[b + 1], :n_entries] = _reference_scores(
+                values[cu[b] : cu[b + 1]], head_weights[cu[b] : cu[b + 1]], keys, score_dtype
+            )
+    return radix_topk(scores, visible, k)

@@ -1,0 +1,290 @@
+"""Triton indexer (scores over the paged MXFP4 / FP8 / FP32 keys, fused MXFP4 query prep) and radix top-k against
+the torch backend.
+
+GPU tests are marked ``gpu``. The CPU tests run the same kernels in the Triton interpreter (``TRITON_INTERPRET=1``,
+small shapes; the MXFP4 key conversion takes its plain-integer path there) and skip when triton is absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton.jit decoration
+
+triton = pytest.importorskip("triton")
+
+import dsv4  # noqa: E402
+from dsv4.cache import HybridCache  # noqa: E402
+from dsv4.numerics import Numerics  # noqa: E402
+from dsv4.ops import torch_ops  # noqa: E402
+from dsv4.ops import triton_indexer as ti  # noqa: E402
+from dsv4.kernels.topk import radix_topk  # noqa: E402
+from dsv4.reference.indexer import index_scores as ref_scores  # noqa: E402
+
+TINY = dsv4.ModelConfig.preset("tiny")
+LAYER = 1  # a CSA layer of the tiny preset
+M = 4
+ON_GPU = torch.cuda.is_available()
+
+
+def _numerics(fmt: str) -> Numerics:
+    return Numerics.exact() if fmt == "fp32" else Numerics.official().with_formats(index_format=fmt)
+
+
+def _scenario(device: str, fmt: str, heads: int, k: int, steps: list[dict[str, int]], block_size: int = 32,
+              seed: int = 0):
+    """A cache whose CSA layer's indexer pool is filled with random keys (on the format's grid), after ``steps``.
+
+    Returns ``(cfg, cache, layer, batch)`` with ``batch`` the last step's ``StepBatch``.
+    """
+    cfg = dataclasses.replace(TINY, index_n_heads=heads, index_topk=k)
+    total = {}
+    for st in steps:
+        for r, n in st.items():
+            total[r] = total.get(r, 0) + n
+    blocks = sum(-(-n // block_size) + 1 for n in total.values()) + 4
+    cache = HybridCache(cfg, layers=[LAYER], max_requests=len(total) + 1, num_blocks=blocks, block_size=block_size,
+                        device=device, numerics=_numerics(fmt))
+    batch = None
+    for st in steps:
+        for r in st:
+            if r not in cache._requests:
+                cache.add_request(r)
+        batch = cache.prepare_forward(st)
+    layer = cache.layer(LAYER)
+    g = torch.Generator().manual_seed(seed)
+    epp = layer.schema.entries_per_block
+    n = blocks * epp
+    vals = torch.randn(n, 128, generator=g) * torch.exp2(torch.randint(-3, 4, (n, 1), generator=g).float())
+    vals = _numerics(fmt).qdq_index(vals).to(device)
+    ids = torch.arange(n, device=device)
+    layer.schema.index_storage.write(layer.index_pages, ids // epp, ids % epp, vals)
+    return cfg, cache, layer, batch
+
+
+def _queries(cfg, fmt: str, T: int, device: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, cfg.index_n_heads, 128, generator=g) * 2.0
+    w = torch.randn(T, cfg.index_n_heads, generator=g) * cfg.index_weight_scale
+    return _numerics(fmt).qdq_index(q).to(device), w.to(device)
+
+
+def _reference_rows(layer, batch, q, w, score_dtype):
+    """Per token: the torch reference scores over its request's existing entries and the magnitude
+    ``Σ_h |w_h| Σ_c |q_hc k_c|`` that bounds accumulation-order error (float64 copies, CPU)."""
+    rows = []
+    cu = [0]
+    for n in batch.num_new:
+        cu.append(cu[-1] + n)
+    for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):
+        ne = (s + n) // M
+        if ne == 0:
+            rows += [(torch.zeros(0), torch.zeros(0))] * n
+            continue
+        idx = torch.arange(ne, device=q.device)
+        block, slot = torch_ops._entry_addresses(batch, M, torch.full_like(idx, b), idx)
+        keys = layer.schema.index_storage.read(layer.index_pages, block, slot)
+        sc = ref_scores(q[cu[b]:cu[b + 1]], w[cu[b]:cu[b + 1]], keys, score_dtype).double().cpu()
+        mag = ref_scores(q[cu[b]:cu[b + 1]].abs(), w[cu[b]:cu[b + 1]].abs(), keys.abs(), torch.float64).cpu()
+        rows += list(zip(sc, mag))
+    return rows
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` at |x| (float64)."""
+    mant = 7 if dtype == torch.bfloat16 else 23
+    e = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
+    return torch.exp2(e - mant)
+
+
+def _check(layer, batch, q, w, k, score_dtype, got_idx, scores_buf):
+    """Scores within one rounding step of the reference; top-k exact on our scores and equal to the reference's
+    up to ties / one-ulp flips at the threshold; −1 padding and causality."""
+    vis = batch.visible_entries[M].cpu()
+    ref = _reference_rows(layer, batch, q, w, score_dtype)
+    got_idx = got_idx.cpu()
+    assert got_idx.shape == (batch.num_tokens, k) and got_idx.dtype == torch.int64
+    buf = scores_buf.double().cpu()
+    worst = 0.0
+    for t in range(batch.num_tokens):
+        n = int(vis[t])
+        r, mag = ref[t][0][:n], ref[t][1][:n]
+        s = buf[t, :n]
+        assert torch.isfinite(s).all()
+        # one rounding step of the score dtype, plus the FP32 (FP8 MMA: ~2**-14) accumulation-order error
+        acc_err = 2.0**-20 if score_dtype == torch.float32 else 2.0**-14
+        tol = _ulp(r, score_dtype) + acc_err * mag + 1e-30
+        err = ((s - r).abs() / tol).max().item() if n else 0.0
+        worst = max(worst, err)
+        assert err <= 1.0 + 1e-9, (t, err)
+        ke = min(k, n)
+        sel = got_idx[t]
+        assert (sel[ke:] == -1).all(), t
+        chosen = sel[:ke]
+        assert (chosen >= 0).all() and (chosen < n).all(), (t, chosen)  # causal: only visible entries
+        assert chosen.unique().numel() == ke
+        if ke == 0:
+            continue
+        # exact top-k of our own scores (values as a multiset)
+        assert torch.equal(s[chosen].sort().values, s.topk(ke).values.sort().values), t
+        # against the reference scores: everything chosen is ≥ the k-th best up to one ulp, nothing better left out
+        kth = r.topk(ke).values[-1]
+        slack = 2 * (_ulp(kth.reshape(1), score_dtype)[0] + acc_err * mag.max())
+        assert (r[chosen] >= kth - slack).all(), t
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[chosen] = False
+        if mask.any():
+            assert (r[mask] <= kth + slack).all(), t
+    return worst
+
+
+STEPS_SMALL = [{"a": 90, "b": 13, "c": 3}, {"a": 3, "b": 1, "c": 40, "d": 7}]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
+def test_interpreter_scores_and_topk(fmt: str) -> None:
+    if ON_GPU:
+        pytest.skip("interpreter test (CPU only)")
+    cfg, cache, layer, batch = _scenario("cpu", fmt, heads=4, k=8, steps=STEPS_SMALL)
+    q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
+    nm = _numerics(fmt)
+    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype)
+    buf = layer.workspace.get("indexer_scores", (batch.num_tokens, 1), nm.score_dtype)  # view of the same buffer
+    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+    buf = layer.workspace._buffers["indexer_scores"][: batch.num_tokens * n_max * buf.element_size()]
+    buf = buf.view(nm.score_dtype).view(batch.num_tokens, n_max)
+    _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
+
+
+def test_interpreter_radix_topk() -> None:
+    if ON_GPU:
+        pytest.skip("interpreter test (CPU only)")
+    g = torch.Generator().manual_seed(3)
+    for dt in (torch.bfloat16, torch.float32):
+        s = (torch.randn(5, 700, generator=g) * 3).to(dt)
+        s[0, :300] = 0.5  # many exact ties at the threshold
+        s[1] = -0.0
+        counts = torch.tensor([700, 699, 5, 0, 64])
+        for out in (radix_topk(s, counts, 64, block=256, num_warps=4), radix_topk(s, counts, 64, block=512)):
+            for t in range(5):
+                n = int(counts[t])
+                ke = min(64, n)
+                assert (out[t, ke:] == -1).all()
+                c = out[t, :ke]
+                assert c.unique().numel() == ke and (c >= 0).all() and (c < n).all()
+                assert torch.equal(s[t, c].float().sort().values, s[t, :n].float().topk(ke).values.sort().values)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+FLASH_STEPS = [
+    {"a": 3000, "b": 700, "c": 5},  # prefill chunks (one in several programs' query groups)
+    {"a": 1, "b": 4, "c": 2000, "d": 33, "e": 1},  # decode 1–4 tokens, a prefill chunk, a fresh request
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
+@pytest.mark.parametrize("heads,k", [(64, 512), (4, 8)])
+def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
+    cfg, cache, layer, batch = _scenario("cuda", fmt, heads=heads, k=k, steps=FLASH_STEPS, block_size=256, seed=heads)
+    q, w = _queries(cfg, fmt, batch.num_tokens, "cuda", seed=k)
+    nm = _numerics(fmt)
+    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+    # poison the score buffer: every visible element must be written
+    layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype).fill_(float("nan"))
+    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    buf = layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype)
+    worst = _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
+    print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
+
+
+@pytest.mark.gpu
+def test_gpu_scores_exact_per_block_vs_asm() -> None:
+    """The inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores (bitwise)."""
+    from dsv4.kernels.indexer import FMT_MXFP4, index_scores
+
+    cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=64, k=512, steps=FLASH_STEPS, block_size=256)
+    q, w = _queries(cfg, "mxfp4", batch.num_tokens, "cuda")
+    qq = ti.queries_from_float(q, "mxfp4")
+    wq = torch.zeros_like(qq.scale)
+    wq[:, :64] = w
+    wq *= qq.scale
+    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+    outs = []
+    for use_asm in (True, False):
+        out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=torch.bfloat16, device="cuda")
+        index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq, out,
+                     fmt=FMT_MXFP4, m=M, block_size=256, entries_per_page=64, num_requests=batch.num_requests,
+                     max_new=batch.max_new, max_entries=n_max, config={"USE_ASM": use_asm})
+        outs.append(out.view(torch.int16))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_queries_match_reference() -> None:
+    """Fused RoPE → Hadamard → MXFP4 equals the torch reference's queries, encoded (bitwise)."""
+    cfg = dsv4.ModelConfig.preset("v4-flash")
+    nm = Numerics.official()
+    g = torch.Generator().manual_seed(5)
+    T = 300
+    q_lat = torch.randn(T, cfg.q_lora_rank, generator=g).to("cuda", torch.bfloat16)
+    wq_b = (torch.randn(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, generator=g) * 0.03).to("cuda")
+    iw = dsv4.weights.IndexerWeights(wq_b=wq_b, weights_proj=None, compressor=None)
+    pos = torch.randint(0, 1 << 20, (T,), generator=g).to("cuda")
+    from dsv4.reference.rope import rope_inv_freq
+
+    inv_freq = rope_inv_freq(cfg, dsv4.config.LayerKind.CSA, "cuda")
+    got = ti.indexer_queries(q_lat, iw, pos, inv_freq, cfg, nm)
+    assert isinstance(got, ti.IndexerQueries) and got.q.dtype == torch.uint8
+    ref = torch_ops.indexer_queries(q_lat, iw, pos, inv_freq, cfg, nm)
+    assert torch.equal(_decode_mxfp4_queries(got).cpu(), ref.cpu())
+
+
+def _decode_mxfp4_queries(iq) -> torch.Tensor:
+    """float32 ``[T, H, 128]`` values of an MXFP4 ``IndexerQueries`` (E4M3 bytes times the per-head scale)."""
+    v = iq.q.view(torch.float8_e4m3fn).float() * iq.scale[:, None, :, None]
+    out = torch.empty(v.shape[0], v.shape[2], 128, device=v.device)
+    out[..., 0::2], out[..., 1::2] = v[:, 0], v[:, 1]
+    return out[:, : iq.num_heads]
+
+
+def test_interpreter_mxfp4_queries() -> None:
+    """The fused query kernel (interpreter) equals RoPE → Hadamard → MXFP4 QDQ of the reference (bitwise values)."""
+    if ON_GPU:
+        pytest.skip("interpreter test (CPU only)")
+    from dsv4.kernels.indexer import mxfp4_queries
+    from dsv4.reference.rope import apply_rope, rope_inv_freq
+
+    g = torch.Generator().manual_seed(4)
+    T, H = 6, 4
+    q = (torch.randn(T, H * 128, generator=g) * 3).bfloat16()
+    pos = torch.randint(0, 1 << 20, (T,), generator=g)
+    inv = rope_inv_freq(TINY, dsv4.config.LayerKind.CSA)
+    q8, qs = mxfp4_queries(q, pos, inv, H, 16)
+    want = Numerics.official().qdq_index(apply_rope(q.unflatten(-1, (H, 128)), pos, inv))
+    assert torch.equal(_decode_mxfp4_queries(ti.IndexerQueries("mxfp4", q8, qs, H)), want)
+    assert (q8[:, :, H:] == 0).all() and (qs[:, H:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2048, 32768, 262144])
+def test_gpu_radix_topk_large(n: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(n)
+    T = 8
+    for dt in (torch.bfloat16, torch.float32):
+        s = torch.randn(T, n, generator=g, device="cuda").to(dt)
+        s[0, : n // 2] = 1.0
+        counts = torch.tensor([n, n - 1, n // 3, 7, 0, 512, 513, n], device="cuda")
+        out = radix_topk(s, counts, 512)
+        for t in range(T):
+            c = int(counts[t])
+            ke = min(512, c)
+            assert (out[t, ke:] == -1).all()
+            sel = out[t, :ke]
+            assert sel.unique().numel() == ke and (sel >= 0).all() and (sel < c).all()
+            assert torch.equal(s[t, sel].float().sort().values, s[t, :c].float().topk(ke).values.sort().values)
