@@ -9,20 +9,29 @@ Roofline per row: ``max(bytes / copy bandwidth, FLOPs / FP8 matmul rate)``, both
 queries; FLOPs = the FP8 MMA work ``2 · Σ_t visible_t · 64 · 128``. Top-k: bytes = scores read once + indices
 written; no FLOPs.
 
-Usage: ``python benchmarks/bench_indexer.py [--quick] [--json out.json]``.
+``--quick`` also times the scores variants (``dsv4.kernels.indexer.SCORES_VARIANTS``, each checked against the
+default config's scores) at B=64 × 128K decode, and every top-k variant (``dsv4.kernels.topk.VARIANTS`` and a few launch shapes,
+``TOPK_LAUNCHES``) at B=64 × 128K decode and B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each checked
+against torch.topk (``check`` in the JSON rows).
+
+Usage: ``python benchmarks/bench_indexer.py [--quick] [--no-sweep] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import torch
 
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
+from dsv4.kernels.indexer import SCORES_VARIANTS
+from dsv4.kernels.topk import VARIANTS
 
 H, C, K_TOP, M, BLOCK = 64, 128, 512, 4, 256
+CEILINGS: dict[str, float] = {}  # measured copy bandwidth and FP8 matmul rate of this run
 EPP = BLOCK // M  # entries per page
 
 
@@ -69,23 +78,86 @@ def _scores_fn(s, batch: int, tokens: int, config: dict | None = None):
     return fn
 
 
-def _measure(name, fn, bytes_, flops, bw, rate, iters, **extra):
+def _measure(name, fn, bytes_, flops, bw, rate, iters, graph: bool = False, **extra):
+    """Time ``fn`` (median of ``iters``); ``graph``: capture it once in a CUDA graph and time the replays (as the
+    engine's decode steps run: no Python launch overhead between a variant's launches)."""
+    if graph:
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
     sec = time_cuda(fn, warmup=max(3, iters // 5), iters=iters)
-    row = roofline_row(name, sec, bytes_, flops, bw, rate, **extra)
+    row = roofline_row(name, sec, bytes_, flops, bw, rate, graph=graph, **extra)
     print(_table([row], header=False), flush=True)  # progress (long sweeps)
     return row
 
 
-def run(quick: bool = False, sweep: bool | None = None) -> list[dict]:
+#: top-k launches timed in --quick at every shape: (label, radix_topk keyword arguments); the named variants with
+#: their defaults, then a few launch shapes of the split variants
+TOPK_LAUNCHES = [
+    *((name, dict(opts)) for name, opts in VARIANTS.items()),
+    ("split8 block=1024 w=4", dict(algorithm="split", radix_bits=8, block=1024, num_warps=4)),
+    ("split8 pps=8", dict(algorithm="split", radix_bits=8, programs_per_sm=8)),
+    ("split4 block=1024 w=4", dict(algorithm="split", radix_bits=4, block=1024, num_warps=4)),
+    ("split4 block=4096 w=16", dict(algorithm="split", radix_bits=4, block=4096, num_warps=16)),
+]
+
+
+def _topk_variants(s, tag, tk_bytes, bw, rate, iters, common) -> list[dict]:
+    """Every ``TOPK_LAUNCHES`` entry on the scores of ``s``: checked against torch.topk (values, once), then timed
+    eagerly and as a CUDA-graph replay."""
+    from dsv4.kernels.topk import radix_topk, topk_workspace_shape
+
+    sc, vis = s["scores"], s["visible"]
+    ws = torch.empty(topk_workspace_shape(sc.shape[0], sc.dtype), dtype=torch.int32, device=sc.device)
+    out = torch.empty((sc.shape[0], K_TOP), dtype=torch.int64, device=sc.device)
+    ke = vis.clamp(max=K_TOP)
+    ref = None
+    rows = []
+    for label, kw in TOPK_LAUNCHES:
+        def fn(kw=kw):
+            radix_topk(sc, vis, K_TOP, out=out, workspace=ws, **kw)
+        try:
+            fn()
+            # check: same multiset of values as torch.topk over each row's visible prefix (rows of equal length)
+            if ref is None:
+                masked = torch.where(torch.arange(sc.shape[1], device=sc.device)[None, :] < vis[:, None],
+                                     sc.float(), float("-inf"))
+                ref = masked.topk(K_TOP, dim=-1).values
+            slot = torch.arange(K_TOP, device=sc.device)[None, :] < ke[:, None]
+            got = torch.where(slot, sc.float().gather(1, out.clamp(min=0)), float("-inf"))
+            ok = bool(torch.equal(got.sort(dim=-1, descending=True).values, ref)
+                      and ((out >= 0) == slot).all() and (out < vis[:, None]).all())
+            for graph in (False, True):
+                rows.append(_measure(f"topk k=512 {tag} [{label}{' graph' if graph else ''}]", fn, tk_bytes, 0, bw,
+                                     rate, iters, graph=graph, op="topk-variant", variant=label, options=kw, check=ok,
+                                     **common))
+            if not ok:
+                print(f"topk variant {label}: WRONG RESULT at {tag}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+            print(f"topk variant {label} at {tag}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            rows.append(dict(name=f"topk k=512 {tag} [{label}]", op="topk-variant", variant=label, options=kw,
+                             error=f"{type(e).__name__}: {str(e)[:300]}", **common))
+    return rows
+
+
+def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None = None) -> list[dict]:
     """Measure; returns the rows (see ``roofline_row``). ``quick``: acceptance shapes only (batch 64 × 128K decode,
     plus a 4K prefill chunk at 128K), with a small config sweep of the scores kernel."""
     from dsv4.kernels.topk import radix_topk
 
     bw = measure_copy_bandwidth()
     rate = measure_matmul_rate(dtype=torch.float8_e4m3fn)
-    rows: list[dict] = []
+    rows = [] if rows is None else rows  # a caller's list keeps the rows measured so far if the run is cut short
+    CEILINGS.update(copy_bw_GBps=bw / 1e9, fp8_mm_TFLOPs=rate / 1e12)
     if quick:
-        shapes = [(64, 131072, 1), (1, 131072, 4096), (8, 32768, 4096)]
+        shapes = [(64, 131072, 1), (8, 32768, 4096), (1, 131072, 4096)]
     else:
         shapes = [(b, c, t) for t in (1, 4096) for c in (8192, 32768, 131072, 1 << 20) for b in (1, 8, 64, 128)]
     free = torch.cuda.mem_get_info()[0]
@@ -113,8 +185,34 @@ def run(quick: bool = False, sweep: bool | None = None) -> list[dict]:
         tk_bytes = vis_sum * 2 + T * K_TOP * 8
         rows.append(_measure(f"topk k=512 {tag}", lambda: radix_topk(s["scores"], s["visible"], K_TOP), tk_bytes, 0,
                              bw, rate, iters, op="topk", **common))
+        if quick and batch > 1:
+            rows += _topk_variants(s, tag, tk_bytes, bw, rate, max(iters, 20), common)
         if quick and tokens == 1:
-            # variants at the acceptance shape
+            # variants at the acceptance shape: the named scores variants (always), then the config sweep
+            ref_scores = s["scores"].clone()
+            for label, cfg in SCORES_VARIANTS.items():
+                try:
+                    s["scores"].fill_(float("nan"))
+                    _scores_fn(s, batch, tokens, cfg)()
+                    r = ref_scores.float().abs()
+                    tol = 2.0**-6 * r + 2.0**-12 * r.amax(dim=1, keepdim=True)  # bf16 ulps + accumulation order
+                    ok = bool(torch.isfinite(s["scores"]).all()
+                              and ((s["scores"].float() - ref_scores.float()).abs() <= tol).all())
+                    for graph in (False, True):
+                        rows.append(_measure(f"scores mxfp4 {tag} [{label}{' graph' if graph else ''}]",
+                                             _scores_fn(s, batch, tokens, cfg), sc_bytes, flops, bw, rate, iters,
+                                             graph=graph, op="scores-variant", variant=label, options=cfg, check=ok,
+                                             fmt="mxfp4", **common))
+                    if not ok:
+                        print(f"scores variant {label}: WRONG RESULT at {tag}", file=sys.stderr)
+                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                    print(f"scores variant {label} at {tag}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                    rows.append(dict(name=f"scores mxfp4 {tag} [{label}]", op="scores-variant", variant=label,
+                                     options=cfg, error=f"{type(e).__name__}: {str(e)[:300]}", **common))
+            s["scores"].copy_(ref_scores)
+            del ref_scores
+            rows.append(_measure(f"scores mxfp4 {tag} [default graph]", _scores_fn(s, batch, tokens), sc_bytes, flops,
+                                 bw, rate, iters, graph=True, op="scores", fmt="mxfp4", **common))
             do_sweep = True if sweep is None else sweep
             if do_sweep:
                 for cfg in ({"BLOCK_N": 128}, {"PROGRAMS_PER_SM": 4}, {"PROGRAMS_PER_SM": 64}, {"num_warps": 8},
@@ -127,9 +225,6 @@ def run(quick: bool = False, sweep: bool | None = None) -> list[dict]:
                     except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
                         print(f"variant {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             sc = s["scores"]
-            rows.append(_measure(f"topk k=512 {tag} [histogram passes]",
-                                 lambda: radix_topk(sc, s["visible"], K_TOP, block=4096), tk_bytes, 0, bw, rate, iters,
-                                 op="topk-variant", **common))
             sc.normal_()
             rows.append(_measure(f"torch.topk k=512 {tag}", lambda: sc.topk(K_TOP, dim=-1), tk_bytes, 0, bw, rate,
                                  iters, op="torch-topk", **common))
@@ -151,6 +246,9 @@ def run(quick: bool = False, sweep: bool | None = None) -> list[dict]:
 def _table(rows: list[dict], header: bool = True) -> str:
     out = [f"{'name':58s} {'us':>10s} {'MB':>9s} {'TFLOP':>8s} {'roof_us':>9s} {'%roof':>6s}"] if header else []
     for r in rows:
+        if "us" not in r:
+            out.append(f"{r['name']:58s} {r.get('error', '?')[:80]}")
+            continue
         out.append(f"{r['name']:58s} {r['us']:10.1f} {r['bytes'] / 1e6:9.1f} {r['flops'] / 1e12:8.3f} "
                    f"{r['roofline_us']:9.1f} {100 * r['roofline_frac']:6.1f}")
     return "\n".join(out)
@@ -162,14 +260,22 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="skip the config variants in --quick")
     ap.add_argument("--json", help="write rows + environment here")
     args = ap.parse_args()
-    rows = run(quick=args.quick, sweep=not args.no_sweep)
-    env = environment()
-    print(f"device: {env['device']}  torch {env['torch']}  triton {env['triton']}  "
-          f"copy {rows[0]['copy_bw_GBps']:.0f} GB/s  fp8 mm {rows[0]['fp8_mm_TFLOPs']:.0f} TFLOP/s" if rows else "")
-    print(_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "rows": rows}, f, indent=1)
+    rows: list[dict] = []
+    complete = False
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write what was measured
+    try:
+        run(quick=args.quick, sweep=not args.no_sweep, rows=rows)
+        complete = True
+    finally:
+        env = environment()
+        if CEILINGS:
+            print(f"device: {env['device']}  torch {env['torch']}  triton {env['triton']}  "
+                  f"copy {CEILINGS['copy_bw_GBps']:.0f} GB/s  fp8 mm {CEILINGS['fp8_mm_TFLOPs']:.0f} TFLOP/s")
+        print(_table(rows) + ("" if complete else "\n(run cut short)"))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, "ceilings": CEILINGS, "complete": complete, "rows": rows}, f, indent=1,
+                          default=str)
 
 
 if __name__ == "__main__":

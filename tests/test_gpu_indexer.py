@@ -2,19 +2,23 @@
 the torch backend.
 
 GPU tests are marked ``gpu``. The CPU tests run the same kernels in the Triton interpreter (``TRITON_INTERPRET=1``,
-small shapes; the MXFP4 key conversion takes its plain-integer path there) and skip when triton is absent.
+small shapes; the MXFP4 key conversion takes its plain-integer path there) and skip when triton is absent. The
+interpreter must be chosen before any kernel is decorated, so on a CPU-only machine
+``test_interpreter_tests_in_subprocess`` reruns this file's interpreter tests in a fresh process with
+``TRITON_INTERPRET=1`` (in the main process they skip; setting the variable here would leak into other modules).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton.jit decoration
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 triton = pytest.importorskip("triton")
 
@@ -23,13 +27,27 @@ from dsv4.cache import HybridCache  # noqa: E402
 from dsv4.numerics import Numerics  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.ops import triton_indexer as ti  # noqa: E402
-from dsv4.kernels.topk import radix_topk  # noqa: E402
+from dsv4.kernels import topk as topk_mod  # noqa: E402
+from dsv4.kernels.indexer import SCORES_VARIANTS  # noqa: E402
+from dsv4.kernels.topk import VARIANTS, radix_topk  # noqa: E402
 from dsv4.reference.indexer import index_scores as ref_scores  # noqa: E402
 
 TINY = dsv4.ModelConfig.preset("tiny")
 LAYER = 1  # a CSA layer of the tiny preset
 M = 4
 ON_GPU = torch.cuda.is_available()
+
+
+def test_interpreter_tests_in_subprocess() -> None:
+    """Run this file's ``interpreter`` tests under ``TRITON_INTERPRET=1`` in a fresh process (CPU-only machines)."""
+    if ON_GPU or INTERPRETED:
+        pytest.skip("runs the interpreter tests in a subprocess on CPU-only machines")
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreter", __file__],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def _numerics(fmt: str) -> Numerics:
@@ -146,10 +164,12 @@ def _check(layer, batch, q, w, k, score_dtype, got_idx, scores_buf):
 STEPS_SMALL = [{"a": 90, "b": 13, "c": 3}, {"a": 3, "b": 1, "c": 40, "d": 7}]
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
-def test_interpreter_scores_and_topk(fmt: str) -> None:
-    if ON_GPU:
-        pytest.skip("interpreter test (CPU only)")
+@pytest.mark.parametrize("fmt,variant", [("mxfp4", "row"), ("fp8", "row"), ("fp32", "row"),
+                                         *((f, v) for v in VARIANTS if v != "row" for f in ("mxfp4", "fp32"))])
+def test_interpreter_scores_and_topk(fmt: str, variant: str, monkeypatch) -> None:
+    if ON_GPU or not INTERPRETED:
+        pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
+    monkeypatch.setattr(topk_mod, "DEFAULT_VARIANT", variant)
     cfg, cache, layer, batch = _scenario("cpu", fmt, heads=4, k=8, steps=STEPS_SMALL)
     q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
     nm = _numerics(fmt)
@@ -161,23 +181,79 @@ def test_interpreter_scores_and_topk(fmt: str) -> None:
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
 
 
-def test_interpreter_radix_topk() -> None:
-    if ON_GPU:
-        pytest.skip("interpreter test (CPU only)")
+def _scores_with_config(layer, batch, fmt: str, q, w, score_dtype, config: dict | None) -> torch.Tensor:
+    """``index_scores`` run directly with a launch ``config`` (NaN-poisoned ``[T, n_max]`` output)."""
+    from dsv4.kernels.indexer import index_scores
+
+    qq = ti.queries_from_float(q, fmt)
+    wq = torch.zeros_like(qq.scale)
+    wq[:, : w.shape[1]] = w
+    wq *= qq.scale
+    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+    out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=score_dtype, device=q.device)
+    return index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq,
+                        out, fmt=ti._FORMATS[fmt], m=M, block_size=batch.block_size,
+                        entries_per_page=layer.schema.entries_per_block, num_requests=batch.num_requests,
+                        max_new=batch.max_new, max_entries=n_max, config=config)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
+def test_interpreter_scores_keys_as_n(fmt: str) -> None:
+    """Heads as MMA rows / keys as columns (``KEYS_AS_N``): scores within tolerance, top-k right."""
+    if ON_GPU or not INTERPRETED:
+        pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
+    cfg, cache, layer, batch = _scenario("cpu", fmt, heads=4, k=8, steps=STEPS_SMALL)
+    q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
+    nm = _numerics(fmt)
+    out = _scores_with_config(layer, batch, fmt, q, w, nm.score_dtype, dict(SCORES_VARIANTS["keys_as_n"], BLOCK_N=64))
+    got = radix_topk(out, batch.visible_entries[M], 8)
+    _check(layer, batch, q, w, 8, nm.score_dtype, got, out)
+
+
+def _check_topk(s: torch.Tensor, counts: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """Exactly ``min(k, n_t)`` distinct valid indices whose values are the row's top-k (up to ties), then −1."""
+    assert out.shape == (s.shape[0], k) and out.dtype == torch.int64
+    s, counts, out = s.float().cpu(), counts.cpu(), out.cpu()
+    for t in range(s.shape[0]):
+        n = int(counts[t])
+        ke = min(k, n)
+        assert (out[t, ke:] == -1).all(), t
+        c = out[t, :ke]
+        assert c.unique().numel() == ke and (c >= 0).all() and (c < n).all(), t
+        assert torch.equal(s[t, c].sort().values, s[t, :n].topk(ke).values.sort().values), t
+
+
+def _topk_rows(g: torch.Generator, dt: torch.dtype, n: int = 700) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with many ties at the threshold, all −0, few candidates, none, all equal, all equal but one, +inf/−inf."""
+    s = (torch.randn(8, n, generator=g) * 3).to(dt)
+    s[0, : n * 3 // 7] = 0.5  # many exact ties at the threshold
+    s[1] = -0.0
+    s[5] = 2.0  # all equal
+    s[6] = -1.0
+    s[6, n // 2] = 3.0
+    s[7, :10] = float("inf")
+    s[7, 10:20] = float("-inf")
+    counts = torch.tensor([n, n - 1, 5, 0, 64, n, n, n])
+    return s, counts
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_interpreter_radix_topk(variant: str) -> None:
+    if ON_GPU or not INTERPRETED:
+        pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
     g = torch.Generator().manual_seed(3)
+    opts = VARIANTS[variant]
     for dt in (torch.bfloat16, torch.float32):
-        s = (torch.randn(5, 700, generator=g) * 3).to(dt)
-        s[0, :300] = 0.5  # many exact ties at the threshold
-        s[1] = -0.0
-        counts = torch.tensor([700, 699, 5, 0, 64])
-        for out in (radix_topk(s, counts, 64, block=256, num_warps=4), radix_topk(s, counts, 64, block=512)):
-            for t in range(5):
-                n = int(counts[t])
-                ke = min(64, n)
-                assert (out[t, ke:] == -1).all()
-                c = out[t, :ke]
-                assert c.unique().numel() == ke and (c >= 0).all() and (c < n).all()
-                assert torch.equal(s[t, c].float().sort().values, s[t, :n].float().topk(ke).values.sort().values)
+        s, counts = _topk_rows(g, dt)
+        if opts["algorithm"] == "row":
+            launches = [dict(block=256, num_warps=4), dict(block=512)]
+        else:  # several programs per row (small blocks), and one program per row
+            launches = [dict(block=64, num_warps=2), dict(block=1024, programs_per_sm=1)]
+        for kw in launches:
+            _check_topk(s, counts, 64, radix_topk(s, counts, 64, **opts, **kw))
+        # k larger than every row; a reused workspace with garbage in it
+        ws = torch.full((16384,), 12345, dtype=torch.int32)
+        _check_topk(s, counts, 1000, radix_topk(s, counts, 1000, **opts, block=128, workspace=ws))
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -201,6 +277,19 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     buf = layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype)
     worst = _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
+@pytest.mark.parametrize("variant", list(SCORES_VARIANTS))
+def test_gpu_scores_variants(variant: str, fmt: str) -> None:
+    """Each scores launch variant (Flash shapes, prefill and decode rows): scores within tolerance, top-k right."""
+    cfg, cache, layer, batch = _scenario("cuda", fmt, heads=64, k=512, steps=FLASH_STEPS, block_size=256, seed=3)
+    q, w = _queries(cfg, fmt, batch.num_tokens, "cuda", seed=4)
+    nm = _numerics(fmt)
+    out = _scores_with_config(layer, batch, fmt, q, w, nm.score_dtype, SCORES_VARIANTS[variant])
+    got = radix_topk(out, batch.visible_entries[M], 512)
+    _check(layer, batch, q, w, 512, nm.score_dtype, got, out)
 
 
 @pytest.mark.gpu
@@ -255,8 +344,8 @@ def _decode_mxfp4_queries(iq) -> torch.Tensor:
 
 def test_interpreter_mxfp4_queries() -> None:
     """The fused query kernel (interpreter) equals RoPE → Hadamard → MXFP4 QDQ of the reference (bitwise values)."""
-    if ON_GPU:
-        pytest.skip("interpreter test (CPU only)")
+    if ON_GPU or not INTERPRETED:
+        pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
     from dsv4.kernels.indexer import mxfp4_queries
     from dsv4.reference.rope import apply_rope, rope_inv_freq
 
@@ -272,19 +361,33 @@ def test_interpreter_mxfp4_queries() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("n", [2048, 32768, 262144])
-def test_gpu_radix_topk_large(n: int) -> None:
+def test_gpu_radix_topk_large(n: int, variant: str) -> None:
     g = torch.Generator(device="cuda").manual_seed(n)
-    T = 8
+    T = 10
     for dt in (torch.bfloat16, torch.float32):
         s = torch.randn(T, n, generator=g, device="cuda").to(dt)
         s[0, : n // 2] = 1.0
-        counts = torch.tensor([n, n - 1, n // 3, 7, 0, 512, 513, n], device="cuda")
-        out = radix_topk(s, counts, 512)
-        for t in range(T):
-            c = int(counts[t])
-            ke = min(512, c)
-            assert (out[t, ke:] == -1).all()
-            sel = out[t, :ke]
-            assert sel.unique().numel() == ke and (sel >= 0).all() and (sel < c).all()
-            assert torch.equal(s[t, sel].float().sort().values, s[t, :c].float().topk(ke).values.sort().values)
+        s[8] = 0.25  # all equal
+        s[9, :] = s[9, :1024].repeat(n // 1024)  # every value repeated: ties spread over all programs
+        counts = torch.tensor([n, n - 1, n // 3, 7, 0, 512, 513, n, n, n], device="cuda")
+        for _ in range(3):  # the atomics' order varies between runs; each run must be right
+            out = torch.full((T, 512), -7, dtype=torch.int64, device="cuda")
+            _check_topk(s, counts, 512, radix_topk(s, counts, 512, out=out, **VARIANTS[variant]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_indexer_topk_variants(variant: str, monkeypatch) -> None:
+    """The indexer's top-k through each variant (Flash shapes, MXFP4 and exact FP32 scores)."""
+    monkeypatch.setattr(topk_mod, "DEFAULT_VARIANT", variant)
+    for fmt in ("mxfp4", "fp32"):
+        cfg, cache, layer, batch = _scenario("cuda", fmt, heads=64, k=512, steps=FLASH_STEPS, block_size=256, seed=7)
+        q, w = _queries(cfg, fmt, batch.num_tokens, "cuda", seed=8)
+        nm = _numerics(fmt)
+        n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+        layer.workspace.get("indexer_topk", (4096,), torch.int32).fill_(999)  # garbage from an earlier step
+        got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype)
+        buf = layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype)
+        _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)

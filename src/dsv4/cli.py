@@ -1,21 +1,30 @@
-"""Command line: ``dsv4 run`` (the main job).
+"""Command line: ``dsv4 run`` (the main job), ``dsv4 plan``, ``dsv4 bench``, ``dsv4 check``.
 
-Until the continuous-batching runner lands, ``dsv4 run`` runs the real reference forward of every layer of a
-preset (every layer kind) on random weights and inputs, in both numerics, and reports what it computed: per
-layer its kind, the keys each query saw, the compressed entries produced, how far the official (FP8/MXFP4)
-numerics land from the exact FP32 ones, and the time taken. It then runs the same sequence through the paged
-``HybridCache`` with ``dsv4.Attention`` (a prefill chunk, more chunks, then 1–4-token decode steps) and checks
-the outputs against the reference (PASS/FAIL).
+* ``dsv4 run`` — the engine: a stack of attention layers (every main layer of a preset by default) over the
+  paged hybrid cache, many requests through a continuous-batching scheduler (chunked prefill + decode). Prints
+  prefill / decode throughput, step-latency percentiles, cache memory against a dense BF16 cache, and a spot
+  check of a few requests against ``dsv4.reference`` (PASS/FAIL; exit code 1 on FAIL). Defaults: the tiny
+  preset on the CPU (about a minute on a laptop), a V4-Flash workload on a GPU.
+* ``dsv4 plan`` — the memory planner: bytes per token and per request by layer kind and storage format, what
+  fits a memory budget; ``--plot`` draws memory against context length.
+* ``dsv4 bench`` — kernel benchmarks (``benchmarks/bench_*.py``) and the end-to-end decode benchmark, as a table
+  and JSON with roofline fractions.
+* ``dsv4 check`` — every layer of a preset through the reference (both numerics) and through the cache, one
+  sequence, checked against the reference (the former ``dsv4 run``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import platform
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,6 +45,388 @@ def _pick_device(name: str) -> torch.device:
     return dev
 
 
+def _load_config(args: argparse.Namespace, default_preset: str) -> ModelConfig:
+    """``--config`` (a config.json or its directory), else ``--checkpoint``'s config.json, else ``--preset``."""
+    try:
+        if getattr(args, "config", None):
+            return ModelConfig.from_hf(args.config)
+        if getattr(args, "checkpoint", None) and not getattr(args, "preset", None):
+            from .checkpoint import config_from_checkpoint
+
+            return config_from_checkpoint(args.checkpoint)
+        return ModelConfig.preset(args.preset or default_preset)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: cannot load the model configuration: {e}") from None
+
+
+def _parse_layers(spec: Sequence[str] | None, cfg: ModelConfig, default: str = "main") -> list[int]:
+    """``main`` (0 … num_layers−1), ``all`` (MTP included), ``kinds`` (the first layer of each kind), or
+    indices / ranges (``0 2 5-9``)."""
+    spec = list(spec) if spec else [default]
+    if len(spec) == 1 and spec[0] in ("main", "all", "kinds"):
+        if spec[0] == "main":
+            return list(range(cfg.num_layers))
+        if spec[0] == "all":
+            return list(range(cfg.num_attention_layers))
+        seen: dict[LayerKind, int] = {}
+        for i in range(cfg.num_layers):
+            seen.setdefault(cfg.layer_kind(i), i)
+        return sorted(seen.values())
+    out: list[int] = []
+    for tok in spec:
+        for part in str(tok).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                if "-" in part[1:]:
+                    a, b = part.split("-", 1)
+                    out.extend(range(int(a), int(b) + 1))
+                else:
+                    out.append(int(part))
+            except ValueError:
+                raise SystemExit(f"error: bad layer spec {part!r} (use main, all, kinds, or indices like 0 2 5-9)") from None
+    for i in out:
+        if not 0 <= i < cfg.num_attention_layers:
+            raise SystemExit(f"error: layer {i} out of range for {cfg.name} (0..{cfg.num_attention_layers - 1})")
+    if len(set(out)) != len(out):
+        raise SystemExit(f"error: repeated layers in {out}")
+    return out
+
+
+def _kinds_summary(cfg: ModelConfig, layers: Sequence[int]) -> str:
+    counts = {k: sum(1 for i in layers if cfg.layer_kind(i) is k) for k in LayerKind}
+    parts = [f"{n} {k.name}" for k, n in counts.items() if n]
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        rng = f"{layers[0]}-{layers[-1]}"
+    else:
+        rng = ",".join(map(str, layers))
+    return f"layers {rng} ({', '.join(parts)})"
+
+
+def _mib(n: float) -> str:
+    from .planner import human_bytes
+
+    return human_bytes(n)
+
+
+def _emit_json(obj: Any, target: str | None) -> None:
+    text = json.dumps(obj, indent=2, default=_json_default)
+    if target in (None, "-"):
+        print(text)
+    else:
+        with open(target, "w") as f:
+            f.write(text + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, (torch.device, torch.dtype)):
+        return str(o)
+    return str(o)
+
+
+def _clean(o: Any) -> Any:
+    """NaN/Inf → None, recursively (strict JSON)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+# ==================================================================================================== dsv4 run
+_CPU_DEFAULTS = {"preset": "tiny", "requests": 16, "prompt_len": "uniform:64:384", "gen_len": "32", "max_running": 8,
+                 "max_batched_tokens": 512}
+_GPU_DEFAULTS = {"preset": "v4-flash", "requests": 64, "prompt_len": "8192", "gen_len": "256", "max_running": 64,
+                 "max_batched_tokens": 8192}
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``dsv4 run``: the engine over a workload, figures, and a spot check against the reference."""
+    from .engine import Engine, EngineConfig, LengthSpec, make_requests, spot_check
+    from .engine.runner import pick_device, weights_bytes
+    from .planner import parse_bytes
+
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit("error: --threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    d = _GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS
+    cfg = _load_config(args, d["preset"])
+    layers = _parse_layers(args.layers, cfg)
+    n_req = args.requests if args.requests is not None else d["requests"]
+    try:
+        p_spec = LengthSpec.parse(args.prompt_len or d["prompt_len"], 1)
+        g_spec = LengthSpec.parse(args.gen_len if args.gen_len is not None else d["gen_len"], 0)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if n_req < 1:
+        raise SystemExit("error: --requests must be >= 1")
+    max_running = args.max_running or min(d["max_running"], n_req)
+    budget = args.max_batched_tokens or d["max_batched_tokens"]
+    block_size = args.block_size or (256 if cfg.window >= 128 else 64)
+    weights_mode = args.checkpoint or args.weights
+    cache_memory = parse_bytes(args.cache_memory) if args.cache_memory else None
+    json_only = args.json == "-"
+    say: Callable[..., None] = (lambda *a, **k: None) if json_only else print
+    try:
+        econf = EngineConfig(
+            backend=args.backend, device=str(device), numerics=args.numerics, block_size=block_size,
+            max_running=max_running, max_batched_tokens=budget, max_prefill_chunk=args.max_prefill_chunk,
+            decode_tokens=args.decode_tokens, cache_memory=cache_memory, cuda_graphs=args.cuda_graphs,
+            weights=weights_mode, seed=args.seed,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    requests = make_requests(n_req, p_spec, g_spec, seed=args.seed, max_total=cfg.max_position)
+    if args.arrival_every < 0:
+        raise SystemExit("error: --arrival-every must be >= 0")
+    for i, r in enumerate(requests):
+        r.arrival_step = i * args.arrival_every
+    act_bytes = 2 if args.numerics == "official" else 4
+    one_per_kind = sorted({next(i for i in layers if cfg.layer_kind(i) is k) for k in {cfg.layer_kind(i) for i in layers}})
+    w_bytes = weights_bytes(cfg, one_per_kind if weights_mode == "shared" else layers, act_bytes)
+    if device.type == "cuda" and weights_mode == "random":
+        free, _ = torch.cuda.mem_get_info(device)
+        if w_bytes > 0.7 * free:
+            say(f"note: random weights of {len(layers)} layers need {_mib(w_bytes)} but {_mib(free)} is free: "
+                "using --weights shared (one random set per layer kind, shared by its layers)")
+            weights_mode = "shared"
+            econf = dataclasses.replace(econf, weights="shared")
+            w_bytes = weights_bytes(cfg, one_per_kind, act_bytes)
+
+    say(f"dsv4 {__version__} run — {platform.processor() or platform.machine()}"
+        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "") + f", torch {torch.__version__}")
+    say(cfg.describe())
+    t_build = time.perf_counter()
+    try:
+        engine = Engine(cfg, layers, econf, progress=not args.no_progress and not json_only)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    build_s = time.perf_counter() - t_build
+    say(f"stack: {_kinds_summary(cfg, layers)}; backend {engine.backend} on {device}; numerics {args.numerics}; "
+        f"weights {weights_mode} ({_mib(w_bytes)}, built in {build_s:.1f} s)")
+    tot_p = sum(r.prompt_len for r in requests)
+    tot_g = sum(r.gen_len for r in requests)
+    say(f"workload: {n_req} requests, prompt {p_spec} ({tot_p:,} tokens), generate {g_spec} ({tot_g:,} tokens); "
+        f"<= {max_running} running, {budget}-token step budget, {args.decode_tokens} token(s) per decode step"
+        + (f", one arrival every {args.arrival_every} steps" if args.arrival_every else ""))
+
+    # Spot-check requests: the longest and the shortest (distinct), plus more if asked.
+    n_check = max(0, min(args.check_requests, n_req))
+    check_layers: list[int] = []
+    if n_check:
+        by_len = sorted(requests, key=lambda r: (r.total_len, r.number))
+        picks = [by_len[-1], by_len[0]] + by_len[1:-1]
+        chosen = []
+        for r in picks:
+            if r not in chosen:
+                chosen.append(r)
+        chosen = chosen[:n_check]
+        check_layers = (layers if len(layers) <= 8 else _parse_layers(["kinds"], cfg)) if args.check_layers is None \
+            else _parse_layers(args.check_layers, cfg)
+        check_layers = [li for li in check_layers if li in layers]
+        engine.trace([r.request_id for r in chosen], check_layers)
+
+    try:
+        stats = engine.run(requests, progress=not args.no_progress and not json_only)
+    except Exception as e:  # the run itself failing is an error, not a FAIL of the check
+        raise SystemExit(f"error: the run failed: {type(e).__name__}: {e}") from e
+    s = stats.summary()
+    cache = engine.cache
+    assert cache is not None
+    state_per_slot = cache.state.bytes_per_slot
+    per_block = cache.pool.bytes_per_block
+
+    say("")
+    say(f"cache: {_mib(s['cache_bytes_allocated'])} allocated ({cache.num_blocks} blocks of {block_size} tokens x "
+        f"{_mib(per_block)}, {cache.max_requests} state slots x {_mib(state_per_slot)})"
+        + (f"; CUDA graphs for decode batches {list(engine.graphs.sizes)} (captured in {s['graph_capture_s']:.1f} s)"
+           if engine.graphs is not None else "; CUDA graphs: off"))
+    say(f"{'':<10}{'tokens':>12}{'seconds':>10}{'tokens/s':>12}")
+    pre_s = sum(r.seconds for r in stats.steps if r.prefill_tokens)
+    dec_steps = [r for r in stats.steps if not r.prefill_tokens]
+    dec_s = sum(r.seconds for r in dec_steps)
+    dec_tok = sum(r.decode_tokens for r in dec_steps)
+    say(f"{'prefill':<10}{s['prefill_tokens']:>12,}{pre_s:>10.2f}{s['prefill_tok_s']:>12,.0f}   "
+        f"({sum(1 for r in stats.steps if r.prefill_tokens)} steps with prefill; their decode tokens ride along)")
+    say(f"{'decode':<10}{dec_tok:>12,}{dec_s:>10.2f}{s['decode_tok_s']:>12,.0f}   "
+        f"({s['decode_steps']} decode-only steps, mean batch {s['decode_batch_mean']:.1f}, {s['graph_steps']} graph replays)")
+    say(f"{'total':<10}{s['prefill_tokens'] + s['decode_tokens']:>12,}{s['wall_s']:>10.2f}{s['total_tok_s']:>12,.0f}")
+    say(f"{'step ms':<16}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
+    for k in ("decode", "prefill"):
+        q = s["step_ms"][k]
+        label = "decode-only" if k == "decode" else "with prefill"
+        say(f"  {label:<14}{q['p50']:>10.2f}{q['p90']:>10.2f}{q['p99']:>10.2f}{q['max']:>10.2f}")
+    say(f"time to first token p50 {s['ttft_s']['p50']:.2f} s, p90 {s['ttft_s']['p90']:.2f} s; "
+        f"request done p50 {s['e2e_s']['p50']:.2f} s")
+    tok = s["tokens_cached_at_peak"]
+    peak = s["cache_bytes_peak"]
+    dense = s["dense_bf16_bytes_at_peak"]
+    say(f"cache in use at peak: {_mib(peak)} for {tok:,} tokens ({peak / max(tok, 1):,.0f} B/token incl. windows and "
+        f"compressor state); a dense BF16 cache of the same tokens needs {_mib(dense)} "
+        f"({dense / max(peak, 1):.1f}x)")
+
+    failures = 0
+    check_rows: list[dict[str, Any]] = []
+    if n_check:
+        engine.graphs = None
+        engine.cache = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        rows = spot_check(engine)
+        check_s = time.perf_counter() - t0
+        say(f"\nspot check against dsv4.reference ({len(engine.traces)} requests x {len(check_layers)} layers, "
+            f"{args.numerics} numerics, {check_s:.1f} s):")
+        say(f"  {'request':<10}{'layer':>6} {'kind':<5}{'tokens':>8}{'rel err':>11}{'tol':>9}{'ties':>6}  result")
+        for r in rows:
+            say(f"  {r.request_id:<10}{r.layer:>6} {r.kind:<5}{r.tokens:>8}{r.rel_err:>11.2e}{r.tol:>9.0e}"
+                f"{r.tie_rows:>6}  {'PASS' if r.passed else 'FAIL'}"
+                + (f" ({r.topk_mismatch_rows} top-k rows differ beyond a tie)" if r.topk_mismatch_rows else ""))
+            failures += not r.passed
+            check_rows.append(r.as_dict())
+        say(f"spot check: {'PASS' if not failures else 'FAIL'}"
+            + ("" if not any(r.tie_rows for r in rows) else
+               " ('ties': CSA tokens whose top-k differs only by near-tied index scores, excluded from the error)"))
+    verdict = "PASS" if not failures else "FAIL"
+    if args.json:
+        out = {
+            "version": __version__, "command": "run", "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine()),
+            "torch": torch.__version__, "config": cfg.name, "layers": layers, "backend": engine.backend,
+            "numerics": args.numerics, "weights": weights_mode, "seed": args.seed,
+            "workload": {"requests": n_req, "prompt_len": str(p_spec), "gen_len": str(g_spec), "prompt_tokens": tot_p,
+                         "gen_tokens": tot_g, "max_running": max_running, "max_batched_tokens": budget,
+                         "decode_tokens": args.decode_tokens, "block_size": block_size},
+            "summary": s, "spot_check": check_rows, "check": verdict if n_check else None,
+        }
+        from .bench.roofline import git_commit
+
+        out["commit"] = git_commit()
+        out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        _emit_json(_clean(out), args.json)
+    return 1 if failures else 0
+
+
+# ==================================================================================================== dsv4 plan
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``dsv4 plan``: bytes per token / per request by layer kind and format, what fits a memory budget."""
+    from .planner import FORMATS, human_bytes, parse_bytes, plan_formats, plot_memory
+
+    cfg = _load_config(args, "v4-flash")
+    layers = _parse_layers(args.layers, cfg)
+    try:
+        memory = parse_bytes(args.memory)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    context = args.context
+    if not 1 <= context <= cfg.max_position:
+        raise SystemExit(f"error: --context must be in 1..{cfg.max_position} (max_position of {cfg.name})")
+    formats = args.formats or ["official", "hopper", "exact", "dense-bf16"]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise SystemExit(f"error: unknown format(s) {bad}; choose from {sorted(FORMATS)}")
+    plans = plan_formats(cfg, context, memory, layers, formats, args.block_size)
+    say: Callable[..., None] = (lambda *a, **k: None) if args.json == "-" else print
+    say(f"dsv4 {__version__} plan — {cfg.describe()}")
+    say(f"counted: {_kinds_summary(cfg, layers)}"
+        + (" (the MTP block excluded; add it with --layers all)" if cfg.num_mtp_layers and len(layers) == cfg.num_layers
+           and layers == list(range(cfg.num_layers)) else ""))
+    say(f"assumptions: cache only (no weights, activations or kernel workspace); {args.block_size}-token pool blocks, "
+        f"block rounding and page padding as HybridCache allocates; no prefix sharing; per-request fixed state = "
+        f"the {cfg.window}-token SWA ring of every layer (+ int32 positions) and the CSA/HCA compressor tails in FP32; "
+        f"the dense baseline keeps every token of every layer as one 512-dim BF16 KV entry (K = V) and no state.")
+    say("")
+    official = next((p for p in plans if p.kinds), None)
+    if official is not None:
+        say(f"per layer kind ({official.format} format):")
+        say(f"  {'kind':<5}{'layers':>7}{'ratio':>6}{'KV B':>7}{'index B':>8}{'B/token':>9}{'state/request':>15}"
+            f"{'pool/block':>12}")
+        for k in official.kinds:
+            say(f"  {k.kind:<5}{k.layers:>7}{k.ratio:>6}{k.kv_entry_bytes:>7}{k.index_entry_bytes:>8}"
+                f"{k.bytes_per_token:>9.2f}{human_bytes(k.state_bytes):>15}{human_bytes(k.pool_bytes_per_block):>12}")
+        say("")
+    say(f"context {context:,} tokens, memory budget {human_bytes(memory)}:")
+    say(f"  {'format':<11}{'B/token':>9}{'fixed/request':>15}{'per request':>13}{'B/token x ctx':>15}"
+        f"{'requests':>10}{'max context':>13}")
+    for p in plans:
+        say(f"  {p.format:<11}{p.bytes_per_token:>9,.0f}{human_bytes(p.fixed_bytes_per_request):>15}"
+            f"{human_bytes(p.bytes_per_request):>13}{human_bytes(p.spec_estimate):>15}{p.max_requests:>10,}"
+            f"{p.max_context:>13,}")
+    for p in plans:
+        say(f"  {p.format}: {p.description}")
+    if official is not None:
+        sp = official.bytes_per_token
+        say(f"\nSPEC §7.3: {official.format} grows {sp:,.2f} B/token over these layers "
+            f"({' + '.join(f'{k.layers} {k.kind} x {k.bytes_per_token:.2f}' for k in official.kinds if k.bytes_per_token)}); "
+            f"x {context:,} tokens = {human_bytes(sp * context)}; with the fixed state "
+            f"({human_bytes(official.fixed_bytes_per_request)}) and block rounding/page padding one request holds "
+            f"{human_bytes(official.bytes_per_request)}.")
+    if args.plot:
+        try:
+            plot_memory(cfg, args.plot, formats, layers, args.block_size, memory, args.plot_max_context or cfg.max_position)
+        except ImportError as e:
+            raise SystemExit(f"error: {e}") from None
+        say(f"plot written to {args.plot}")
+    if args.json:
+        _emit_json(_clean({
+            "version": __version__, "command": "plan", "config": cfg.name, "layers": layers, "context": context,
+            "memory_bytes": memory, "block_size": args.block_size,
+            "plans": [dict(p.__dict__, kinds=[k.__dict__ for k in p.kinds]) for p in plans],
+        }), args.json)
+    return 0
+
+
+# ==================================================================================================== dsv4 bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``dsv4 bench``: kernel benchmark scripts + the end-to-end decode benchmark → table + JSON."""
+    from .bench.suite import format_table, run_suite, write_results
+    from .engine.runner import pick_device
+
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    e2e_kwargs: dict[str, Any] = {"backend": args.backend}
+    if args.e2e_preset:
+        e2e_kwargs["preset"] = args.e2e_preset
+    if args.e2e_batch:
+        e2e_kwargs["batches"] = args.e2e_batch
+    if args.e2e_context:
+        e2e_kwargs["contexts"] = args.e2e_context
+    if args.e2e_layers:
+        cfg = ModelConfig.preset(args.e2e_preset or ("v4-flash" if device.type == "cuda" else "tiny"))
+        e2e_kwargs["layers"] = _parse_layers(args.e2e_layers, cfg)
+    if args.e2e_gen is not None:
+        e2e_kwargs["gen"] = args.e2e_gen
+    say = print if args.json != "-" else (lambda *a, **k: None)
+    result = run_suite(device, quick=args.quick, directory=args.dir, only=args.only, e2e=not args.no_e2e,
+                       e2e_kwargs=e2e_kwargs, say=say)
+    table = format_table(result)
+    say("")
+    say(table)
+    out_dir = args.out
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        jp, tp = os.path.join(out_dir, f"bench-{stamp}.json"), os.path.join(out_dir, f"bench-{stamp}.md")
+        write_results(_clean(result), jp, tp)
+        say(f"\nwrote {jp} and {tp}")
+    if args.json:
+        _emit_json(_clean(result), args.json)
+    return 1 if any(sec["error"] for sec in result["sections"]) else 0
+
+
+# ==================================================================================================== dsv4 check
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -80,7 +471,8 @@ def _through_cache(
     return torch.cat(outs), torch.cat(idx), len(chunks), in_use
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_check(args: argparse.Namespace) -> int:
+    """``dsv4 check``: every layer of a preset through the reference (both numerics) and through the cache."""
     cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.preset(args.preset)
     device = _pick_device(args.device)
     layers = list(range(cfg.num_attention_layers)) if args.layers is None else args.layers
@@ -88,7 +480,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg.layer_kind(li)  # range check with a clear error
     S = args.seq_len
     say = (lambda *a, **k: None) if args.json else print
-    say(f"dsv4 {__version__} run — reference forward on {device} ({platform.processor() or platform.machine()})")
+    say(f"dsv4 {__version__} check — reference forward on {device} ({platform.processor() or platform.machine()})")
     say(cfg.describe())
     say(f"sequence: {S} tokens at positions 0..{S - 1}; layers {layers}; seed {args.seed}\n")
     say(f"{'layer':>5} {'kind':>4} {'entries':>7} {'keys/query':>10} {'exact ms':>9} {'official ms':>11} "
@@ -157,18 +549,93 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 hybrid attention: reference, cache and kernels")
+    p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 hybrid attention: reference, cache, kernels, runner")
     p.add_argument("--version", action="version", version=f"dsv4 {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run the main job (reference forward of every layer kind; CPU when there is no GPU)")
-    r.add_argument("--preset", default="tiny", choices=ModelConfig.presets(), help="model preset (default: tiny)")
-    r.add_argument("--config", help="HF config.json (or its directory) instead of a preset")
-    r.add_argument("--seq-len", type=int, default=300, help="tokens per sequence (default: 300)")
-    r.add_argument("--layers", type=int, nargs="+", help="layer indices (default: all, MTP block included)")
-    r.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+
+    def model_args(q: argparse.ArgumentParser, preset_help: str) -> None:
+        q.add_argument("--preset", default=None, choices=ModelConfig.presets(), help=preset_help)
+        q.add_argument("--config", help="HF / official config.json (or its directory) instead of a preset")
+
+    def json_arg(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                       help="machine-readable JSON: to stdout alone (no PATH), or written to PATH next to the text")
+
+    r = sub.add_parser("run", help="the main job: the engine over many requests, figures, spot check vs the reference",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model_args(r, "model preset (default: tiny on the CPU, v4-flash on a GPU)")
+    r.add_argument("--layers", nargs="+", help="main (default) | all (MTP included) | kinds | indices, e.g. 0 2 5-9")
+    r.add_argument("--requests", type=int, help="number of requests (default: 16 CPU / 64 GPU)")
+    r.add_argument("--prompt-len", help="prompt length: N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEDIAN:SIGMA, "
+                                        "choice:A,B (default: uniform:64:384 CPU / 8192 GPU)")
+    r.add_argument("--gen-len", help="generated tokens, same syntax (default: 32 CPU / 256 GPU)")
+    r.add_argument("--arrival-every", type=int, default=0, metavar="STEPS",
+                   help="request i arrives at step i*STEPS (0: all at the start)")
+    r.add_argument("--max-running", type=int, help="requests running at once (default: 8 CPU / 64 GPU)")
+    r.add_argument("--max-batched-tokens", type=int, help="token budget per step (default: 512 CPU / 8192 GPU)")
+    r.add_argument("--max-prefill-chunk", type=int, help="largest prefill chunk per request per step")
+    r.add_argument("--decode-tokens", type=int, default=1, choices=(1, 2, 3, 4),
+                   help="tokens per decode step per request (2-4: speculative / MTP decoding)")
+    r.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    r.add_argument("--numerics", default="official", choices=("official", "exact"))
+    r.add_argument("--block-size", type=int, help="tokens per pool block (default 256; 64 for the tiny preset)")
+    r.add_argument("--cache-memory", help="cache budget, e.g. 20GiB (default: enough for --max-running requests of "
+                                          "the longest length; smaller budgets make requests wait)")
+    r.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="decode steps as CUDA graph replays (auto: when the backend is graph-safe)")
+    r.add_argument("--weights", default="random", choices=("random", "shared"),
+                   help="random per layer, or one random set per layer kind shared by its layers")
+    r.add_argument("--checkpoint", help="HF-format safetensors checkpoint directory (official or transformers names)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    r.add_argument("--check-requests", type=int, default=2, help="requests spot-checked against the reference (0: none)")
+    r.add_argument("--check-layers", nargs="+", help="layers spot-checked (default: all if <= 8 layers, else kinds)")
+    r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 helps on a busy machine)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    json_arg(r)
     r.set_defaults(func=cmd_run)
+
+    pl = sub.add_parser("plan", help="memory planner: bytes per token / request, capacity of a memory budget",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model_args(pl, "model preset (default: v4-flash)")
+    pl.add_argument("--context", type=int, default=1 << 20, help="tokens per request")
+    pl.add_argument("--memory", default="80GiB", help="cache memory budget (e.g. 80GiB, 141GB)")
+    pl.add_argument("--layers", nargs="+", help="main (default) | all | kinds | indices")
+    pl.add_argument("--block-size", type=int, default=256)
+    pl.add_argument("--formats", nargs="+", help="official hopper exact prototype dense-bf16 "
+                                                 "(default: official hopper exact dense-bf16)")
+    pl.add_argument("--plot", metavar="PNG", help="draw per-request memory against context length (needs matplotlib)")
+    pl.add_argument("--plot-max-context", type=int, help="right end of the plot (default: max_position)")
+    json_arg(pl)
+    pl.set_defaults(func=cmd_plan)
+
+    b = sub.add_parser("bench", help="kernel + end-to-end benchmarks with roofline fractions (table + JSON)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--device", default="auto")
+    b.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="end-to-end backend")
+    b.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    b.add_argument("--dir", help="directory of bench_*.py scripts (default: the checkout's benchmarks/)")
+    b.add_argument("--only", nargs="+", help="run only benchmarks whose name contains one of these (e2e: the engine)")
+    b.add_argument("--no-e2e", action="store_true", help="skip the end-to-end benchmark")
+    b.add_argument("--e2e-preset", choices=ModelConfig.presets())
+    b.add_argument("--e2e-layers", nargs="+", help="layers of the end-to-end stack (default: main)")
+    b.add_argument("--e2e-batch", type=int, nargs="+", help="decode batch sizes (default 1 8 64 GPU / 1 4 CPU)")
+    b.add_argument("--e2e-context", type=int, nargs="+", help="context lengths (default 4096 GPU / 128 CPU)")
+    b.add_argument("--e2e-gen", type=int, help="decode steps per request")
+    b.add_argument("--out", default="benchmarks/results", help="directory for bench-<date>.json / .md ('' = none)")
+    json_arg(b)
+    b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("check", help="every layer of a preset through the reference and the cache, one sequence",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("--preset", default="tiny", choices=ModelConfig.presets(), help="model preset")
+    c.add_argument("--config", help="HF config.json (or its directory) instead of a preset")
+    c.add_argument("--seq-len", type=int, default=300, help="tokens per sequence")
+    c.add_argument("--layers", type=int, nargs="+", help="layer indices (default: all, MTP block included)")
+    c.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    c.set_defaults(func=cmd_check)
     return p
 
 

@@ -146,14 +146,20 @@ class Attention:
         pos = batch.positions
 
         q, q_latent = query_path(w, cfg, x, pos, inv_freq, nm)
-        kv = ops.window_entries(rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps), pos, inv_freq, nm, cfg.nope_dim)
+        kv_in = rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps)
         m, entry_idx = self.ratio, None
-        if self.kind is not LayerKind.SWA:
-            ops.compress(layer, batch, x, w.compressor, "kv", m, self.kind is LayerKind.CSA, inv_freq, cfg.norm_eps, nm, cfg.nope_dim)
+        if self.kind is LayerKind.SWA:
+            kv = ops.window_entries(kv_in, pos, inv_freq, nm, cfg.nope_dim)
+        else:
+            # The window entries and every compressor of the layer in one op (one launch on the Triton backend).
+            compressors = [(w.compressor, "kv")]
             if self.kind is LayerKind.CSA:
-                ops.compress(
-                    layer, batch, x, w.indexer.compressor, "index", m, True, inv_freq, cfg.norm_eps, nm, cfg.nope_dim
-                )
+                compressors.append((w.indexer.compressor, "index"))
+            kv = ops.compress(
+                layer, batch, x, compressors, m, self.kind is LayerKind.CSA, inv_freq, cfg.norm_eps, nm, cfg.nope_dim,
+                kv_in,
+            )
+            if self.kind is LayerKind.CSA:
                 q_idx = ops.indexer_queries(q_latent, w.indexer, pos, inv_freq, cfg, nm)
                 head_w = indexer_head_weights(x, w.indexer, cfg, nm)
                 entry_idx = ops.indexer_topk(layer, batch, m, q_idx, head_w, cfg.index_topk, nm.score_dtype)
@@ -164,4 +170,6 @@ class Attention:
         ops.append_swa(layer, batch, kv)
         if entry_idx is None:
             entry_idx = torch.empty((batch.num_tokens, 0), dtype=torch.int64, device=x.device)
+        elif entry_idx.dim() == 1:  # HCA on the Triton backend: per-token counts; StepOutputs keeps the [T, N] list
+            entry_idx = backend_ops("torch").all_visible_entries(batch, m)
         return StepOutputs(grouped_output(w, cfg, o, nm), lse, entry_idx)

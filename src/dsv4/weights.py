@@ -27,12 +27,16 @@ field                       shape                                  meaning
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
 from .config import LayerKind, ModelConfig
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointIndex
 
 __all__ = ["AttentionWeights", "CompressorWeights", "IndexerWeights"]
 
@@ -73,16 +77,25 @@ class AttentionWeights:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def random(cls, cfg: ModelConfig, layer_idx: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> "AttentionWeights":
+    def random(
+        cls,
+        cfg: ModelConfig,
+        layer_idx: int,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionWeights":
         """Random weights with realistic scales: projections ~ N(0, 1/fan_in) (unit-scale activations), norm
-        weights near 1, sinks and position biases O(1). Deterministic in ``seed`` and ``layer_idx``."""
-        g = torch.Generator().manual_seed(int(seed) * 1000003 + layer_idx)
+        weights near 1, sinks and position biases O(1). Deterministic in ``seed``, ``layer_idx`` and the device
+        type (``device="cuda"`` draws on the GPU: fast for full-size presets, a different stream than the CPU's)."""
+        dev = torch.device(device)
+        g = torch.Generator(device=dev).manual_seed(int(seed) * 1000003 + layer_idx)
 
         def lin(out_f: int, in_f: int) -> torch.Tensor:
-            return (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).to(dtype)
+            return (torch.randn(out_f, in_f, generator=g, device=dev) * in_f**-0.5).to(dtype)
 
         def norm(n: int) -> torch.Tensor:
-            return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+            return (1.0 + 0.1 * torch.randn(n, generator=g, device=dev)).to(dtype)
 
         d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         kind = cfg.layer_kind(layer_idx)
@@ -92,7 +105,7 @@ class AttentionWeights:
             wq_b=lin(H * D, cfg.q_lora_rank),
             wkv=lin(D, d),
             kv_norm=norm(D),
-            attn_sink=(torch.randn(H, generator=g) + 1.0).to(dtype),
+            attn_sink=(torch.randn(H, generator=g, device=dev) + 1.0).to(dtype),
             wo_a=lin(cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups),
             wo_b=lin(d, cfg.o_groups * cfg.o_lora_rank),
         )
@@ -100,7 +113,8 @@ class AttentionWeights:
         def compressor(c: int, m: int, overlap: bool) -> CompressorWeights:
             width = 2 * c if overlap else c
             return CompressorWeights(
-                wkv=lin(width, d), wgate=lin(width, d), ape=(0.5 * torch.randn(m, width, generator=g)).to(dtype), norm=norm(c)
+                wkv=lin(width, d), wgate=lin(width, d), ape=(0.5 * torch.randn(m, width, generator=g, device=dev)).to(dtype),
+                norm=norm(c),
             )
 
         if kind is LayerKind.CSA:
@@ -140,6 +154,60 @@ class AttentionWeights:
             if indexer is not None:
                 w.indexer = IndexerWeights(wq_b=t(indexer.q_b_proj.weight), weights_proj=t(indexer.scorer.weights_proj.weight), compressor=comp(indexer))
         return w
+
+    @classmethod
+    def from_named(cls, tensors: "Mapping[str, torch.Tensor]", kind: LayerKind) -> "AttentionWeights":
+        """From ``{official dotted name: tensor}`` (the names ``named_tensors`` yields) for a layer of ``kind``.
+        Tensors are used as given (no copy, no cast)."""
+        t = dict(tensors)
+
+        def comp(prefix: str) -> CompressorWeights:
+            return CompressorWeights(
+                wkv=t[f"{prefix}wkv"], wgate=t[f"{prefix}wgate"], ape=t[f"{prefix}ape"], norm=t[f"{prefix}norm"]
+            )
+
+        w = cls(**{k: t[k] for k in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "attn_sink", "wo_a", "wo_b")})
+        if kind is not LayerKind.SWA:
+            w.compressor = comp("compressor.")
+        if kind is LayerKind.CSA:
+            w.indexer = IndexerWeights(
+                wq_b=t["indexer.wq_b"], weights_proj=t["indexer.weights_proj"], compressor=comp("indexer.compressor.")
+            )
+        return w
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: "str | os.PathLike[str] | CheckpointIndex",
+        layer_idx: int,
+        cfg: ModelConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionWeights":
+        """Layer ``layer_idx``'s attention weights from an HF-format safetensors checkpoint directory.
+
+        Reads the official DeepSeek-V4 names (``layers.{i}.attn.wq_a.weight`` …, FP8 E4M3 weights with per-128×128
+        block ``.scale`` / ``.weight_scale_inv``, dequantized exactly) or ``transformers``' own names
+        (``layers.{i}.self_attn.q_a_proj.weight`` …); see ``dsv4.checkpoint``. Only this layer's tensors are read.
+
+        Args:
+            path: checkpoint directory (``config.json`` + ``*.safetensors`` / ``model.safetensors.index.json``),
+                one ``.safetensors`` file, or an open ``dsv4.checkpoint.CheckpointIndex`` (to read many layers).
+            layer_idx: 0-based layer; ``≥ cfg.num_layers`` reads the MTP block (``mtp.{j}.attn``).
+            cfg: the model configuration (default: ``ModelConfig.from_hf`` of the checkpoint's ``config.json``);
+                every tensor's shape is checked against it.
+            dtype, device: where the weights go (default FP32 on the host, like ``random``).
+        Raises:
+            dsv4.checkpoint.CheckpointError: missing files, tensors or scales; ``ValueError`` for wrong shapes.
+        """
+        from .checkpoint import CheckpointIndex, config_from_checkpoint, read_attention_tensors
+
+        index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
+        cfg = cfg if cfg is not None else config_from_checkpoint(index)
+        tensors = read_attention_tensors(index, layer_idx, cfg)
+        w = cls.from_named(tensors, cfg.layer_kind(layer_idx))
+        w.check(cfg, layer_idx)
+        return w.to(device, dtype) if (dtype != torch.float32 or torch.device(device).type != "cpu") else w
 
     # ------------------------------------------------------------------ utilities
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,14 +2,21 @@
 
 Modules, one job each: ``storage`` (entry codecs over uint8 pages), ``schema`` (per-layer geometry, bytes,
 capacity planning), ``allocator`` (block free list + refcounts), ``state`` (per-slot tensors), ``pool`` (paged
-tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``errors``.
+tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``preempt`` (save / restore a request), ``errors``.
 """
 
 from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch, visible_entries
-from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
+from .errors import (
+    CacheFullError,
+    DuplicateRequestError,
+    IncompatibleSnapshotError,
+    InvalidPlanError,
+    UnknownRequestError,
+)
 from .manager import CacheSnapshot, HybridCache, LayerCache, RequestRecord
 from .pool import CompressedPool
+from .preempt import CacheGeometry, RequestSnapshot
 from .schema import (
     CapacityPlan,
     LayerCacheSchema,
@@ -39,6 +46,9 @@ __all__ = [
     "CapacityPlan",
     "CompressedPool",
     "DuplicateRequestError",
+    "IncompatibleSnapshotError",
+    "CacheGeometry",
+    "RequestSnapshot",
     "EntryStorage",
     "Fp32Storage",
     "Fp8DsMlaStorage",

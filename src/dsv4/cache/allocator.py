@@ -44,6 +44,8 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (refcount → 1). Raises ``CacheFullError`` before taking anything if fewer than
         ``n`` are free."""
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+            raise ValueError(f"number of blocks to allocate must be an int, got {type(n).__name__} {n!r}")
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):

@@ -8,6 +8,22 @@ Compressed entry i of a layer with ratio m covers tokens ``[i·m, (i+1)·m)``; i
 processes token ``(i+1)·m − 1``, stored in block ``block_tables[b, (i·m) // block_size]`` at slot
 ``((i·m) % block_size) // m``, carries RoPE position ``i·m``, and is visible to a query at t iff
 ``i < (t+1) // m`` (SPEC §4, §6).
+
+CUDA graphs. The ``emit_*`` lists have a length E_m that changes from step to step, so a captured graph cannot
+use them. Every batch therefore also carries fixed-capacity copies, ``emit_pad_request`` / ``emit_pad_entry``,
+of length ``emit_capacity[m] = Σ_b ⌈num_new[b] / m⌉`` (an upper bound on E_m that depends only on the step's
+geometry), padded with request −1, and the count itself on the device (``num_emit_device``). The recipe for an
+engine that captures a step once and replays it:
+
+1. ``static = cache.prepare_forward(plan, max_blocks=N)`` — pad the block tables to a fixed width ``N`` (the most
+   blocks a request may hold), so every later batch of the same plan shape has identical tensor shapes;
+2. run the layers once eagerly on ``static`` (warm-up: Triton compilation, workspace growth), then capture them in
+   a ``torch.cuda.CUDAGraph`` (capture records launches, it does not run them);
+3. every step: ``fresh = cache.prepare_forward(plan, max_blocks=N)`` (same request count and tokens per
+   request, any positions / slots / blocks), ``static.copy_(fresh)``, copy the inputs into the captured input
+   tensors, ``graph.replay()``.
+
+Graph-safe kernels read only the fixed-shape device tensors (never ``num_emit`` or the unpadded ``emit_*``).
 """
 
 from __future__ import annotations
@@ -79,6 +95,12 @@ class StepBatch:
         emit_slot[m]: int64 [E_m] — slot inside the block, ``((i·m) % block_size) // m``.
         emit_position[m]: int64 [E_m] — RoPE position of the entry, ``i·m`` (first token of its window).
         visible_entries[m]: int64 [T] — compressed entries visible to each token, ``(pos + 1) // m``.
+
+    Fixed-capacity emit metadata (graph-safe; see the module docstring):
+        emit_capacity[m]: ``int`` host, ``Σ_b ⌈num_new[b] / m⌉`` ≥ E_m.
+        emit_pad_request[m]: int32 [emit_capacity[m]] — ``emit_request[m]`` followed by −1 padding.
+        emit_pad_entry[m]: int64 [emit_capacity[m]] — ``emit_entry[m]`` followed by 0 padding.
+        num_emit_device[m]: int32 [1] — E_m on the device.
     """
 
     request_ids: list[str]
@@ -110,6 +132,21 @@ class StepBatch:
     emit_slot: dict[int, Tensor] = field(default_factory=dict)
     emit_position: dict[int, Tensor] = field(default_factory=dict)
     visible_entries: dict[int, Tensor] = field(default_factory=dict)
+    emit_capacity: dict[int, int] = field(default_factory=dict)
+    emit_pad_request: dict[int, Tensor] = field(default_factory=dict)
+    emit_pad_entry: dict[int, Tensor] = field(default_factory=dict)
+    num_emit_device: dict[int, Tensor] = field(default_factory=dict)
+
+    #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
+    _STATIC = (
+        "token_request", "positions", "cu_seqlens", "start_pos", "end_pos", "slots", "token_slots", "ring_slots",
+        "ring_keep",
+    )
+    _PER_RATIO_STATIC = (
+        "entries_before", "entries_after", "entries_to_emit", "cu_emit", "visible_entries", "emit_pad_request",
+        "emit_pad_entry", "num_emit_device",
+    )
+    _PER_RATIO_VARIABLE = ("emit_request", "emit_entry", "emit_block", "emit_slot", "emit_position")
 
     @property
     def num_requests(self) -> int:
@@ -118,6 +155,54 @@ class StepBatch:
     @property
     def device(self) -> torch.device:
         return self.positions.device
+
+    def copy_(self, other: "StepBatch") -> "StepBatch":
+        """Make this batch describe ``other``'s step, writing every fixed-shape device tensor in place (so a CUDA
+        graph captured on this batch replays ``other``'s step). Returns ``self``.
+
+        ``other`` must have the same geometry: the same tokens per request (``num_new``), ratios, block size and
+        window, and block tables no wider than this batch's (narrower tables are copied and padded with −1).
+        Host fields (ids, start positions, ``num_emit``) and the variable-length ``emit_*`` lists are replaced by
+        ``other``'s, so eager (non-graph) ops keep working on this batch too.
+
+        Raises:
+            ValueError: the geometries differ.
+        """
+        if not isinstance(other, StepBatch):
+            raise TypeError(f"copy_ needs a StepBatch, got {type(other).__name__}")
+        mismatch = [
+            name
+            for name, a, b in (
+                ("num_new", self.num_new, other.num_new),
+                ("ratios", self.ratios, other.ratios),
+                ("block_size", self.block_size, other.block_size),
+                ("window", self.window, other.window),
+                ("device", self.device, other.device),
+            )
+            if a != b
+        ]
+        if other.block_tables.shape[1] > self.block_tables.shape[1]:
+            mismatch.append(f"block table width ({other.block_tables.shape[1]} > {self.block_tables.shape[1]})")
+        if mismatch:
+            raise ValueError(f"StepBatch.copy_: geometry differs in {', '.join(mismatch)}")
+        for name in self._STATIC:
+            getattr(self, name).copy_(getattr(other, name))
+        for name in self._PER_RATIO_STATIC:
+            dst, src = getattr(self, name), getattr(other, name)
+            for m in self.ratios:
+                dst[m].copy_(src[m])
+        w = other.block_tables.shape[1]
+        if w == self.block_tables.shape[1]:
+            self.block_tables.copy_(other.block_tables)
+        else:
+            self.block_tables[:, :w].copy_(other.block_tables)
+            self.block_tables[:, w:].fill_(-1)
+        for name in self._PER_RATIO_VARIABLE:
+            getattr(self, name).update(getattr(other, name))
+        self.request_ids = list(other.request_ids)
+        self.start_positions = list(other.start_positions)
+        self.num_emit = dict(other.num_emit)
+        return self
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{r}:{s}+{n}" for r, s, n in zip(self.request_ids, self.start_positions, self.num_new))
@@ -138,11 +223,13 @@ def build_step_batch(
     block_size: int,
     window: int,
     device: torch.device | str = "cpu",
+    max_blocks: int | None = None,
 ) -> StepBatch:
     """Build a ``StepBatch`` from host lists (vectorised on the host in int64, then moved once to ``device``).
 
     ``block_tables[b]`` must already cover every entry the step emits (``HybridCache.prepare_forward`` grows the
-    tables before calling this).
+    tables before calling this). ``max_blocks`` pads the device block table to that width (−1), for batches a
+    CUDA graph reuses (``StepBatch.copy_``); ``None``: the longest table of the step.
     """
     B = len(request_ids)
     n = torch.tensor(list(num_new), dtype=torch.int64)
@@ -154,7 +241,11 @@ def build_step_batch(
     req = torch.repeat_interleave(torch.arange(B), n)  # [T]
     positions = start[req] + torch.arange(T) - cu[:-1][req]
     slot_t = torch.tensor(list(slots), dtype=torch.int64)
-    max_blocks = max((len(t) for t in block_tables), default=0)
+    longest = max((len(t) for t in block_tables), default=0)
+    if max_blocks is None:
+        max_blocks = longest
+    elif max_blocks < longest:
+        raise ValueError(f"max_blocks={max_blocks} is smaller than the longest block table of the step ({longest})")
     tables = torch.full((B, max_blocks), -1, dtype=torch.int64)
     for b, t in enumerate(block_tables):  # host loop over requests only
         if len(t):
@@ -164,10 +255,12 @@ def build_step_batch(
         k: {}
         for k in (
             "entries_before", "entries_after", "entries_to_emit", "cu_emit", "emit_request", "emit_entry",
-            "emit_block", "emit_slot", "emit_position", "visible_entries",
+            "emit_block", "emit_slot", "emit_position", "visible_entries", "emit_pad_request", "emit_pad_entry",
+            "num_emit_device",
         )
     }
     num_emit: dict[int, int] = {}
+    emit_capacity: dict[int, int] = {}
     for m in sorted(set(ratios)):
         before, after = start // m, end // m
         emit = after - before
@@ -191,6 +284,15 @@ def build_step_batch(
         per_m["emit_slot"][m] = (e_pos % block_size) // m
         per_m["emit_position"][m] = e_pos
         per_m["visible_entries"][m] = visible_entries(positions, m)
+        cap = int(sum(-(-int(k) // m) for k in num_new))
+        emit_capacity[m] = cap
+        pad_req = torch.full((cap,), -1, dtype=torch.int32)
+        pad_req[:E] = e_req.to(torch.int32)
+        pad_entry = torch.zeros(cap, dtype=torch.int64)
+        pad_entry[:E] = e_entry
+        per_m["emit_pad_request"][m] = pad_req
+        per_m["emit_pad_entry"][m] = pad_entry
+        per_m["num_emit_device"][m] = torch.tensor([E], dtype=torch.int32)
 
     dev = torch.device(device)
     to = lambda t: t.to(dev)  # noqa: E731
@@ -204,6 +306,7 @@ def build_step_batch(
         window=window,
         ratios=tuple(sorted(set(ratios))),
         num_emit=num_emit,
+        emit_capacity=emit_capacity,
         token_request=to(req.to(torch.int32)),
         positions=to(positions),
         cu_seqlens=to(cu.to(torch.int32)),

@@ -5,7 +5,13 @@ All of them are raised *before* anything changes: a failed call leaves the cache
 
 from __future__ import annotations
 
-__all__ = ["CacheFullError", "UnknownRequestError", "DuplicateRequestError", "InvalidPlanError"]
+__all__ = [
+    "CacheFullError",
+    "UnknownRequestError",
+    "DuplicateRequestError",
+    "InvalidPlanError",
+    "IncompatibleSnapshotError",
+]
 
 
 class CacheFullError(RuntimeError):
@@ -20,8 +26,13 @@ class UnknownRequestError(KeyError):
 
 
 class DuplicateRequestError(ValueError):
-    """``add_request`` with an id that is already active."""
+    """``add_request`` / ``restore_request`` with an id that is already active."""
 
 
 class InvalidPlanError(ValueError):
     """A malformed step plan (empty, bad counts, repeated ids, positions past ``max_position``) or cache geometry."""
+
+
+class IncompatibleSnapshotError(ValueError):
+    """``restore_request`` with a ``RequestSnapshot`` taken from a cache of another geometry (config, layers,
+    block size, numerics) or whose tensors do not have the shapes and dtypes this cache stores."""

@@ -24,6 +24,7 @@ from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch
 from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
 from .pool import CompressedPool
+from .preempt import RequestSnapshot, restore_request, save_request
 from .schema import LayerCacheSchema, resolve_layers, blocks_for_tokens, layer_schemas
 from .state import StateCache
 from .workspace import Workspace
@@ -90,6 +91,14 @@ class CacheSnapshot:
     tensors: dict[tuple[str, int, str], Tensor]
 
 
+def _check_int(name: str, value: object, minimum: int) -> None:
+    """``InvalidPlanError`` unless ``value`` is an int (not a bool) ``>= minimum``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise InvalidPlanError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise InvalidPlanError(f"{name} must be >= {minimum}, got {value}")
+
+
 def _same_bits(a: Tensor, b: Tensor) -> bool:
     """Bitwise tensor equality (NaN == NaN, −0 ≠ +0)."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
@@ -112,6 +121,11 @@ class HybridCache:
         block_size: token positions per pool block; a multiple of every cached compression ratio.
         device: where the tensors live.
         numerics: ``"official"`` / ``"exact"`` / a ``Numerics``: picks the KV and indexer storage formats.
+        max_step_tokens: token budget of one step: ``prepare_forward`` rejects a plan scheduling more new tokens
+            in all (``InvalidPlanError``, nothing changes). ``None``: no limit.
+
+    Every constructor argument is validated (``InvalidPlanError`` naming the bad value; an unknown layer index
+    raises ``IndexError``).
     """
 
     def __init__(
@@ -124,11 +138,19 @@ class HybridCache:
         block_size: int = 256,
         device: torch.device | str = "cpu",
         numerics: NumericsLike = "official",
+        max_step_tokens: int | None = None,
     ) -> None:
         if (num_blocks is None) == (memory_bytes is None):
             raise InvalidPlanError("give exactly one of num_blocks / memory_bytes")
-        if block_size < 1:
-            raise InvalidPlanError(f"block_size must be >= 1, got {block_size}")
+        _check_int("block_size", block_size, 1)
+        _check_int("max_requests", max_requests, 1)
+        if num_blocks is not None:
+            _check_int("num_blocks", num_blocks, 0)
+        if memory_bytes is not None:
+            _check_int("memory_bytes", memory_bytes, 0)
+        if max_step_tokens is not None:
+            _check_int("max_step_tokens", max_step_tokens, 1)
+        self.max_step_tokens: int | None = None if max_step_tokens is None else int(max_step_tokens)
         self.cfg = cfg
         self.numerics: Numerics = resolve_numerics(numerics)
         self.block_size = int(block_size)
@@ -182,16 +204,43 @@ class HybridCache:
         self.state.free_slot(rec.slot)
         del self._requests[request_id]
 
-    def prepare_forward(self, plan: Plan) -> StepBatch:
+    # ================================================================ preemption (see dsv4.cache.preempt)
+    def save_request(self, request_id: str) -> RequestSnapshot:
+        """CPU copy of the request's cache (state rows of every layer, pages of its blocks, token count); the
+        cache is not changed. Unknown id → ``UnknownRequestError``. See ``RequestSnapshot`` for shapes."""
+        return save_request(self, request_id)
+
+    def restore_request(self, request_id: str, snapshot: RequestSnapshot) -> int:
+        """Re-activate a saved request as ``request_id`` in a fresh slot and fresh blocks (copying the snapshot in);
+        returns the slot. The request then continues bit-identically to an uninterrupted run.
+
+        Raises (nothing changes):
+            DuplicateRequestError: ``request_id`` is active.
+            IncompatibleSnapshotError: snapshot of another cache geometry, or tensors of the wrong shape / dtype.
+            CacheFullError: no free slot, or fewer free blocks than the snapshot holds.
+        """
+        return restore_request(self, request_id, snapshot)
+
+    def preempt_request(self, request_id: str) -> RequestSnapshot:
+        """``save_request`` then ``release``: frees the request's slot and blocks, returns what restores it."""
+        snapshot = save_request(self, request_id)
+        self.release(request_id)
+        return snapshot
+
+    def prepare_forward(self, plan: Plan, *, max_blocks: int | None = None) -> StepBatch:
         """Schedule one step: ``plan`` maps request id → number of new tokens (plan order = token order).
 
+        ``max_blocks`` pads the batch's device block table to that width, so batches of the same plan shape have
+        identical tensor shapes (for CUDA-graph replay through ``StepBatch.copy_``; see ``dsv4.cache.batch``).
+
         Validates everything first (non-empty plan; known ids, none twice; counts are ints ≥ 1; new lengths ≤
-        ``cfg.max_position``; enough free blocks for all requests together), then grows each request's block
-        table to ``blocks_for_tokens(end, m_min, block_size)`` blocks, advances its token count and returns the
-        ``StepBatch`` on the cache's device. On any error nothing changes.
+        ``cfg.max_position``; at most ``max_step_tokens`` new tokens in all; enough free blocks for all requests
+        together), then grows each request's block table to ``blocks_for_tokens(end, m_min, block_size)`` blocks,
+        advances its token count and returns the ``StepBatch`` on the cache's device. On any error nothing changes
+        (docs/errors.md lists every error).
 
         Raises:
-            InvalidPlanError: malformed plan.
+            InvalidPlanError: malformed plan, or more tokens than ``max_step_tokens``.
             UnknownRequestError: an id that is not active.
             CacheFullError: not enough free pool blocks.
         """
@@ -216,6 +265,11 @@ class HybridCache:
                     f"max_position {self.cfg.max_position}"
                 )
             needs.append(blocks_for_tokens(end, self.min_ratio, self.block_size) - len(rec.blocks))
+        step_tokens = sum(int(n) for _, n in items)
+        if self.max_step_tokens is not None and step_tokens > self.max_step_tokens:
+            raise InvalidPlanError(
+                f"plan schedules {step_tokens} new tokens in all but max_step_tokens is {self.max_step_tokens}"
+            )
         total = sum(needs)
         if total > self.allocator.num_free:
             detail = ", ".join(f"{rid!r}: {k}" for (rid, _), k in zip(items, needs) if k)
@@ -243,9 +297,10 @@ class HybridCache:
                 block_size=self.block_size,
                 window=self.cfg.window,
                 device=self.device,
+                max_blocks=max_blocks,
             )
         except BaseException:
-            self.allocator.decref(new_blocks)
+            self.allocator.decref(reversed(new_blocks))  # reversed: the free list gets its exact order back
             raise
         for rec, table, (_, n) in zip(recs, tables, items):
             rec.blocks = table
@@ -368,15 +423,15 @@ class HybridCache:
             if not self.state.is_reset(s):
                 raise AssertionError(f"free state slot {s} does not hold its reset values")
 
+    def _tensors(self) -> dict[tuple[str, int, str], Tensor]:
+        """Every cache tensor (live, not copied) by ``("state" | "pool", layer, name)``."""
+        out = {("state", layer, name): t for layer, d in self.state.tensors.items() for name, t in d.items()}
+        out.update({("pool", layer, name): t for layer, d in self.pool.tensors.items() for name, t in d.items()})
+        return out
+
     def snapshot(self) -> CacheSnapshot:
         """Deep copy of all host records and device tensors (expensive; for tests and debugging)."""
-        tensors: dict[tuple[str, int, str], Tensor] = {}
-        for layer, d in self.state.tensors.items():
-            for name, t in d.items():
-                tensors[("state", layer, name)] = t.clone()
-        for layer, d in self.pool.tensors.items():
-            for name, t in d.items():
-                tensors[("pool", layer, name)] = t.clone()
+        tensors = {key: t.clone() for key, t in self._tensors().items()}
         return CacheSnapshot(
             requests=copy.deepcopy(self._requests),
             allocator=self.allocator.state(),
@@ -393,7 +448,7 @@ class HybridCache:
             diffs.append("allocator refcounts / free list")
         if self.state.free_slots != snap.free_slots:
             diffs.append(f"free slots: {list(snap.free_slots)} -> {list(self.state.free_slots)}")
-        now = self.snapshot().tensors
+        now = self._tensors()  # live tensors, no copy
         for key, t in snap.tensors.items():
             if key not in now or not _same_bits(now[key], t):
                 diffs.append(f"tensor {key}")

@@ -13,6 +13,7 @@ ring slots that its own earlier queries still read).
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -183,32 +184,40 @@ def compress(
     layer: LayerCache,
     batch: StepBatch,
     x: Tensor,
-    cw: CompressorWeights,
-    role: str,
+    compressors: Sequence[tuple[CompressorWeights, str]],
     m: int,
     overlap: bool,
     inv_freq: Tensor,
     eps: float,
     numerics: Numerics,
     nope_dim: int,
-) -> None:
-    """One compressor's part of a step: accumulate into the tails, pool every closing window, quantize, scatter.
+    window_kv: Tensor,
+) -> Tensor:
+    """A compressed layer's writes before attention: the step's window entries, and every compressor's
+    accumulate + flush (pool every closing window, quantize, scatter into the pool through the block table).
+
+    One op for all of them so that a backend can fuse them into one launch (the Triton backend does).
 
     Args:
         x: ``[T, d]`` the step's attention inputs (act dtype).
-        cw: the compressor's weights.
-        role: ``"kv"`` (main entries → ``layer.kv_pages``, KV format) or ``"index"`` (CSA indexer keys →
-            ``layer.index_pages``, index format).
+        compressors: ``(weights, role)`` pairs, in order: role ``"kv"`` (main entries → ``layer.kv_pages``, KV
+            format) and, for CSA, ``"index"`` (indexer keys → ``layer.index_pages``, index format).
         m, overlap: the compression ratio and CSA-style overlap (see ``compressor_step``).
+        window_kv: ``[T, D]`` ``RMSNorm(W_kv x)`` of the step's tokens (the input of ``window_entries``).
+    Returns:
+        ``window_entries(window_kv, batch.positions, …)``: ``[T, D]`` act dtype, the window entries as stored.
     """
-    if role == "kv":
-        entries = compressor_step(x, cw, layer.state, "", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
-        write_entries(layer.kv_pages, layer.schema.kv_storage, batch, m, numerics.qdq_kv(entries, nope_dim))
-    elif role == "index":
-        entries = compressor_step(x, cw, layer.state, "index_", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
-        write_entries(layer.index_pages, layer.schema.index_storage, batch, m, numerics.qdq_index(entries))
-    else:
-        raise ValueError(f"role must be 'kv' or 'index', got {role!r}")
+    kv = window_entries(window_kv, batch.positions, inv_freq, numerics, nope_dim)
+    for cw, role in compressors:
+        if role == "kv":
+            entries = compressor_step(x, cw, layer.state, "", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
+            write_entries(layer.kv_pages, layer.schema.kv_storage, batch, m, numerics.qdq_kv(entries, nope_dim))
+        elif role == "index":
+            entries = compressor_step(x, cw, layer.state, "index_", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
+            write_entries(layer.index_pages, layer.schema.index_storage, batch, m, numerics.qdq_index(entries))
+        else:
+            raise ValueError(f"role must be 'kv' or 'index', got {role!r}")
+    return kv
 
 
 def write_entries(pages: Tensor, storage: EntryStorage, batch: StepBatch, m: int, entries: Tensor) -> None:

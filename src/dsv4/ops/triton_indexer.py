@@ -1,9 +1,10 @@
 """Triton glue of the lightning indexer: ``indexer_queries`` and ``indexer_topk`` (see ``dsv4.ops.torch_ops``).
 
 ``indexer_queries`` returns an ``IndexerQueries`` (only this module's ``indexer_topk`` consumes it): the query
-operand of the scores kernel plus one fp32 scale per (token, head). ``indexer_topk`` runs two launches — the scores
-kernel (``dsv4.kernels.indexer``) into the workspace buffer ``"indexer_scores"`` and the radix select
-(``dsv4.kernels.topk``) — and returns a fixed-width ``[T, k]`` (−1 padded), which keeps the step graph-safe.
+operand of the scores kernel plus one fp32 scale per (token, head). ``indexer_topk`` runs the scores kernel
+(``dsv4.kernels.indexer``) into the workspace buffer ``"indexer_scores"``, then the radix select
+(``dsv4.kernels.topk``, its default variant; scratch ``"indexer_topk"``), and returns a fixed-width ``[T, k]`` (−1
+padded), which keeps the step graph-safe.
 
 Key formats: ``mxfp4`` (official, 68 B), ``fp8`` (vLLM 132 B) and ``fp32`` (exact) run on the kernels. ``nvfp4``
 (the prototype's format) falls back to the torch backend's scores (then the same radix top-k): not graph-safe.
@@ -21,7 +22,7 @@ from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
 from ..config import ModelConfig
 from ..kernels.indexer import FMT_FP8, FMT_FP32, FMT_MXFP4, index_scores, mxfp4_queries
-from ..kernels.topk import radix_topk
+from ..kernels import topk
 from ..numerics import Numerics
 from ..reference.indexer import index_scores as _reference_scores
 from ..reference.primitives import linear
@@ -169,4 +170,7 @@ def indexer_topk(
             scores[cu[b] : cu[b + 1], :n_entries] = _reference_scores(
                 values[cu[b] : cu[b + 1]], head_weights[cu[b] : cu[b + 1]], keys, score_dtype
             )
-    return radix_topk(scores, visible, k)
+    ws = None
+    if topk.VARIANTS[topk.DEFAULT_VARIANT]["algorithm"] == "split":  # histograms + counters per row
+        ws = layer.workspace.get("indexer_topk", topk.topk_workspace_shape(T, score_dtype), torch.int32)
+    return topk.radix_topk(scores, visible, k, workspace=ws)

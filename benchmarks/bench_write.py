@@ -1,0 +1,165 @@
+"""Benchmark of the Triton write path (issue 4): window entries + compressors (one launch) and the ring commit.
+
+Shapes: V4-Flash and V4-Pro layers (SWA, CSA, HCA); decode steps at batch 1 / 64 / 256 where every request
+closes a window (the heaviest decode step), and one 8K-token prefill chunk. For each: the µs of the Triton
+kernels alone (projection GEMMs done beforehand), the minimum bytes they must move, and the fraction of the
+copy bandwidth measured in the same run; plus the whole op time (GEMMs included) and the torch backend's, and
+the number of Triton launches of a step (counted with the profiler).
+
+    python benchmarks/bench_write.py [--quick] [--json out.json]
+
+``run(quick=False) -> list[dict]`` is what ``dsv4 bench`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import dsv4
+from dsv4.bench.roofline import environment, measure_copy_bandwidth, roofline_row, time_cuda
+from dsv4.cache import HybridCache
+from dsv4.config import LayerKind
+from dsv4.layer import Attention
+from dsv4.ops import torch_ops, triton_write
+from dsv4.reference.primitives import linear, rms_norm
+
+LAYERS = {"v4-flash": {"swa": 0, "csa": 2, "hca": 3}, "v4-pro": {"csa": 2, "hca": 3}}
+
+
+def _setup(cfg, li, plan_start: dict[str, int], plan: dict[str, int]):
+    B = len(plan)
+    max_tok = max(plan_start.get(r, 0) + n for r, n in plan.items())
+    nb = B * (max_tok // 256 + 2) + 8
+    cache = HybridCache(cfg, layers=[li], max_requests=B, num_blocks=nb, block_size=256, device="cuda")
+    for r in plan:
+        cache.add_request(r)
+        if plan_start.get(r):
+            cache.prepare_forward({r: plan_start[r]})  # advance positions only (contents don't matter for timing)
+    return cache, cache.prepare_forward(plan)
+
+
+def _bytes(cfg, kind, batch, m) -> float:
+    T, B = batch.num_tokens, batch.num_requests
+    total = T * 512 * 2 * 2  # window: read kv, write kv_new
+    kept = int(batch.ring_keep.sum())
+    total += kept * (1024 + 584 + 4)  # append: read kv_new, write entry + position
+    if kind == "swa":
+        return total
+    comps = [(1024 if kind == "csa" else 512, 584)] + ([(256, 68)] if kind == "csa" else [])
+    E = batch.num_emit[m]
+    for width, entry in comps:
+        total += T * width * 8  # read a and z_raw
+        total += E * entry  # pool writes
+        # tail rows read by the closing windows (positions before the step) and open-window rows written
+        old = sum(min(s % m, n) if (s + n) // m > s // m else 0 for s, n in zip(batch.start_positions, batch.num_new))
+        new = sum((s + n) - max(s, ((s + n) // m) * m) for s, n in zip(batch.start_positions, batch.num_new))
+        total += (old + new) * width * 8
+        if kind == "csa":
+            total += B * m * width // 2 * 8 * 2  # previous-window state read + rewritten
+    return total
+
+
+def _count_launches(fn) -> tuple[int, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    triton_k = [n for n in names if n.startswith(("_write_before", "_append_swa", "_window_entries"))]
+    return len(triton_k), len(names)
+
+
+def run(quick: bool = False) -> list[dict]:
+    bw = measure_copy_bandwidth("cuda")
+    rows = []
+    presets = ["v4-flash", "v4-pro"]
+    for preset in presets:
+        cfg = dsv4.ModelConfig.preset(preset)
+        for kind, li in LAYERS[preset].items():
+            w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
+            lay = Attention(w, cfg, li, backend="torch")
+            m = cfg.ratio(li) or 1
+            mm = max(m, 4)
+            scen = [(f"decode B={b}", {f"r{i}": mm * 4 - 1 + mm * (i % 3) for i in range(b)}, {f"r{i}": 1 for i in range(b)})
+                    for b in (1, 64, 256)]
+            scen.append(("prefill 8K", {}, {"r0": 8192}))
+            for name, start, plan in scen:
+                cache, batch = _setup(cfg, li, start, plan)
+                nm = cache.numerics
+                wd, inv = lay._weights_on(torch.device("cuda"))
+                layer = cache.layer(li)
+                x = torch.randn(batch.num_tokens, cfg.hidden_size, device="cuda").bfloat16()
+                kv_in = rms_norm(linear(x, wd.wkv, nm.act_dtype), wd.kv_norm, cfg.norm_eps)
+                comps = [] if kind == "swa" else [(wd.compressor, "kv")] + ([(wd.indexer.compressor, "index")] if kind == "csa" else [])
+
+                def op(ops=triton_write):
+                    if kind == "swa":
+                        kv = ops.window_entries(kv_in, batch.positions, inv, nm, cfg.nope_dim)
+                    else:
+                        kv = ops.compress(layer, batch, x, comps, m, kind == "csa", inv, cfg.norm_eps, nm, cfg.nope_dim, kv_in)
+                    ops.append_swa(layer, batch, kv)
+
+                if kind == "swa":
+                    from dsv4.kernels import swa_write
+
+                    kernels = lambda: swa_write.append_swa(  # noqa: E731
+                        swa_write.window_entries(kv_in, batch.positions, inv), layer.ring, layer.ring_positions,
+                        batch.token_slots, batch.ring_slots, batch.ring_keep, batch.positions, batch.window)
+                else:
+                    from dsv4.kernels import compressor as kc, swa_write
+
+                    xf = x.float()
+                    args = {}
+                    for cw, role in comps:
+                        pre = "" if role == "kv" else "index_"
+                        args[role] = kc.CompressorArgs(
+                            xf @ cw.wkv.T, xf @ cw.wgate.T, cw.ape.contiguous(), cw.norm.contiguous(),
+                            layer.state[f"{pre}tail_kv"], layer.state[f"{pre}tail_gate"], layer.state.get(f"{pre}prev_kv"),
+                            layer.state.get(f"{pre}prev_gate"), layer.kv_pages if role == "kv" else layer.index_pages)
+
+                    def kernels():
+                        kv = kc.write_before_attention(kv_in, batch.positions, inv, batch, m, kind == "csa",
+                                                       cfg.norm_eps, args["kv"], args.get("index"))
+                        swa_write.append_swa(kv, layer.ring, layer.ring_positions, batch.token_slots,
+                                             batch.ring_slots, batch.ring_keep, batch.positions, batch.window)
+
+                t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50)
+                t_op = time_cuda(op, warmup=2, iters=10 if quick else 30)
+                t_torch = time_cuda(lambda: op(torch_ops), warmup=0 if quick else 1, iters=1 if quick else 10)
+                n_tri, n_all = _count_launches(op)
+                nbytes = _bytes(cfg, kind, batch, m)
+                row = roofline_row(f"{preset} {kind} {name}", t_k, bytes=nbytes, flops=0.0, copy_bw=bw,
+                                   mm_rate=math.nan, preset=preset, kind=kind, scenario=name,
+                                   op_us=t_op * 1e6, torch_us=t_torch * 1e6, triton_launches=n_tri,
+                                   all_launches=n_all, emitted=batch.num_emit.get(m, 0), copy_gbps=bw / 1e9)
+                rows.append(row)
+                print(f"{row['name']:<34} {row['us']:9.1f} us {nbytes / 1e6:9.2f} MB {row['gbps']:8.0f} GB/s "
+                      f"{100 * row['roofline_frac']:6.1f}% | op {t_op * 1e6:8.1f} us torch {t_torch * 1e6:9.1f} us "
+                      f"| launches triton {n_tri} all {n_all}", flush=True)
+                del cache
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the acceptance shapes only, fewer repetitions")
+    ap.add_argument("--json", help="write the rows (and the environment) here")
+    a = ap.parse_args()
+    env = environment("cuda")
+    print(f"device: {env.get('device')}  copy bandwidth measured: {measure_copy_bandwidth('cuda') / 1e9:.0f} GB/s")
+    print(f"{'shape':<34} {'kernels':>12} {'bytes':>12} {'achieved':>13} {'%copy':>7} | whole op (GEMMs incl.), torch backend | launches per step")
+    rows = run(a.quick)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"environment": env, "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

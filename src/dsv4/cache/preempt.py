@@ -1,0 +1,214 @@
+"""Preemption without loss: copy one request's cache to host memory and back into other blocks and another slot.
+
+Everything the cache holds for a request is
+
+* its **state-slot rows** in every cached layer (SWA ring and ring positions; CSA/HCA compressor tails), and
+* the **pool pages of the blocks in its block table** in every compressed layer (``kv_pages``; CSA ``index_pages``),
+
+plus its token count. ``save_request`` copies exactly that to CPU tensors (a ``RequestSnapshot``);
+``restore_request`` allocates a fresh slot and fresh blocks (whichever the allocator hands out) and copies it back,
+so the request continues bit-identically to an uninterrupted run: block ids never appear in the data (entries are
+addressed through the block table, ring slots by position), so moving pages to other block ids changes nothing
+the layers compute. ``HybridCache.preempt_request`` is ``save_request`` followed by ``release``.
+
+Save between steps: after ``prepare_forward`` the token count already includes the prepared step, but its data
+is written only when the layers run it, so a request saved in between would be restored without that data.
+
+Pages are copied whole (the part of the last block that holds no entry yet is copied too, so a restored block is
+byte-for-byte the saved one). Blocks shared with other requests (reference count > 1) are saved as copies and
+restored as private blocks.
+
+The other way to preempt without loss is to drop the request (``release``) and later recompute it: add it again
+and run its tokens through the layers (tested in ``tests/test_preemption.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..config import ModelConfig
+from ..numerics import Numerics
+from .errors import CacheFullError, DuplicateRequestError, IncompatibleSnapshotError
+from .schema import blocks_for_tokens
+
+if TYPE_CHECKING:
+    from .manager import HybridCache
+
+__all__ = ["CacheGeometry", "RequestSnapshot", "restore_request", "save_request"]
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What must match for a snapshot of one cache to be restored into another: the model config, the cached
+    layers (in order), the block size and the numerics (storage formats)."""
+
+    cfg: ModelConfig
+    layers: tuple[int, ...]
+    block_size: int
+    numerics: Numerics
+
+    @classmethod
+    def of(cls, cache: HybridCache) -> CacheGeometry:
+        return cls(cache.cfg, tuple(cache.layer_indices), cache.block_size, cache.numerics)
+
+    def mismatch(self, other: CacheGeometry) -> list[str]:
+        """Human-readable differences from ``other`` (empty: compatible)."""
+        out = []
+        if self.cfg != other.cfg:
+            out.append(f"config {self.cfg.name!r} != {other.cfg.name!r}" + (" (same name, other values)" if self.cfg.name == other.cfg.name else ""))
+        if self.layers != other.layers:
+            out.append(f"layers {list(self.layers)} != {list(other.layers)}")
+        if self.block_size != other.block_size:
+            out.append(f"block_size {self.block_size} != {other.block_size}")
+        if self.numerics != other.numerics:
+            out.append(f"numerics {self.numerics.name!r} != {other.numerics.name!r}")
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class RequestSnapshot:
+    """Host copy of one request's cache (``HybridCache.save_request``).
+
+    Attributes:
+        request_id: the id the request had when it was saved (``restore_request`` may give it another).
+        num_tokens: tokens cached (positions ``0 … num_tokens−1``).
+        num_blocks: blocks in its block table, ``blocks_for_tokens(num_tokens, m_min, block_size)``.
+        geometry: the cache it was taken from (restore needs the same).
+        state: ``{(layer_idx, name): CPU tensor}`` — the request's row of every state tensor, shaped like one row of
+            ``StateCache.tensors[layer_idx][name]``: ``ring`` uint8 ``[ring_page_bytes]``, ``ring_positions`` int32
+            ``[window]``, CSA ``tail_kv / tail_gate`` fp32 ``[m, 2c]``, ``prev_kv / prev_gate`` fp32 ``[m, c]`` and
+            the ``index_*`` ones (c = index_head_dim), HCA ``tail_kv / tail_gate`` fp32 ``[m', c]``.
+        pages: ``{(layer_idx, name): CPU uint8 tensor [num_blocks, page_bytes]}`` for ``kv_pages`` (CSA/HCA) and
+            ``index_pages`` (CSA): row j is the page of logical block j (token positions
+            ``j·block_size … (j+1)·block_size−1``) in the layer's storage format.
+    """
+
+    request_id: str
+    num_tokens: int
+    num_blocks: int
+    geometry: CacheGeometry
+    state: dict[tuple[int, str], Tensor]
+    pages: dict[tuple[int, str], Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by the snapshot's tensors."""
+        return sum(t.numel() * t.element_size() for d in (self.state, self.pages) for t in d.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestSnapshot({self.request_id!r}, {self.num_tokens} tokens, {self.num_blocks} blocks, "
+            f"{len(self.geometry.layers)} layers, {self.nbytes} B)"
+        )
+
+
+def save_request(cache: HybridCache, request_id: str) -> RequestSnapshot:
+    """Copy ``request_id``'s state rows and block pages to CPU; the cache is not changed.
+
+    Raises:
+        UnknownRequestError: the id is not active.
+    """
+    rec = cache._record(request_id)
+    state = {
+        (layer, name): t[rec.slot].to("cpu", copy=True)
+        for layer, d in cache.state.tensors.items()
+        for name, t in d.items()
+    }
+    idx = torch.tensor(rec.blocks, dtype=torch.int64, device=cache.device)
+    pages = {
+        (layer, name): t.index_select(0, idx).to("cpu", copy=True)
+        for layer, d in cache.pool.tensors.items()
+        for name, t in d.items()
+    }
+    return RequestSnapshot(
+        request_id=request_id,
+        num_tokens=rec.num_tokens,
+        num_blocks=len(rec.blocks),
+        geometry=CacheGeometry.of(cache),
+        state=state,
+        pages=pages,
+    )
+
+
+def check_snapshot(cache: HybridCache, snapshot: RequestSnapshot) -> None:
+    """``IncompatibleSnapshotError`` unless ``snapshot`` can be restored into ``cache`` (same geometry; every state
+    row and page tensor present with this cache's shape and dtype; a block count that fits its token count)."""
+    if not isinstance(snapshot, RequestSnapshot):
+        raise IncompatibleSnapshotError(f"expected a RequestSnapshot from save_request, got {type(snapshot).__name__}")
+    diffs = snapshot.geometry.mismatch(CacheGeometry.of(cache))
+    if diffs:
+        raise IncompatibleSnapshotError(
+            f"snapshot of {snapshot.request_id!r} comes from a cache of another geometry: " + "; ".join(diffs)
+        )
+    want_blocks = blocks_for_tokens(snapshot.num_tokens, cache.min_ratio, cache.block_size)
+    if not 0 <= snapshot.num_tokens <= cache.cfg.max_position or snapshot.num_blocks != want_blocks:
+        raise IncompatibleSnapshotError(
+            f"snapshot of {snapshot.request_id!r}: {snapshot.num_blocks} blocks for {snapshot.num_tokens} tokens, "
+            f"want {want_blocks}"
+        )
+    want: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]] = {}
+    for layer, d in cache.state.tensors.items():
+        for name, t in d.items():
+            want[("state", layer, name)] = (tuple(t.shape[1:]), t.dtype)
+    for layer, d in cache.pool.tensors.items():
+        for name, t in d.items():
+            want[("pages", layer, name)] = ((snapshot.num_blocks, *t.shape[1:]), t.dtype)
+    have = {("state", *k): v for k, v in snapshot.state.items()} | {("pages", *k): v for k, v in snapshot.pages.items()}
+    problems = [f"{k[0]} {k[1:]} missing" for k in want.keys() - have.keys()]
+    problems += [f"unexpected {k[0]} {k[1:]}" for k in have.keys() - want.keys()]
+    for k in want.keys() & have.keys():
+        t, (shape, dtype) = have[k], want[k]
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+            problems.append(f"{k[0]} {k[1:]} is {got}, want {list(shape)} {dtype}")
+    if problems:
+        raise IncompatibleSnapshotError(f"snapshot of {snapshot.request_id!r} does not fit this cache: " + "; ".join(sorted(problems)))
+
+
+def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapshot) -> int:
+    """Re-activate a saved request as ``request_id`` in a fresh state slot and fresh blocks; returns the slot.
+
+    Validates everything first and changes nothing when it raises.
+
+    Raises:
+        TypeError: ``request_id`` is not a str.
+        DuplicateRequestError: ``request_id`` is already active.
+        IncompatibleSnapshotError: see ``check_snapshot``.
+        CacheFullError: no free state slot, or fewer free blocks than ``snapshot.num_blocks``.
+    """
+    from .manager import RequestRecord
+
+    if not isinstance(request_id, str):
+        raise TypeError(f"request ids are str, got {type(request_id).__name__} {request_id!r}")
+    if request_id in cache:
+        raise DuplicateRequestError(f"request {request_id!r} is already active (slot {cache.slot(request_id)})")
+    check_snapshot(cache, snapshot)
+    if cache.state.num_free == 0:
+        raise CacheFullError(
+            f"cannot restore request {request_id!r}: all {cache.state.max_requests} state slots are in use"
+        )
+    if snapshot.num_blocks > cache.allocator.num_free:
+        raise CacheFullError(
+            f"cannot restore request {request_id!r}: it needs {snapshot.num_blocks} blocks but only "
+            f"{cache.allocator.num_free} of {cache.allocator.num_blocks} are free"
+        )
+
+    slot = cache.state.allocate_slot()
+    blocks = cache.allocator.allocate(snapshot.num_blocks)
+    try:
+        for (layer, name), row in snapshot.state.items():
+            cache.state.tensors[layer][name][slot].copy_(row)
+        if blocks:
+            idx = torch.tensor(blocks, dtype=torch.int64, device=cache.device)
+            for (layer, name), pages in snapshot.pages.items():
+                cache.pool.tensors[layer][name].index_copy_(0, idx, pages.to(cache.device))
+    except BaseException:  # e.g. a device error: give the slot and blocks back (free-list order restored)
+        cache.allocator.decref(reversed(blocks))
+        cache.state.free_slot(slot)
+        raise
+    cache._requests[request_id] = RequestRecord(slot=slot, num_tokens=snapshot.num_tokens, blocks=blocks)
+    return slot

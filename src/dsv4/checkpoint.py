@@ -1,0 +1,346 @@
+"""Read one attention layer's weights from an HF-format safetensors checkpoint directory.
+
+Two naming schemes are accepted, with any prefix before ``layers.`` (``model.``, ``language_model.model.`` …):
+
+* **official DeepSeek-V4** (the ``deepseek-ai/DeepSeek-V4-*`` repos, and what ``transformers`` ≥ 5 writes back with
+  ``save_pretrained``): ``layers.{i}.attn.wq_a.weight``, ``.q_norm.weight``, ``.wq_b.weight``, ``.wkv.weight``,
+  ``.kv_norm.weight`` (``transformers`` writes it back as ``.norm.weight``), ``.attn_sink``, ``.wo_a.weight``,
+  ``.wo_b.weight``, ``.compressor.{wkv,wgate}.weight``, ``.compressor.ape``, ``.compressor.norm.weight``,
+  ``.indexer.{wq_b,weights_proj}.weight``, ``.indexer.compressor.*``; the MTP block ``j`` is ``mtp.{j}.attn.*``
+  (our layer index ``num_layers + j``);
+* **transformers module names**: ``layers.{i}.self_attn.q_a_proj.weight``, ``.q_a_norm``, ``.q_b_proj``,
+  ``.kv_proj``, ``.kv_norm``, ``.sinks``, ``.o_a_proj``, ``.o_b_proj``, ``.compressor.{kv_proj,gate_proj,
+  position_bias,kv_norm}``, ``.compressor.indexer.{q_b_proj,scorer.weights_proj,kv_proj,gate_proj,position_bias,
+  kv_norm}``.
+
+FP8 weights (``float8_e4m3fn`` / ``float8_e5m2``) come with per-block scales under ``<name>.scale`` (official) or
+``<name>.weight_scale_inv`` (transformers), ``[ceil(out/128), ceil(in/128)]``, as float32 / bfloat16 or UE8M0
+(``float8_e8m0fnu``, or its raw bytes as uint8). The block shape is read from ``config.json``'s
+``quantization_config.weight_block_size`` (default 128×128). Dequantization is ``w_fp32 = float(w_fp8) ·
+float(scale)`` per block: exact for power-of-two (UE8M0) scales, one correctly rounded FP32 product otherwise
+(what ``transformers`` computes).
+
+Sharded checkpoints (``model.safetensors.index.json``) are read lazily: only the files holding the layer's
+tensors are opened, and only those tensors are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import LayerKind, ModelConfig
+
+__all__ = [
+    "HF_NAMES",
+    "OFFICIAL_NAMES",
+    "CheckpointError",
+    "CheckpointIndex",
+    "dequantize_fp8_blocks",
+    "quantize_fp8_blocks",
+    "read_attention_tensors",
+]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing, malformed, or lacks a tensor the layer needs."""
+
+
+# Our (official) field name → checkpoint suffixes after ``…layers.{i}.attn.`` (official) in order of preference.
+OFFICIAL_NAMES: dict[str, tuple[str, ...]] = {
+    "wq_a": ("wq_a.weight",),
+    "q_norm": ("q_norm.weight",),
+    "wq_b": ("wq_b.weight",),
+    "wkv": ("wkv.weight",),
+    "kv_norm": ("kv_norm.weight", "norm.weight"),  # transformers' save_pretrained writes ``attn.norm.weight``
+    "attn_sink": ("attn_sink",),
+    "wo_a": ("wo_a.weight",),
+    "wo_b": ("wo_b.weight",),
+    "compressor.wkv": ("compressor.wkv.weight",),
+    "compressor.wgate": ("compressor.wgate.weight",),
+    "compressor.ape": ("compressor.ape",),
+    "compressor.norm": ("compressor.norm.weight",),
+    "indexer.wq_b": ("indexer.wq_b.weight",),
+    "indexer.weights_proj": ("indexer.weights_proj.weight",),
+    "indexer.compressor.wkv": ("indexer.compressor.wkv.weight",),
+    "indexer.compressor.wgate": ("indexer.compressor.wgate.weight",),
+    "indexer.compressor.ape": ("indexer.compressor.ape",),
+    "indexer.compressor.norm": ("indexer.compressor.norm.weight",),
+}
+
+# Our field name → suffix after ``…layers.{i}.self_attn.`` (transformers' DeepseekV4Attention parameter names).
+HF_NAMES: dict[str, tuple[str, ...]] = {
+    "wq_a": ("q_a_proj.weight",),
+    "q_norm": ("q_a_norm.weight",),
+    "wq_b": ("q_b_proj.weight",),
+    "wkv": ("kv_proj.weight",),
+    "kv_norm": ("kv_norm.weight",),
+    "attn_sink": ("sinks",),
+    "wo_a": ("o_a_proj.weight",),
+    "wo_b": ("o_b_proj.weight",),
+    "compressor.wkv": ("compressor.kv_proj.weight",),
+    "compressor.wgate": ("compressor.gate_proj.weight",),
+    "compressor.ape": ("compressor.position_bias",),
+    "compressor.norm": ("compressor.kv_norm.weight",),
+    "indexer.wq_b": ("compressor.indexer.q_b_proj.weight",),
+    "indexer.weights_proj": ("compressor.indexer.scorer.weights_proj.weight",),
+    "indexer.compressor.wkv": ("compressor.indexer.kv_proj.weight",),
+    "indexer.compressor.wgate": ("compressor.indexer.gate_proj.weight",),
+    "indexer.compressor.ape": ("compressor.indexer.position_bias",),
+    "indexer.compressor.norm": ("compressor.indexer.kv_norm.weight",),
+}
+
+_MAIN = ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "attn_sink", "wo_a", "wo_b")
+_COMPRESSOR = ("compressor.wkv", "compressor.wgate", "compressor.ape", "compressor.norm")
+_INDEXER = (
+    "indexer.wq_b", "indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate",
+    "indexer.compressor.ape", "indexer.compressor.norm",
+)
+_KEY_RE = re.compile(r"^(?:.*\.)?(layers|mtp)\.(\d+)\.(attn|self_attn)\.(.+)$")
+_SCALE_SUFFIXES = ("scale", "weight_scale_inv")
+
+
+def fields_for(kind: LayerKind) -> tuple[str, ...]:
+    """The weight fields (official dotted names) a layer of ``kind`` has."""
+    if kind is LayerKind.SWA:
+        return _MAIN
+    if kind is LayerKind.HCA:
+        return _MAIN + _COMPRESSOR
+    return _MAIN + _COMPRESSOR + _INDEXER
+
+
+# ------------------------------------------------------------------------------------------------ FP8 blocks
+def _fp8_dtypes() -> tuple[torch.dtype, ...]:
+    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def _scale_to_float(scale: Tensor) -> Tensor:
+    """Block scales as float32: float32/bfloat16/float16 as is, UE8M0 (``float8_e8m0fnu`` or its uint8 bytes)
+    as ``2^(byte − 127)`` (byte 255 = NaN)."""
+    if scale.dtype == torch.uint8:
+        e = scale.to(torch.int32) - 127
+        out = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+        return out.masked_fill(scale == 255, float("nan"))
+    return scale.float()
+
+
+def dequantize_fp8_blocks(weight: Tensor, scale: Tensor, block: tuple[int, int] = (128, 128)) -> Tensor:
+    """``float32(weight) · scale`` with one scale per ``block`` (rows × cols; partial edge blocks allowed).
+
+    Args:
+        weight: ``[out, in]`` ``float8_e4m3fn`` / ``float8_e5m2``.
+        scale: ``[ceil(out/b0), ceil(in/b1)]`` float32 / bfloat16 / float16 / ``float8_e8m0fnu`` / uint8 (UE8M0
+            bytes); a 0-d or 1-element scale applies to the whole tensor.
+        block: ``(b0, b1)``.
+    Returns:
+        float32 ``[out, in]``.
+    """
+    if weight.dim() != 2:
+        raise CheckpointError(f"FP8 weight must be 2-D, got shape {list(weight.shape)}")
+    rows, cols = weight.shape
+    s = _scale_to_float(scale)
+    w = weight.float()
+    if s.numel() == 1:
+        return w * s.reshape(())
+    b0, b1 = block
+    want = (-(-rows // b0), -(-cols // b1))
+    if tuple(s.shape) != want:
+        raise CheckpointError(
+            f"FP8 block scales have shape {list(s.shape)}, expected {list(want)} for a {rows}x{cols} weight in "
+            f"{b0}x{b1} blocks"
+        )
+    full = s.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+    return w * full
+
+
+def quantize_fp8_blocks(
+    weight: Tensor, block: tuple[int, int] = (128, 128), ue8m0: bool = True, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """Block-quantize a weight to FP8 E4M3 the way DeepSeek checkpoints are stored (for tests and tools).
+
+    Each ``block`` gets scale ``amax / 448`` (rounded **up** to a power of two when ``ue8m0``); the weight is
+    ``weight / scale`` cast to E4M3 (round to nearest even).
+
+    Returns:
+        ``(w_fp8 [out, in] float8_e4m3fn, scale [ceil(out/b0), ceil(in/b1)] float32)``.
+    """
+    dtype = dtype or torch.float8_e4m3fn
+    rows, cols = weight.shape
+    b0, b1 = block
+    R, C = -(-rows // b0), -(-cols // b1)
+    w = torch.nn.functional.pad(weight.float(), (0, C * b1 - cols, 0, R * b0 - rows))
+    blocks = w.view(R, b0, C, b1)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    scale = amax / torch.finfo(dtype).max
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (blocks / scale[:, None, :, None]).view(R * b0, C * b1)[:rows, :cols].to(dtype)
+    return q, scale.float()
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint index
+@dataclass
+class CheckpointIndex:
+    """Which safetensors file holds each tensor of a checkpoint directory (or a single ``.safetensors`` file).
+
+    Attributes:
+        path: the directory (or file).
+        files: tensor name → safetensors file path.
+        config: ``config.json`` as a dict (empty if absent).
+    """
+
+    path: str
+    files: dict[str, str]
+    config: dict
+    _layers: dict[tuple[str, int], dict[tuple[str, str], str]] | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> CheckpointIndex:
+        """Index ``path``: a directory with ``model.safetensors.index.json``, or ``*.safetensors`` files, or one
+        ``.safetensors`` file."""
+        from safetensors import safe_open
+
+        p = os.fspath(path)
+        if not os.path.exists(p):
+            raise CheckpointError(f"checkpoint {p!r} does not exist")
+        config: dict = {}
+        files: dict[str, str] = {}
+        if os.path.isfile(p):
+            if not p.endswith(".safetensors"):
+                raise CheckpointError(f"{p!r} is not a .safetensors file or a checkpoint directory")
+            shard_paths = [p]
+            cfg_path = os.path.join(os.path.dirname(p), "config.json")
+        else:
+            cfg_path = os.path.join(p, "config.json")
+            index_path = os.path.join(p, "model.safetensors.index.json")
+            if os.path.exists(index_path):
+                with open(index_path) as f:
+                    weight_map = json.load(f).get("weight_map", {})
+                for name, fname in weight_map.items():
+                    files[name] = os.path.join(p, fname)
+                shard_paths = []
+            else:
+                shard_paths = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
+                if not shard_paths:
+                    raise CheckpointError(f"no .safetensors files (and no model.safetensors.index.json) in {p!r}")
+        for sp in shard_paths:
+            with safe_open(sp, "pt") as f:
+                for name in f.keys():
+                    files[name] = sp
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                config = json.load(f)
+        return cls(path=p, files=files, config=config)
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        """FP8 weight block (``quantization_config.weight_block_size``, default 128×128)."""
+        q = self.config.get("quantization_config") or {}
+        b = q.get("weight_block_size") or [128, 128]
+        return int(b[0]), int(b[1])
+
+    def read(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """Read the named tensors (grouped per file, each file opened once)."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        out: dict[str, Tensor] = {}
+        for fp, ns in by_file.items():
+            if not os.path.exists(fp):
+                raise CheckpointError(f"shard {fp!r} listed in the index is missing")
+            with safe_open(fp, "pt") as f:
+                for n in ns:
+                    out[n] = f.get_tensor(n)
+        return out
+
+    def layer_keys(self, group: str, number: int) -> dict[tuple[str, str], str]:
+        """Keys of one layer: ``(scheme, suffix) → full key`` where scheme is ``"attn"`` (official) or
+        ``"self_attn"`` (transformers), ``group`` ``"layers"`` or ``"mtp"``."""
+        if self._layers is None:  # one pass over all names, then cached
+            self._layers = {}
+            for key in self.files:
+                m = _KEY_RE.match(key)
+                if m:
+                    self._layers.setdefault((m.group(1), int(m.group(2))), {})[(m.group(3), m.group(4))] = key
+        return dict(self._layers.get((group, number), {}))
+
+
+def read_attention_tensors(
+    path: str | os.PathLike[str] | CheckpointIndex, layer_idx: int, cfg: ModelConfig
+) -> dict[str, Tensor]:
+    """The FP32 tensors of layer ``layer_idx``'s attention, under our (official) dotted names.
+
+    Main layers are ``layers.{i}``; ``layer_idx ≥ cfg.num_layers`` reads MTP block ``mtp.{layer_idx − num_layers}``.
+    FP8 weights are dequantized with their block scales.
+
+    Raises:
+        CheckpointError: missing layer / tensor / scale, or an FP8 tensor without scales.
+    """
+    index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
+    kind = cfg.layer_kind(layer_idx)
+    if layer_idx < cfg.num_layers:
+        group, number = "layers", layer_idx
+    else:
+        group, number = "mtp", layer_idx - cfg.num_layers
+    keys = index.layer_keys(group, number)
+    if not keys:
+        hint = " (transformers does not save MTP blocks)" if group == "mtp" else ""
+        raise CheckpointError(
+            f"checkpoint {index.path!r} has no tensors for {group}.{number}.attn / .self_attn (layer {layer_idx}){hint}"
+        )
+    schemes = {s for s, _ in keys}
+    # Prefer the official scheme when both are present.
+    scheme, table = ("attn", OFFICIAL_NAMES) if "attn" in schemes else ("self_attn", HF_NAMES)
+    chosen: dict[str, str] = {}
+    missing = []
+    for field in fields_for(kind):
+        key = next((keys[(scheme, s)] for s in table[field] if (scheme, s) in keys), None)
+        if key is None:
+            missing.append(f"{group}.{number}.{scheme}.{table[field][0]}")
+        else:
+            chosen[field] = key
+    if missing:
+        raise CheckpointError(f"checkpoint {index.path!r}, layer {layer_idx} ({kind.name}): missing {missing}")
+    scale_keys: dict[str, str] = {}
+    for field, key in chosen.items():
+        if key.endswith(".weight"):
+            stem = key[: -len(".weight")]
+            for suf in _SCALE_SUFFIXES:
+                if f"{stem}.{suf}" in index.files:
+                    scale_keys[field] = f"{stem}.{suf}"
+                    break
+    raw = index.read(list(chosen.values()) + list(scale_keys.values()))
+    out: dict[str, Tensor] = {}
+    fp8 = _fp8_dtypes()
+    for field, key in chosen.items():
+        t = raw[key]
+        if t.dtype in fp8:
+            if field not in scale_keys:
+                raise CheckpointError(f"{key} is {t.dtype} but the checkpoint has no .scale / .weight_scale_inv for it")
+            out[field] = dequantize_fp8_blocks(t, raw[scale_keys[field]], index.block_size)
+        else:
+            if field in scale_keys and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise CheckpointError(f"{key}: unsupported quantized dtype {t.dtype}")
+            out[field] = t.float()
+    return out
+
+
+def config_from_checkpoint(path: str | os.PathLike[str] | CheckpointIndex) -> ModelConfig:
+    """``ModelConfig.from_hf`` of the checkpoint's ``config.json``."""
+    index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
+    if not index.config:
+        raise CheckpointError(f"checkpoint {index.path!r} has no config.json; pass cfg explicitly")
+    name = os.path.basename(os.path.normpath(index.path if os.path.isdir(index.path) else os.path.dirname(index.path)))
+    return ModelConfig.from_hf(_as_mapping(index.config), name=name or "checkpoint")
+
+
+def _as_mapping(d: Mapping) -> dict:
+    return dict(d)

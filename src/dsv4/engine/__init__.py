@@ -1,0 +1,38 @@
+"""The runner: a stack of attention layers over one ``HybridCache`` with continuous batching.
+
+* ``requests``  — ``Request`` (prompt / generation lengths, progress), ``LengthSpec`` (fixed or distributions),
+  ``make_requests``;
+* ``scheduler`` — ``Scheduler``: decode first, chunked prefill under a token budget, admission when slots and
+  blocks (reserved for each request's whole length) allow; finished requests release their cache;
+* ``hidden``    — token hidden states (no embeddings in scope): ``HashHidden`` or any deterministic callback;
+* ``runner``    — ``Engine`` / ``EngineConfig``: builds the layers (random, shared-random or checkpoint weights),
+  the cache and the scheduler; runs steps; ``RunStats.summary()`` gives throughput, latency and memory;
+* ``graphs``    — CUDA-graph decode (one graph per decode batch-size bucket; ``prepare_forward`` outside);
+* ``check``     — ``spot_check``: traced requests, layer by layer, against ``dsv4.reference``.
+"""
+
+from .check import SpotCheckRow, spot_check
+from .hidden import HashHidden
+from .requests import LengthSpec, Request, make_requests
+from .runner import DENSE_BF16_BYTES_PER_TOKEN_LAYER, Engine, EngineConfig, RunStats, StepRecord, Trace, pick_device
+from .scheduler import RequestTooLargeError, ScheduledStep, Scheduler, SchedulerConfig
+
+__all__ = [
+    "DENSE_BF16_BYTES_PER_TOKEN_LAYER",
+    "Engine",
+    "EngineConfig",
+    "HashHidden",
+    "LengthSpec",
+    "Request",
+    "RequestTooLargeError",
+    "RunStats",
+    "ScheduledStep",
+    "Scheduler",
+    "SchedulerConfig",
+    "SpotCheckRow",
+    "StepRecord",
+    "Trace",
+    "make_requests",
+    "pick_device",
+    "spot_check",
+]

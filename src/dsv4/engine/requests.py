@@ -1,0 +1,190 @@
+"""Requests and their length distributions.
+
+A request feeds ``prompt_len`` tokens through the stack in prefill chunks, then ``gen_len`` decode tokens, a few
+per step (``decode_tokens``, 1 normally, up to 4 for speculative/MTP decoding). With no embeddings or LM head in
+scope, every token's hidden state comes from the engine's hidden-state source (``dsv4.engine.hidden``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["LengthSpec", "Request", "make_requests"]
+
+
+@dataclass
+class Request:
+    """One generation request and its progress.
+
+    Attributes:
+        request_id: unique id (the cache's request id).
+        prompt_len: prompt tokens (≥ 1), fed in prefill chunks.
+        gen_len: generated tokens (≥ 0), fed in decode steps after the prompt.
+        arrival_step: the first engine step at which the request may be admitted (0: from the start).
+        number: stable integer id (submission order), the key of the hidden-state generator.
+        num_computed: tokens fed so far (prefill + decode).
+        admitted_step / prefill_done_step / finished_step: engine step numbers (``None`` until reached).
+        admitted_s / first_token_s / finished_s: wall-clock seconds since the run started.
+    """
+
+    request_id: str
+    prompt_len: int
+    gen_len: int
+    arrival_step: int = 0
+    number: int = -1
+    num_computed: int = 0
+    admitted_step: int | None = None
+    prefill_done_step: int | None = None
+    finished_step: int | None = None
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    last_scheduled: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        if int(self.prompt_len) < 1:
+            raise ValueError(f"request {self.request_id!r}: prompt_len must be >= 1, got {self.prompt_len}")
+        if int(self.gen_len) < 0:
+            raise ValueError(f"request {self.request_id!r}: gen_len must be >= 0, got {self.gen_len}")
+
+    @property
+    def total_len(self) -> int:
+        """Tokens the request feeds in all (``prompt_len + gen_len``)."""
+        return self.prompt_len + self.gen_len
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def done(self) -> bool:
+        return self.num_computed >= self.total_len
+
+    @property
+    def remaining_prompt(self) -> int:
+        return max(self.prompt_len - self.num_computed, 0)
+
+    @property
+    def remaining(self) -> int:
+        return self.total_len - self.num_computed
+
+
+_SPEC_RE = re.compile(r"^\s*(?:(fixed|uniform|normal|lognormal|choice)\s*:)?\s*(.+?)\s*$")
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """A token-length distribution, parsed from a string:
+
+    * ``"512"`` or ``"fixed:512"`` — always 512;
+    * ``"uniform:128:1024"`` — integers uniform in [128, 1024];
+    * ``"normal:512:128"`` — mean 512, standard deviation 128 (rounded, clipped to ≥ ``minimum``);
+    * ``"lognormal:512:0.5"`` — median 512, log-space σ 0.5 (rounded, ≥ ``minimum``);
+    * ``"choice:128,512,2048"`` — one of the listed values, uniformly.
+    """
+
+    kind: str
+    params: tuple[float, ...]
+    minimum: int = 1
+
+    @classmethod
+    def parse(cls, text: str | int | LengthSpec, minimum: int = 1) -> LengthSpec:
+        if isinstance(text, LengthSpec):
+            return text
+        if isinstance(text, int):
+            return cls("fixed", (float(text),), minimum)
+        m = _SPEC_RE.match(str(text))
+        if not m:
+            raise ValueError(f"bad length spec {text!r}")
+        kind = m.group(1) or "fixed"
+        body = m.group(2)
+        try:
+            if kind == "choice":
+                params = tuple(float(v) for v in body.split(","))
+            else:
+                params = tuple(float(v) for v in body.split(":"))
+        except ValueError:
+            raise ValueError(
+                f"bad length spec {text!r}; use N, fixed:N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEDIAN:SIGMA "
+                "or choice:A,B,C"
+            ) from None
+        want = {"fixed": 1, "uniform": 2, "normal": 2, "lognormal": 2}.get(kind)
+        if want is not None and len(params) != want:
+            raise ValueError(f"length spec {text!r}: {kind} takes {want} number(s)")
+        if kind == "choice" and not params:
+            raise ValueError(f"length spec {text!r}: choice needs at least one value")
+        if kind == "uniform" and params[0] > params[1]:
+            raise ValueError(f"length spec {text!r}: uniform needs LO <= HI")
+        spec = cls(kind, params, minimum)
+        if spec.max_value < minimum:
+            raise ValueError(f"length spec {text!r}: every value would be below the minimum {minimum}")
+        return spec
+
+    @property
+    def max_value(self) -> int:
+        """An upper bound of the samples (∞ distributions are reported as a 4-σ bound)."""
+        p = self.params
+        if self.kind == "fixed":
+            return int(p[0])
+        if self.kind == "uniform":
+            return int(p[1])
+        if self.kind == "choice":
+            return int(max(p))
+        if self.kind == "normal":
+            return int(round(p[0] + 4 * p[1]))
+        return int(round(p[0] * math.exp(4 * p[1])))
+
+    def sample(self, rng: random.Random) -> int:
+        p = self.params
+        if self.kind == "fixed":
+            v = p[0]
+        elif self.kind == "uniform":
+            v = rng.randint(int(p[0]), int(p[1]))
+        elif self.kind == "choice":
+            v = rng.choice(p)
+        elif self.kind == "normal":
+            v = rng.gauss(p[0], p[1])
+        else:
+            v = p[0] * math.exp(rng.gauss(0.0, p[1]))
+        return max(int(round(v)), self.minimum)
+
+    def __str__(self) -> str:
+        def f(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        if self.kind == "fixed":
+            return f(self.params[0])
+        sep = "," if self.kind == "choice" else ":"
+        return f"{self.kind}:" + sep.join(f(x) for x in self.params)
+
+
+def make_requests(
+    num: int,
+    prompt_len: str | int | LengthSpec,
+    gen_len: str | int | LengthSpec,
+    seed: int = 0,
+    prefix: str = "req",
+    max_total: int | None = None,
+) -> list[Request]:
+    """``num`` requests with lengths drawn from the specs (deterministic in ``seed``).
+
+    ``max_total`` caps ``prompt_len + gen_len`` (e.g. ``cfg.max_position``): longer draws are clipped, prompt
+    first kept ≥ 1.
+    """
+    if num < 1:
+        raise ValueError(f"number of requests must be >= 1, got {num}")
+    p_spec, g_spec = LengthSpec.parse(prompt_len, 1), LengthSpec.parse(gen_len, 0)
+    rng = random.Random(seed)
+    out = []
+    for i in range(num):
+        p, g = p_spec.sample(rng), g_spec.sample(rng)
+        if max_total is not None and p + g > max_total:
+            p = max(1, min(p, max_total - 1))
+            g = max(0, max_total - p)
+        out.append(Request(f"{prefix}{i}", p, g, number=i))
+    return out

@@ -1,0 +1,581 @@
+"""``Engine``: a stack of DeepSeek-V4 attention layers over one ``HybridCache``, driven by continuous batching.
+
+Per step (``Engine.step``)::
+
+    plan   = scheduler.schedule()                    host: decodes + prefill chunks under the token budget,
+                                                     admission when slots and blocks allow
+    batch  = cache.prepare_forward(plan)             host: blocks, positions, StepBatch (outside any graph)
+    h      = hidden(request_numbers, positions)      [T, d] float32 residual stream (no embeddings in scope)
+    for each layer l:                                the stack; MoE / mHC are out of scope, so the
+        x  = rms_norm(h) → act dtype                 residual is h ← h + attn_l(norm(h))
+        h  = h + Attention_l(x, batch, cache)
+    scheduler.commit(plan)                           advance requests, release finished ones (blocks, slot)
+
+Decode-only steps run as CUDA-graph replays when the device is CUDA and every layer's backend is graph-safe
+(``dsv4.engine.graphs``); ``prepare_forward`` always runs eagerly on the host first.
+
+Timing: each step is timed on the host around all of the above, with a device synchronisation at its end (a
+serving loop needs the step's results before it can schedule the next decode), so step latency includes the
+host-side scheduling and ``prepare_forward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..cache import HybridCache, blocks_for_tokens, layer_schemas
+from ..cache.batch import StepBatch
+from ..config import LayerKind, ModelConfig
+from ..layer import Attention
+from ..numerics import Numerics, resolve_numerics
+from ..reference.primitives import rms_norm
+from ..weights import AttentionWeights
+from .hidden import HashHidden
+from .requests import Request
+from .scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace"]
+
+#: A dense BF16 cache keeps every token's 512-dim KV entry (K ≡ V, one KV head) in every layer: 1024 B.
+DENSE_BF16_BYTES_PER_TOKEN_LAYER = 512 * 2
+
+
+def pick_device(name: str | torch.device | None) -> torch.device:
+    """``"auto"`` / ``None`` → CUDA when available, else CPU; CUDA without a GPU is an error."""
+    if name is None or name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda requested but no CUDA device is available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs.
+
+    Attributes:
+        backend: ``"auto"`` (Triton on CUDA when available, else torch), ``"torch"`` or ``"triton"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` …
+        numerics: ``"official"`` (BF16 activations, 584-B FP8 KV entries, 68-B MXFP4 indexer keys) or ``"exact"``.
+        block_size: token positions per pool block (a multiple of every compression ratio).
+        max_running: concurrently running requests (state slots).
+        max_batched_tokens: token budget per step.
+        max_prefill_chunk: largest prefill chunk per request and step (default: the budget).
+        decode_tokens: tokens per decode step per request (1–4).
+        cache_memory: cache budget in bytes (pool + state); ``None``: exactly enough for ``max_running``
+            requests of the longest submitted length (nobody ever waits for memory).
+        cuda_graphs: ``"auto"`` (on for CUDA + graph-safe backend), ``"on"`` (error if impossible), ``"off"``.
+        graph_batch_sizes: decode batch sizes to capture (each decode step uses the smallest that fits; larger
+            decode batches run eagerly). ``None``: powers of two up to ``max_running``.
+        weights: ``"random"`` (distinct random weights per layer), ``"shared"`` (one random set per layer kind,
+            shared by every layer of that kind: less memory, faster start) or a checkpoint directory.
+        seed: weights and hidden states.
+        check_finite: check every step's output for NaN/Inf (a device sync per step; on by default on the CPU).
+    """
+
+    backend: str = "auto"
+    device: str = "auto"
+    numerics: str = "official"
+    block_size: int = 256
+    max_running: int = 16
+    max_batched_tokens: int = 2048
+    max_prefill_chunk: int | None = None
+    decode_tokens: int = 1
+    cache_memory: int | None = None
+    cuda_graphs: str = "auto"
+    graph_batch_sizes: tuple[int, ...] | None = None
+    weights: str = "random"
+    seed: int = 0
+    check_finite: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto / on / off, got {self.cuda_graphs!r}")
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+
+
+@dataclass
+class StepRecord:
+    """One engine step: tokens by phase, requests, wall seconds, whether it replayed a CUDA graph."""
+
+    step: int
+    num_requests: int
+    prefill_tokens: int
+    decode_tokens: int
+    seconds: float
+    graph: bool
+    tokens_cached: int
+    cache_bytes_in_use: int
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.prefill_tokens == 0 else ("prefill" if self.decode_tokens == 0 else "mixed")
+
+
+def percentiles(values: Sequence[float], qs: Iterable[float] = (50, 90, 99)) -> dict[str, float]:
+    """Nearest-rank percentiles plus max/mean (``nan`` when empty)."""
+    v = sorted(values)
+    out: dict[str, float] = {}
+    for q in qs:
+        out[f"p{q:g}"] = v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else math.nan
+    out["max"] = v[-1] if v else math.nan
+    out["mean"] = sum(v) / len(v) if v else math.nan
+    return out
+
+
+@dataclass
+class RunStats:
+    """Summary of a run (see ``Engine.run``); every figure is derived from ``steps`` and ``requests``."""
+
+    steps: list[StepRecord]
+    requests: list[Request]
+    wall_s: float
+    setup_s: float
+    graph_capture_s: float
+    cache_bytes_allocated: int
+    num_layers: int
+
+    def summary(self) -> dict[str, Any]:
+        """Throughput, latency and memory figures as a flat-ish dict (JSON-serialisable).
+
+        * ``prefill_tok_s``: prompt tokens / seconds of the steps that carried prefill (mixed steps included);
+        * ``decode_tok_s``: decode tokens of decode-only steps / their seconds;
+        * ``step_ms``: latency percentiles of decode-only steps (``decode``) and of steps with prefill
+          (``prefill``);
+        * ``ttft_s`` / ``e2e_s``: time to first token (end of prefill) and to finish, from the run's start;
+        * cache: peak bytes in use, tokens cached at that moment, and what a dense BF16 cache of those tokens
+          would need (``DENSE_BF16_BYTES_PER_TOKEN_LAYER`` per token and layer).
+        """
+        pre = [s for s in self.steps if s.prefill_tokens]
+        dec = [s for s in self.steps if not s.prefill_tokens and s.decode_tokens]
+        pre_tok = sum(s.prefill_tokens for s in self.steps)
+        dec_tok_all = sum(s.decode_tokens for s in self.steps)
+        pre_s = sum(s.seconds for s in pre)
+        dec_tok = sum(s.decode_tokens for s in dec)
+        dec_s = sum(s.seconds for s in dec)
+        peak = max(self.steps, key=lambda s: s.cache_bytes_in_use, default=None)
+        tokens_peak = peak.tokens_cached if peak else 0
+        done = [r for r in self.requests if r.finished_s is not None]
+        return {
+            "steps": len(self.steps),
+            "decode_steps": len(dec),
+            "graph_steps": sum(s.graph for s in self.steps),
+            "requests": len(self.requests),
+            "requests_finished": len(done),
+            "prefill_tokens": pre_tok,
+            "decode_tokens": dec_tok_all,
+            "wall_s": self.wall_s,
+            "setup_s": self.setup_s,
+            "graph_capture_s": self.graph_capture_s,
+            "prefill_tok_s": pre_tok / pre_s if pre_s else math.nan,
+            "decode_tok_s": dec_tok / dec_s if dec_s else math.nan,
+            "total_tok_s": (pre_tok + dec_tok_all) / self.wall_s if self.wall_s else math.nan,
+            "step_ms": {
+                "decode": {k: v * 1e3 for k, v in percentiles([s.seconds for s in dec]).items()},
+                "prefill": {k: v * 1e3 for k, v in percentiles([s.seconds for s in pre]).items()},
+            },
+            "decode_batch_mean": (sum(s.num_requests for s in dec) / len(dec)) if dec else math.nan,
+            "ttft_s": percentiles([r.first_token_s for r in done if r.first_token_s is not None], (50, 90)),
+            "e2e_s": percentiles([r.finished_s for r in done], (50, 90)),
+            "cache_bytes_allocated": self.cache_bytes_allocated,
+            "cache_bytes_peak": peak.cache_bytes_in_use if peak else 0,
+            "tokens_cached_at_peak": tokens_peak,
+            "dense_bf16_bytes_at_peak": tokens_peak * self.num_layers * DENSE_BF16_BYTES_PER_TOKEN_LAYER,
+        }
+
+
+@dataclass
+class Trace:
+    """A traced request's per-layer inputs and outputs, filled as its tokens run (positions ``0 … L−1``).
+
+    Attributes:
+        x: ``{layer: [L, d]}`` act dtype, the layer's input (``rms_norm`` of the residual).
+        y: ``{layer: [L, d]}`` act dtype, the layer's output.
+        entry_idx: ``{layer: [L, K]}`` int64 compressed entries attended (CSA layers only; −1 padded).
+        filled: tokens recorded so far.
+    """
+
+    request_id: str
+    length: int
+    x: dict[int, Tensor] = field(default_factory=dict)
+    y: dict[int, Tensor] = field(default_factory=dict)
+    entry_idx: dict[int, Tensor] = field(default_factory=dict)
+    filled: int = 0
+
+
+def _engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) -> AttentionWeights:
+    """Weights as an engine holds them: matrices in the activation dtype (what the checkpoint ships in and the
+    GEMMs read: BF16 for the official numerics), vectors (norms, sinks) and the position biases in FP32."""
+
+    def cast(path: str, t: Tensor) -> Tensor:
+        small = t.dim() < 2 or path.endswith("ape")
+        return t.to(device=device, dtype=torch.float32 if small else act)
+
+    def mv(x: Any, path: str) -> Any:
+        if isinstance(x, Tensor):
+            return cast(path, x)
+        if dataclasses.is_dataclass(x):
+            return dataclasses.replace(x, **{f.name: mv(getattr(x, f.name), f.name) for f in dataclasses.fields(x)})
+        return x
+
+    return mv(w, "")
+
+
+def weights_bytes(cfg: ModelConfig, layers: Sequence[int], act_bytes: int = 2) -> int:
+    """Bytes of the attention weights of ``layers`` as the engine holds them (matrices at ``act_bytes``)."""
+    total = 0
+    for li in layers:
+        d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        mats = cfg.q_lora_rank * d + H * D * cfg.q_lora_rank + D * d + cfg.o_groups * cfg.o_lora_rank * (H * D // cfg.o_groups)
+        mats += d * cfg.o_groups * cfg.o_lora_rank
+        vecs = cfg.q_lora_rank + D + H
+        kind = cfg.layer_kind(li)
+        if kind is LayerKind.CSA:
+            mats += 2 * (2 * D * d) + cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank + cfg.index_n_heads * d
+            mats += 2 * (2 * cfg.index_head_dim * d)
+            vecs += D + cfg.index_head_dim + cfg.csa_ratio * (2 * D + 2 * cfg.index_head_dim)
+        elif kind is LayerKind.HCA:
+            mats += 2 * D * d
+            vecs += D + cfg.hca_ratio * D
+        total += mats * act_bytes + vecs * 4
+    return total
+
+
+class Engine:
+    """A stack of attention layers with a paged hybrid cache and a continuous-batching scheduler.
+
+    Args:
+        cfg: model configuration.
+        layers: layer indices to stack (default: the main layers ``0 … num_layers−1``; MTP indices may be added).
+        config: ``EngineConfig``.
+        weights: per-layer weights overriding ``config.weights``: a mapping ``{layer: AttentionWeights}`` or a
+            callable ``layer -> AttentionWeights``.
+        hidden: hidden-state source ``(request_numbers [T] int64, positions [T] int64) -> [T, d] float32``
+            (default ``HashHidden(d, config.seed)``).
+        progress: show a progress bar while building the layers.
+
+    Usage::
+
+        eng = Engine(cfg, config=EngineConfig(max_running=8))
+        stats = eng.run(make_requests(16, "uniform:64:512", 32))
+        print(stats.summary())
+    """
+
+    PAD_REQUEST = "__dsv4_graph_pad__"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: Sequence[int] | None = None,
+        config: EngineConfig | None = None,
+        weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None = None,
+        hidden: Callable[[Tensor, Tensor], Tensor] | None = None,
+        progress: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.config = config = config or EngineConfig()
+        self.device = pick_device(config.device)
+        self.numerics: Numerics = resolve_numerics(config.numerics)
+        self.layer_ids: list[int] = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
+        if not self.layer_ids:
+            raise ValueError("the engine needs at least one layer")
+        for li in self.layer_ids:
+            cfg.layer_kind(li)
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layers contains duplicates: {self.layer_ids}")
+        if config.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown backend {config.backend!r}; choose auto, torch or triton")
+        if config.backend == "triton" and self.device.type != "cuda":
+            raise ValueError("the triton backend needs a CUDA device (use --backend torch on the CPU)")
+        layer_schemas(cfg, self.layer_ids, self.numerics, config.block_size)  # validates block_size early
+        self.hidden = hidden if hidden is not None else HashHidden(cfg.hidden_size, config.seed)
+        self.check_finite = config.check_finite if config.check_finite is not None else self.device.type == "cpu"
+        t0 = time.perf_counter()
+        self.weights = self._build_weights(weights, progress)
+        self.layers = [
+            Attention(self.weights[li], cfg, li, backend=config.backend, check_inputs=False) for li in self.layer_ids
+        ]
+        self.setup_s = time.perf_counter() - t0
+        self.cache: HybridCache | None = None
+        self.scheduler: Scheduler | None = None
+        self.graphs: Any = None
+        self.traces: dict[str, Trace] = {}
+        self._trace_layers: list[int] = []
+        self._records: list[StepRecord] = []
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.graph_capture_s = 0.0
+
+    # ------------------------------------------------------------------ construction
+    @property
+    def backend(self) -> str:
+        """The backend the layers resolve to on this device."""
+        return self.layers[0].backend_for(self.device)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether every layer's backend can be captured in a CUDA graph on this device."""
+        return self.device.type == "cuda" and all(layer.graph_safe(self.device) for layer in self.layers)
+
+    def _build_weights(
+        self, weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None, progress: bool
+    ) -> dict[int, AttentionWeights]:
+        cfg, act, dev, seed = self.cfg, self.numerics.act_dtype, self.device, self.config.seed
+        mode = self.config.weights
+        shared: dict[LayerKind, AttentionWeights] = {}
+        out: dict[int, AttentionWeights] = {}
+        index = None
+        if weights is None and mode not in ("random", "shared"):
+            from ..checkpoint import CheckpointIndex
+
+            index = CheckpointIndex.open(mode)
+        it: Iterable[int] = self.layer_ids
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(self.layer_ids, desc="layers", unit="layer", leave=False)
+        for li in it:
+            kind = cfg.layer_kind(li)
+            if weights is not None:
+                w = weights[li] if isinstance(weights, Mapping) else weights(li)
+            elif index is not None:
+                w = AttentionWeights.from_checkpoint(index, li, cfg)
+            elif mode == "shared":
+                if kind not in shared:
+                    shared[kind] = _engine_weights(AttentionWeights.random(cfg, li, seed, device=dev), act, dev)
+                out[li] = shared[kind]
+                continue
+            else:
+                w = AttentionWeights.random(cfg, li, seed, device=dev)
+            out[li] = _engine_weights(w, act, dev)
+        return out
+
+    # ------------------------------------------------------------------ tracing (spot check)
+    def trace(self, request_ids: Iterable[str], layers: Iterable[int] | None = None) -> None:
+        """Record the per-layer inputs and outputs of ``request_ids`` in ``layers`` (default: all) during the
+        next ``run`` (for ``dsv4.engine.check.spot_check``). Costs a device copy per traced layer and step."""
+        self._trace_layers = list(self.layer_ids if layers is None else layers)
+        bad = [li for li in self._trace_layers if li not in self.layer_ids]
+        if bad:
+            raise ValueError(f"cannot trace layers {bad}: not in the engine's stack {self.layer_ids}")
+        self.traces = {rid: Trace(rid, 0) for rid in request_ids}
+
+    def _alloc_traces(self, requests: Mapping[str, Request]) -> None:
+        act = self.numerics.act_dtype
+        for rid, tr in self.traces.items():
+            if rid not in requests:
+                raise ValueError(f"traced request {rid!r} was not submitted")
+            L = requests[rid].total_len
+            tr.length = L
+            for li in self._trace_layers:
+                tr.x[li] = torch.zeros(L, self.cfg.hidden_size, dtype=act, device=self.device)
+                tr.y[li] = torch.zeros(L, self.cfg.hidden_size, dtype=act, device=self.device)
+                if self.cfg.layer_kind(li) is LayerKind.CSA:
+                    tr.entry_idx[li] = torch.full((L, self.cfg.index_topk), -1, dtype=torch.int64, device=self.device)
+
+    def _record_traces(self, batch: StepBatch, kept: Mapping[int, tuple[Tensor, Tensor, Tensor]]) -> None:
+        if not self.traces:
+            return
+        offset = 0
+        for rid, start, n in zip(batch.request_ids, batch.start_positions, batch.num_new):
+            tr = self.traces.get(rid)
+            if tr is not None:
+                for li, (x, y, idx) in kept.items():
+                    tr.x[li][start : start + n] = x[offset : offset + n]
+                    tr.y[li][start : start + n] = y[offset : offset + n]
+                    if li in tr.entry_idx:
+                        dst = tr.entry_idx[li]
+                        k = min(dst.shape[1], idx.shape[1])
+                        dst[start : start + n, :k] = idx[offset : offset + n, :k]
+                tr.filled = max(tr.filled, start + n)
+            offset += n
+
+    # ------------------------------------------------------------------ the stack
+    def forward_layers(
+        self, batch: StepBatch, h: Tensor, keep: Iterable[int] = ()
+    ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor, Tensor]]]:
+        """Run every layer of the stack over one prepared step (no host sync; graph-capturable when the backend is).
+
+        Args:
+            batch: from ``cache.prepare_forward``.
+            h: float32 ``[T, d]`` residual stream entering the first layer.
+            keep: layers whose ``(x, y, entry_idx)`` to return (tracing).
+        Returns:
+            ``h`` float32 ``[T, d]`` after the last layer, and ``{layer: (x [T, d], y [T, d], entry_idx [T, K])}``.
+        """
+        assert self.cache is not None
+        keep = set(keep)
+        kept: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        act, eps = self.numerics.act_dtype, self.cfg.norm_eps
+        for layer in self.layers:
+            x = rms_norm(h, None, eps).to(act)
+            out = layer.forward_with_aux(x, batch, self.cache)
+            if layer.layer_idx in keep:
+                kept[layer.layer_idx] = (x, out.y, out.entry_idx)
+            h = h + out.y.float()
+        return h, kept
+
+    def _hidden_for(self, batch: StepBatch, numbers: Sequence[int]) -> Tensor:
+        nums = torch.tensor(list(numbers), dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.hidden(nums[batch.token_request.long()], batch.positions)
+
+    # ------------------------------------------------------------------ running
+    def build_cache(self, requests: Sequence[Request]) -> HybridCache:
+        """Allocate the cache for a run: ``config.cache_memory`` bytes, or exactly enough blocks for
+        ``max_running`` requests of the longest submitted length (plus one pad slot/block for CUDA graphs)."""
+        cfg, c = self.cfg, self.config
+        max_len = max(r.total_len for r in requests)
+        use_graphs = self._want_graphs()
+        extra_slot = 1 if use_graphs else 0
+        max_requests = c.max_running + extra_slot
+        if c.cache_memory is not None:
+            cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, memory_bytes=int(c.cache_memory),
+                                block_size=c.block_size, device=self.device, numerics=self.numerics)
+        else:
+            ratios = [cfg.ratio(li) for li in self.layer_ids if cfg.ratio(li)]
+            per = blocks_for_tokens(max_len, min(ratios), c.block_size) if ratios else 0
+            num_blocks = per * min(c.max_running, len(requests)) + (1 if use_graphs and ratios else 0)
+            cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, num_blocks=num_blocks,
+                                block_size=c.block_size, device=self.device, numerics=self.numerics)
+        return cache
+
+    def _want_graphs(self) -> bool:
+        mode = self.config.cuda_graphs
+        if mode == "off":
+            return False
+        ok = self.graph_safe
+        if mode == "on" and not ok:
+            why = "the device is not CUDA" if self.device.type != "cuda" else f"backend {self.backend!r} is not graph-safe"
+            raise ValueError(f"cuda_graphs='on' but {why}")
+        return ok
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Create the cache and scheduler for ``requests`` (called by ``run``)."""
+        if not requests:
+            raise ValueError("no requests to run")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request ids")
+        self.cache = self.build_cache(requests)
+        self.scheduler = Scheduler(
+            self.cache,
+            SchedulerConfig(
+                max_batched_tokens=self.config.max_batched_tokens,
+                max_running=self.config.max_running,
+                decode_tokens=self.config.decode_tokens,
+                max_prefill_chunk=self.config.max_prefill_chunk,
+            ),
+        )
+        self.graphs = None
+        if self._want_graphs():
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_len=max(r.total_len for r in requests))
+        for i, r in enumerate(requests):
+            if r.number < 0:
+                r.number = i
+            self.scheduler.add(r)
+        self._alloc_traces({r.request_id: r for r in requests})
+        self._records = []
+
+    def step(self, t_start: float | None = None) -> StepRecord | None:
+        """Schedule and run one step; ``None`` when nothing could run (waiting requests not yet arrived)."""
+        assert self.cache is not None and self.scheduler is not None, "call submit() first"
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        if plan is None:
+            sched.skip_step()
+            return None
+        batch = self.cache.prepare_forward(plan.plan)
+        numbers = [sched.running[rid].number for rid, _ in plan.plan]
+        keep = self._trace_layers if any(rid in self.traces for rid, _ in plan.plan) else []
+        used_graph = False
+        if self.graphs is not None and self.graphs.can_run(plan, batch):
+            h, kept = self.graphs.run(batch, numbers, keep)
+            used_graph = True
+        else:
+            h, kept = self.forward_layers(batch, self._hidden_for(batch, numbers), keep)
+        if self.check_finite:
+            self._nonfinite |= ~torch.isfinite(h).all()
+        self._record_traces(batch, kept)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.check_finite and bool(self._nonfinite):
+            raise FloatingPointError(f"step {plan.step}: the stack produced NaN/Inf")
+        t1 = time.perf_counter()
+        tokens_cached = sum(self.cache.num_tokens(rid) for rid in sched.running)
+        in_use = self.cache.memory_in_use()
+        sched.commit(plan, (t1 - t_start) if t_start is not None else None)
+        rec = StepRecord(
+            step=plan.step, num_requests=len(plan.plan), prefill_tokens=plan.num_prefill_tokens,
+            decode_tokens=plan.num_decode_tokens, seconds=t1 - t0, graph=used_graph,
+            tokens_cached=tokens_cached, cache_bytes_in_use=in_use,
+        )
+        self._records.append(rec)
+        return rec
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        progress: bool = False,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> RunStats:
+        """Run ``requests`` to completion. Returns ``RunStats`` (per-step records and a ``summary()``).
+
+        Args:
+            requests: fresh ``Request`` objects (their progress fields are filled in).
+            progress: tqdm bar of tokens processed.
+            on_step: called after every step with its record.
+        """
+        self.submit(requests)
+        assert self.scheduler is not None and self.cache is not None
+        if self.graphs is not None:
+            t0 = time.perf_counter()
+            self.graphs.capture()
+            self.graph_capture_s = time.perf_counter() - t0
+        total = sum(r.total_len for r in requests)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, unit="tok", desc="run", leave=False, dynamic_ncols=True)
+        t_start = time.perf_counter()
+        idle = 0
+        try:
+            while self.scheduler.has_work:
+                rec = self.step(t_start)
+                if rec is None:
+                    idle += 1
+                    if idle > 1_000_000:
+                        raise RuntimeError("scheduler made no progress for 1e6 steps")
+                    continue
+                idle = 0
+                if bar is not None:
+                    bar.update(rec.prefill_tokens + rec.decode_tokens)
+                    bar.set_postfix(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), refresh=False)
+                if on_step is not None:
+                    on_step(rec)
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t_start
+        if self.device.type == "cpu":
+            self.cache.check_invariants()
+        return RunStats(
+            steps=list(self._records), requests=list(requests), wall_s=wall, setup_s=self.setup_s,
+            graph_capture_s=self.graph_capture_s, cache_bytes_allocated=self.cache.memory_bytes(),
+            num_layers=len(self.layer_ids),
+        )

@@ -1,0 +1,251 @@
+"""Continuous batching with chunked prefill under a token budget (host side only; no tensors).
+
+Each ``schedule()`` builds one step's plan, in this order:
+
+1. **decode**: every running request past its prompt gets ``min(decode_tokens, remaining)`` tokens, least
+   recently scheduled first, while the token budget lasts;
+2. **prefill** of running requests whose prompt is not done (admission order), one chunk each, as large as the
+   remaining budget allows (and ``max_prefill_chunk``);
+3. **admission** of waiting requests, first come first served, while budget, state slots, ``max_running`` and
+   cache blocks allow; each admitted request gets its first prefill chunk in the same step.
+
+Admission reserves the blocks a request needs for its *whole* length (``prompt_len + gen_len``), counting what
+running requests still have to grow into, so a running request never meets a full cache: requests wait instead
+of failing, and ``HybridCache.prepare_forward`` never raises ``CacheFullError``. A request that could not fit
+even in an empty cache is rejected when it is added (``RequestTooLargeError``). FCFS without skipping: a large
+request at the head of the queue is not starved by smaller ones behind it.
+
+Plan order (= token order in the step): decodes first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache import HybridCache, blocks_for_tokens
+from .requests import Request
+
+__all__ = ["RequestTooLargeError", "ScheduledStep", "Scheduler", "SchedulerConfig"]
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never run with this cache (too long for ``max_position`` or for the whole pool)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits.
+
+    Attributes:
+        max_batched_tokens: token budget of one step (decode + prefill tokens).
+        max_running: most requests admitted at once (default: the cache's free state slots).
+        decode_tokens: tokens per decode step per request (1; 2–4 model speculative / MTP decoding).
+        max_prefill_chunk: largest prefill chunk of one request in one step (default: the budget).
+    """
+
+    max_batched_tokens: int = 2048
+    max_running: int | None = None
+    decode_tokens: int = 1
+    max_prefill_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
+        if not 1 <= self.decode_tokens <= 4:
+            raise ValueError(f"decode_tokens must be in 1..4, got {self.decode_tokens}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+
+
+@dataclass
+class ScheduledStep:
+    """One step's plan.
+
+    Attributes:
+        step: engine step number.
+        plan: ``[(request_id, num_new)]`` in token order (decodes first, then prefill chunks).
+        num_decode_tokens / num_prefill_tokens: tokens of each phase in the step.
+        decode_ids: requests decoding in this step (prefix of ``plan``).
+        admitted: requests admitted in this step.
+    """
+
+    step: int
+    plan: list[tuple[str, int]]
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    decode_ids: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_prefill_tokens == 0 and self.num_decode_tokens > 0
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a ``HybridCache`` (which it uses for slots and block accounting).
+
+    Args:
+        cache: the cache the engine runs on. The scheduler calls ``add_request`` on admission and ``release``
+            when a request finishes; the engine calls ``prepare_forward`` with the plan.
+        config: limits.
+    """
+
+    def __init__(self, cache: HybridCache, config: SchedulerConfig | None = None) -> None:
+        self.cache = cache
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.finished: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_no = 0
+        self._blocked_reason: str | None = None
+
+    # ------------------------------------------------------------------ capacity
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Pool blocks a request of ``num_tokens`` tokens holds."""
+        return blocks_for_tokens(num_tokens, self.cache.min_ratio, self.cache.block_size)
+
+    def reserved_blocks(self) -> int:
+        """Blocks running requests will still allocate before they finish."""
+        return sum(
+            max(self.blocks_needed(r.total_len) - len(self.cache.block_table(r.request_id)), 0)
+            for r in self.running.values()
+        )
+
+    def available_blocks(self) -> int:
+        """Free blocks not promised to running requests."""
+        return self.cache.num_free_blocks - self.reserved_blocks()
+
+    @property
+    def max_running(self) -> int:
+        """Admission limit on concurrently running requests."""
+        slots = len(self.running) + self.cache.num_free_slots
+        return slots if self.config.max_running is None else min(self.config.max_running, slots)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request) -> None:
+        """Queue a request (it waits until it has arrived and fits).
+
+        Raises:
+            ValueError: duplicate id.
+            RequestTooLargeError: it could never run with this cache.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        cfg = self.cache.cfg
+        if request.total_len > cfg.max_position:
+            raise RequestTooLargeError(
+                f"request {request.request_id!r}: {request.prompt_len} + {request.gen_len} tokens exceeds "
+                f"max_position {cfg.max_position}"
+            )
+        usable = self.cache.num_free_blocks + sum(len(self.cache.block_table(r)) for r in self.running)
+        need = self.blocks_needed(request.total_len)
+        if need > usable:
+            raise RequestTooLargeError(
+                f"request {request.request_id!r} needs {need} pool blocks for {request.total_len} tokens but the "
+                f"cache has {usable} for requests in all; give the cache more memory"
+            )
+        if request.number < 0:
+            request.number = len(self.requests)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def blocked_reason(self) -> str | None:
+        """Why the head of the queue was not admitted in the last step (``None`` if it was, or none waited)."""
+        return self._blocked_reason
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> ScheduledStep | None:
+        """The next step's plan (admitting requests into the cache), or ``None`` when nothing can run now
+        (no work, or every waiting request has yet to arrive)."""
+        cfg = self.config
+        budget = cfg.max_batched_tokens
+        step = ScheduledStep(step=self.step_no, plan=[])
+        # 1. decode
+        decoders = sorted(
+            (r for r in self.running.values() if not r.in_prefill), key=lambda r: (r.last_scheduled, r.number)
+        )
+        for r in decoders:
+            n = min(cfg.decode_tokens, r.remaining, budget)
+            if n <= 0:
+                break
+            step.plan.append((r.request_id, n))
+            step.decode_ids.append(r.request_id)
+            step.num_decode_tokens += n
+            budget -= n
+        # 2. prefill of running requests
+        chunk_cap = cfg.max_prefill_chunk or cfg.max_batched_tokens
+        for r in self.running.values():
+            if budget <= 0:
+                break
+            if r.in_prefill:
+                n = min(r.remaining_prompt, budget, chunk_cap)
+                step.plan.append((r.request_id, n))
+                step.num_prefill_tokens += n
+                budget -= n
+        # 3. admission (FCFS, no skipping)
+        self._blocked_reason = None
+        avail = self.available_blocks()
+        while self.waiting and budget > 0:
+            r = self.waiting[0]
+            if r.arrival_step > self.step_no:
+                self._blocked_reason = "not arrived"
+                break
+            if len(self.running) >= self.max_running:
+                self._blocked_reason = "max running requests"
+                break
+            need = self.blocks_needed(r.total_len)
+            if need > avail:
+                self._blocked_reason = f"cache full ({avail} blocks free after reservations, {need} needed)"
+                break
+            self.waiting.popleft()
+            self.cache.add_request(r.request_id)
+            self.running[r.request_id] = r
+            r.admitted_step = self.step_no
+            avail -= need
+            n = min(r.remaining_prompt, budget, chunk_cap)
+            step.plan.append((r.request_id, n))
+            step.admitted.append(r.request_id)
+            step.num_prefill_tokens += n
+            budget -= n
+        if not step.plan:
+            return None
+        return step
+
+    def commit(self, step: ScheduledStep, now_s: float | None = None) -> list[Request]:
+        """Advance the requests of a step that ran; release the finished ones (cache blocks and slot).
+        Returns the requests that finished."""
+        done = []
+        for rid, n in step.plan:
+            r = self.running[rid]
+            was_prefill = r.in_prefill
+            r.num_computed += n
+            r.last_scheduled = step.step
+            if was_prefill and not r.in_prefill:
+                r.prefill_done_step = step.step
+                r.first_token_s = now_s
+            if r.done:
+                r.finished_step = step.step
+                r.finished_s = now_s
+                self.cache.release(rid)
+                del self.running[rid]
+                self.finished.append(r)
+                done.append(r)
+        self.step_no += 1
+        return done
+
+    def skip_step(self) -> None:
+        """Advance the step counter without running anything (waiting requests have not arrived yet)."""
+        self.step_no += 1

@@ -1,0 +1,479 @@
+"""The compressors' writes (SPEC §4): accumulate the step's projected tokens into the tails, pool every window that
+closes, post-process and quantize the entries, scatter them into the paged pool — fused, for a whole layer, with
+the step's window entries into **one launch** (``write_before_attention``).
+
+Inputs per compressor are the FP32 projections ``a = x W_kv^T`` and ``z_raw = x W_gate^T`` (``[T, width]``,
+torch GEMMs exactly as ``reference.compressor.project``; the position bias ``ape[p mod m]`` is added here, in
+the same FP32 add). Everything after the GEMMs is bit-exact with ``torch_ops.compress`` on CUDA, including the
+reduction orders torch's kernels use (reproduced on purpose; see ``pool_entry`` and ``torch_sum_sq``):
+
+* softmax over the ``S`` slots per channel (``S = 2m`` for CSA with the previous window's first half, ``m``
+  for HCA): max, then a sequential sum of ``exp(z − max)`` over the slots, then ``exp(z − max) / sum``
+  (torch's spatial softmax, one thread per channel);
+* the weighted sum over slots in the order of torch's reduce kernel (4 accumulators, split over 4 warps when
+  ``S ≥ 64``);
+* BF16 cast, weighted RMSNorm whose sum of squares follows torch's block reduction, which depends on how many
+  entries the step emits (``E``, read on the device: ``num_emit_device``);
+* RoPE at ``i·m``; main entries: FP8 block-64 quantize→dequantize, then the 584-B encoding of the result;
+  indexer keys: Hadamard, MXFP4 quantize→dequantize, then the 68-B encoding of the result.
+
+Grid of the fused launch (program ids in this order):
+
+====================  ============================================================================================
+``B`` main leads      request b: its first emitted entry (and, CSA, the second: the only entries that read the
+                      tails / previous-window state), then — after a barrier — rotate the previous-window state
+                      (CSA) and write the tokens of the still-open window into the tail
+``Ecap`` main         one program per other emitted entry (``emit_pad_*``, padding rows exit at once)
+``⌈T/BT⌉`` window     the step's window entries (``swa_write.window_entries_block``)
+``B`` index leads     the same as the main leads for the CSA indexer's compressor (CSA layers only)
+``Ecap`` index        likewise for the indexer's other entries
+====================  ============================================================================================
+
+Reads of a tail happen before its writes because both are done by the same program (lead) with a barrier
+between; no other program touches that request's tail or state. The entry programs are launched only when a
+request can emit more than the leads take (host-known from ``max_new``), so a decode step's grid has just the
+leads and the window blocks. Nothing here branches on the host on whether anything flushed.
+
+Pool page layouts (``n = block_size / m`` entries per block): KV ``[n × 576 data | n × 8 scales | pad]``;
+indexer ``[n × 64 packed E2M1 | n × 4 UE8M0]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .quant import bf16_round, expf, fp8_block_qdq, rsqrtf, hadamard128, mxfp4_block_qdq, pack_nibbles, pair_tree_last, seq_sum4_last, split_halves
+from .swa_write import rope_pairs, window_entries_block
+
+__all__ = ["CompressorArgs", "write_before_attention"]
+
+FLT_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
+
+#: Threads per block of torch's CUDA reduce kernel (``ReduceConfig``'s ``MAX_NUM_THREADS``); the kernels here
+#: reproduce the reduction orders it implies (see ``pool_warps`` and ``rms_norm_bf16``).
+TORCH_REDUCE_MAX_THREADS = 512
+
+
+def pool_warps(slots: int, max_threads: int = TORCH_REDUCE_MAX_THREADS) -> int:
+    """Warps torch's reduce kernel splits a per-channel sum over ``slots`` (strided, non-innermost, 4 outputs per
+    thread) across, or 0 when one thread sums them: block height ``min(pow2floor(slots), max_threads/128)``,
+    split when ``slots ≥ min(16·height, 256)``."""
+    height = min(1 << (slots.bit_length() - 1), max_threads // 128)
+    return height if slots >= min(16 * height, 256) else 0
+
+
+# =========================================================================================== slot loads
+@triton.jit
+def load_slots(
+    k0, NR: tl.constexpr, LOAD_A: tl.constexpr,
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+    i, start, cu, slot,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr,
+):
+    """Gate logits (biased) and features of pooling slots ``k0 … k0+NR−1`` of entry ``i``: ``(z, a)`` fp32 ``[NR, C]``.
+
+    Slot d < m of a CSA entry is token ``(i−1)·m + d`` with first-half columns ``[:C]``; the others are token
+    ``i·m + r`` (``r`` = offset in the window) with the second half ``[C:]`` (CSA) or all columns (HCA). A token
+    comes from the step (``a`` / ``z_raw + ape``, row ``cu + p − start``) if ``p ≥ start``, else from the tail;
+    a CSA entry's previous window comes from the previous-window state when ``i = start // m`` (it closed before
+    this step; reset to 0 / −inf for window 0).
+    """
+    W: tl.constexpr = 2 * C if OVERLAP else C
+    d = k0 + tl.arange(0, NR)
+    cols = tl.arange(0, C)[None, :]
+    if OVERLAP:
+        is_prev = d < M
+        r = tl.where(is_prev, d, d - M)
+        p = tl.where(is_prev, (i - 1) * M + r, i * M + r)
+        col0 = tl.where(is_prev, 0, C)[:, None]
+        use_state = is_prev & (i == start // M)
+    else:
+        r = d
+        p = i * M + r
+        col0 = tl.zeros([NR, 1], dtype=tl.int32)
+        use_state = d < 0
+    in_step = (p >= start) & (~use_state)
+    in_tail = (p < start) & (~use_state)
+    row = (cu + p - start).to(tl.int64)
+    srow = (slot * M + r).to(tl.int64)
+    step_off = row[:, None] * W + col0 + cols
+    tail_off = srow[:, None] * W + col0 + cols
+    ms = in_step[:, None]
+    mt = in_tail[:, None]
+    z = tl.load(z_ptr + step_off, mask=ms, other=0.0) + tl.load(ape_ptr + r[:, None] * W + col0 + cols, mask=ms, other=0.0)
+    z = tl.where(mt, tl.load(tail_gate_ptr + tail_off, mask=mt, other=0.0), z)
+    a = z
+    if LOAD_A:
+        a = tl.load(a_ptr + step_off, mask=ms, other=0.0)
+        a = tl.where(mt, tl.load(tail_kv_ptr + tail_off, mask=mt, other=0.0), a)
+    if OVERLAP:
+        mp = use_state[:, None]
+        prev_off = srow[:, None] * C + cols
+        z = tl.where(mp, tl.load(prev_gate_ptr + prev_off, mask=mp, other=0.0), z)
+        if LOAD_A:
+            a = tl.where(mp, tl.load(prev_kv_ptr + prev_off, mask=mp, other=0.0), a)
+    return z, a
+
+
+# =========================================================================================== pooling
+@triton.jit
+def halve_rows(part, N: tl.constexpr, C: tl.constexpr):
+    """``part[y] + part[y + N/2]`` for ``y < N/2`` (one shared-memory halving step of a block reduction)."""
+    lo, hi = tl.split(tl.permute(tl.reshape(part, (2, N // 2, C)), (1, 2, 0)))
+    return lo + hi
+
+
+@triton.jit
+def pool_entry(
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+    i, start, cu, slot,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, NW: tl.constexpr,
+):
+    """``Σ_slot softmax_slot(z)·a`` of entry ``i`` as torch computes ``(gate.softmax(1) * kv).sum(1)``: fp32 ``[C]``.
+
+    ``NW``: 0 when torch's reduce kernel sums a channel's ``S`` slots in one thread (4 accumulators, slot d into
+    accumulator d mod 4), else the number of warps it splits them over (warp y, accumulator i takes slots
+    ``y + NW·i + 4·NW·k``; the warps' partials are then halved pairwise, offsets NW/2 … 1). See
+    ``pool_warps`` for how the launcher derives it.
+    """
+    S: tl.constexpr = 2 * M if OVERLAP else M
+    CH: tl.constexpr = 4 if NW == 0 else 4 * NW
+    # softmax max (order-free)
+    mx = tl.full([C], FLT_LOWEST, tl.float32)
+    for k in range(0, S // CH):
+        z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
+        mx = tl.maximum(mx, tl.max(z, axis=0))
+    # softmax denominator: a sequential sum over the slots, slot 0 first
+    den = tl.zeros([1, C], dtype=tl.float32)
+    for d in range(0, S):
+        z, _ = load_slots(d, 1, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
+        den = den + expf(z - mx[None, :])
+    # weighted sum: accumulator row j collects slots j, j + CH, j + 2·CH, … in order
+    acc = tl.zeros([CH, C], dtype=tl.float32)
+    for k in range(0, S // CH):
+        z, a = load_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
+        acc = acc + tl.math.div_rn(expf(z - mx[None, :]), den) * a
+    if NW == 0:
+        # one thread per channel, 4 accumulators: ((acc0 + acc1) + acc2) + acc3
+        pooled = tl.reshape(seq_sum4_last(tl.trans(acc)), (C,))
+    else:
+        # warp y: ((acc[y] + acc[NW + y]) + acc[2NW + y]) + acc[3NW + y]; then halve over y
+        part = seq_sum4_last(tl.permute(tl.reshape(acc, (4, NW, C)), (1, 2, 0)))  # [NW, C]
+        if NW >= 16:
+            part = halve_rows(part, 16, C)
+        if NW >= 8:
+            part = halve_rows(part, 8, C)
+        if NW >= 4:
+            part = halve_rows(part, 4, C)
+        if NW >= 2:
+            part = halve_rows(part, 2, C)
+        pooled = tl.reshape(part, (C,))
+    return pooled
+
+
+# =========================================================================================== RMSNorm
+@triton.jit
+def torch_sum_sq(sq, C: tl.constexpr, BW: tl.constexpr):
+    """``Σ sq`` over ``[C]`` in the order of torch's block reduction of ``x.pow(2).mean(-1)`` for rows of ``C`` fp32
+    with ``BW`` threads per row (C = 512: float4 loads, 4 accumulators; C = 128: 4 strided accumulators), then
+    shared-memory halving down to 32 lanes and a warp shuffle tree. Returns ``[1]``."""
+    if C == 512:
+        K: tl.constexpr = 128 // BW  # float4 vectors per thread
+        t = tl.permute(tl.reshape(sq, (K, BW, 4)), (1, 2, 0))  # [BW, 4, K]: thread, lane of the vector, step
+        if K == 4:
+            acc = seq_sum4_last(t)
+        elif K == 2:
+            u, v = tl.split(t)
+            acc = u + v
+        else:
+            acc = tl.reshape(t, (BW, 4))
+        p = seq_sum4_last(acc)  # [BW] per-thread partials
+    else:
+        if BW == 32:
+            p = seq_sum4_last(tl.trans(tl.reshape(sq, (4, 32))))  # thread l: x[l], x[l+32], x[l+64], x[l+96]
+        elif BW == 64:
+            u, v = split_halves(sq, 128)
+            p = u + v  # thread l: x[l] + x[l + 64]
+        else:
+            p = sq
+    # shared-memory halving (offsets BW/2 … 32), then the warp's shuffle-down tree
+    if BW == 128:
+        u, v = split_halves(p, 128)
+        p = u + v
+    if BW >= 64:
+        u, v = split_halves(p, 64)
+        p = u + v
+    return pair_tree_last(p, 32, 5)
+
+
+@triton.jit
+def rms_norm_bf16(x, w, eps, num_emit, C: tl.constexpr, MAXT: tl.constexpr):
+    """``reference.rms_norm(x.bf16(), w, eps)`` of one entry: x fp32 ``[C]`` → BF16-valued fp32 ``[C]``.
+
+    torch picks its reduction's threads per row from the number of rows ``num_emit``: ``min(128, MAXT / h)`` with
+    ``h = min(pow2floor(num_emit), MAXT / 32)`` (MAXT = 512: 128 below 8 rows, 64 below 16, else 32); all three
+    sums are formed and the matching one chosen, on the device.
+    """
+    xb = bf16_round(x)
+    sq = xb * xb
+    s = tl.where(num_emit >= MAXT // 32, torch_sum_sq(sq, C, 32),
+                 tl.where(num_emit >= MAXT // 64, torch_sum_sq(sq, C, 64), torch_sum_sq(sq, C, 128)))
+    r = rsqrtf(s * (1.0 / C) + eps)
+    return bf16_round(w * (xb * r))
+
+
+@triton.jit
+def rope_last64(x, pos_f, inv_freq_ptr, C: tl.constexpr):
+    """RoPE of the last 64 of ``x`` fp32 ``[C]`` at ``pos_f``: returns ``(first C−64, rotated 64)`` — the rotated
+    part BF16-valued fp32 (rounded once), the rest untouched."""
+    if C == 512:
+        h0, t0 = split_halves(x, 512)
+        h1, t1 = split_halves(t0, 256)
+        h2, tail = split_halves(t1, 128)
+        head = h0  # (only C = 128 callers use the head)
+    else:
+        head, tail = split_halves(x, 128)
+    re, im = tl.split(tl.reshape(tail, (32, 2)))
+    re2, im2 = rope_pairs(re, im, pos_f, tl.load(inv_freq_ptr + tl.arange(0, 32)))
+    rot = tl.reshape(tl.join(bf16_round(re2), bf16_round(im2)), (64,))
+    return head, rot
+
+
+# =========================================================================================== one entry
+@triton.jit
+def compress_entry(
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit,
+    b, i, start, cu, slot,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
+    MAXT: tl.constexpr,
+):
+    """Pool, normalize, RoPE, quantize entry ``i`` of request ``b`` and write it into its pool page.
+
+    ``KIND`` 0: main entry (C = 512) → 584-B ``fp8_ds_mla``; 1: indexer key (C = 128) → 68-B MXFP4 after the
+    Hadamard rotation.
+    """
+    pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+                        i, start, cu, slot, C, M, OVERLAP, NW)
+    y = rms_norm_bf16(pooled, tl.load(norm_ptr + tl.arange(0, C)), eps, num_emit, C, MAXT)
+    head, rot = rope_last64(y, (i * M).to(tl.float32), inv_freq_ptr, C)
+    first = i * M
+    blk = tl.load(block_tables_ptr + b.to(tl.int64) * bt_stride + first // block_size).to(tl.int64)
+    n_per_page = block_size // M
+    j = (first % block_size) // M
+    page = pages_ptr + blk * page_bytes
+    if KIND == 0:
+        rows = tl.arange(0, 8)[:, None]
+        cols = tl.arange(0, 64)[None, :]
+        nope = tl.reshape(y, (8, 64))  # row 7 (the pre-RoPE rope dims) is ignored
+        _, v1, _ = fp8_block_qdq(nope, 1)
+        code, _, ebyte = fp8_block_qdq(v1, 1)  # the stored bytes encode the rounded values (as the torch backend)
+        nmask = (rows < 7) & (cols >= 0)
+        tl.store(page + j * 576 + rows * 64 + cols, code.to(tl.uint8), mask=nmask)
+        rdst = (page + j * 576 + 448 + tl.arange(0, 64) * 2).to(tl.pointer_type(tl.bfloat16))
+        tl.store(rdst, rot.to(tl.bfloat16))
+        e8 = tl.arange(0, 8)
+        tl.store(page + n_per_page * 576 + j * 8 + e8, tl.where(e8 < 7, ebyte, 0).to(tl.uint8))
+    else:
+        key = tl.reshape(tl.trans(tl.join(head, rot)), (128,))  # [first 64 | rotated 64]
+        h = tl.reshape(hadamard128(key), (4, 32))
+        _, v1, _ = mxfp4_block_qdq(h, 1)
+        code, _, ebyte = mxfp4_block_qdq(v1, 1)
+        packed = pack_nibbles(tl.reshape(code, (128,)), 128)
+        tl.store(page + j * 64 + tl.arange(0, 64), packed.to(tl.uint8))
+        tl.store(page + n_per_page * 64 + j * 4 + tl.arange(0, 4), ebyte.to(tl.uint8))
+
+
+# =========================================================================================== per-role programs
+@triton.jit
+def lead_program(
+    b,
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
+    start_ptr, end_ptr, cu_ptr, slots_ptr,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
+    MAXT: tl.constexpr,
+):
+    """Request ``b``: its first emitted entries (those that read the tail / state), then the state updates."""
+    W: tl.constexpr = 2 * C if OVERLAP else C
+    L: tl.constexpr = 2 if OVERLAP else 1
+    start = tl.load(start_ptr + b)
+    end = tl.load(end_ptr + b)
+    cu = tl.load(cu_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b)
+    num_emit = tl.load(num_emit_ptr)
+    i0 = start // M
+    i_end = end // M
+    for k in range(0, L):
+        i = i0 + k
+        if i < i_end:
+            compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
+                           inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                           num_emit, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
+    cols = tl.arange(0, C)[None, :]
+    r = tl.arange(0, M)
+    if OVERLAP:
+        # The last closed window's first half becomes the next entry's previous window: the "previous" slots of
+        # entry i_end (read here, before any write below).
+        pz, pa = load_slots(0, M, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                            prev_gate_ptr, i_end, start, cu, slot, C, M, OVERLAP)
+    tl.debug_barrier()
+    if OVERLAP:
+        emitted = i_end > i0
+        prev_off = (slot * M + r).to(tl.int64)[:, None] * C + cols
+        pm = emitted & (r[:, None] >= 0)
+        tl.store(prev_kv_ptr + prev_off, pa, mask=pm)
+        tl.store(prev_gate_ptr + prev_off, pz, mask=pm)
+    # Tail: tokens of the final, still open window (positions ≥ i_end·m), all columns, gate biased.
+    first_open = tl.maximum(start, i_end * M)
+    wcols = tl.arange(0, W)[None, :]
+    RB: tl.constexpr = 4
+    for k in range(0, (M - 1 + RB - 1) // RB):  # at most m − 1 open-window tokens
+        p0 = first_open + k * RB
+        if p0 < end:
+            p = p0 + tl.arange(0, RB)
+            pm = (p < end)[:, None]
+            rr = p % M
+            src = (cu + p - start).to(tl.int64)[:, None] * W + wcols
+            dst = (slot * M + rr).to(tl.int64)[:, None] * W + wcols
+            a = tl.load(a_ptr + src, mask=pm, other=0.0)
+            z = tl.load(z_ptr + src, mask=pm, other=0.0) + tl.load(ape_ptr + rr[:, None] * W + wcols, mask=pm,
+                                                                    other=0.0)
+            tl.store(tail_kv_ptr + dst, a, mask=pm)
+            tl.store(tail_gate_ptr + dst, z, mask=pm)
+
+
+@triton.jit
+def entry_program(
+    e,
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
+    start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
+    MAXT: tl.constexpr,
+):
+    """Emitted entry ``e`` of the padded list, unless it is padding or one its request's lead program takes."""
+    L: tl.constexpr = 2 if OVERLAP else 1
+    b = tl.load(emit_req_ptr + e)
+    if b >= 0:
+        i = tl.load(emit_entry_ptr + e)
+        start = tl.load(start_ptr + b)
+        if i >= start // M + L:
+            cu = tl.load(cu_ptr + b).to(tl.int64)
+            slot = tl.load(slots_ptr + b)
+            compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
+                           inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                           tl.load(num_emit_ptr), b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
+
+
+# =========================================================================================== the fused launch
+@triton.jit
+def _write_before_attention_kernel(
+    kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, T,
+    start_ptr, end_ptr, cu_ptr, slots_ptr, block_tables_ptr, bt_stride, block_size, B,
+    emit_req_ptr, emit_entry_ptr, num_emit_ptr, n_entry, eps,
+    ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
+    xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
+    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_win = tl.cdiv(T, BT)
+    if pid < B:
+        lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
+                     mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
+                     start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT)
+    elif pid < B + n_entry:
+        entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
+                      inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                      num_emit_ptr, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M, OVERLAP, 0,
+                      NW, MAXT)
+    elif pid < B + n_entry + n_win:
+        window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
+    else:
+        if HAS_INDEX:  # the CSA indexer's compressor: leads, then entries
+            q = pid - B - n_entry - n_win
+            if q < B:
+                lead_program(q, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
+                             inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                             num_emit_ptr, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1, NW_INDEX, MAXT)
+            else:
+                entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
+                              inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                              num_emit_ptr, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, 128, M,
+                              True, 1, NW_INDEX, MAXT)
+
+
+@dataclass
+class CompressorArgs:
+    """One compressor's tensors for ``write_before_attention`` (all on the cache's device, contiguous).
+
+    Attributes:
+        a, z_raw: fp32 ``[T, width]``: ``x W_kv^T`` and ``x W_gate^T`` (no bias).
+        ape: fp32 ``[m, width]`` position bias; norm: fp32 ``[c]`` RMSNorm weight.
+        tail_kv, tail_gate: fp32 ``[R, m, width]``; prev_kv, prev_gate: fp32 ``[R, m, c]`` (CSA; else ``None``).
+        pages: uint8 ``[num_blocks, page_bytes]`` (KV pages for the main compressor, indexer pages for the index).
+    """
+
+    a: Tensor
+    z_raw: Tensor
+    ape: Tensor
+    norm: Tensor
+    tail_kv: Tensor
+    tail_gate: Tensor
+    prev_kv: Tensor | None
+    prev_gate: Tensor | None
+    pages: Tensor
+
+
+WINDOW_BT = 4
+
+
+def write_before_attention(
+    kv: Tensor, positions: Tensor, inv_freq: Tensor, batch, m: int, overlap: bool, eps: float,
+    main: CompressorArgs, index: CompressorArgs | None,
+) -> Tensor:
+    """One launch: the step's window entries, and every compressor's accumulate + flush (see the module doc).
+
+    Args:
+        kv: bf16 ``[T, 512]`` ``RMSNorm(W_kv x)``; positions: int64 ``[T]``; inv_freq: fp32 ``[32]``.
+        batch: the ``StepBatch`` (its fixed-shape device tensors only: graph-safe).
+        m, overlap: compression ratio; CSA-style overlap (then ``index`` is the indexer's compressor, or ``None``).
+        eps: RMSNorm epsilon.
+    Returns:
+        bf16 ``[T, 512]`` the window entries as stored.
+    """
+    kv = kv.contiguous()
+    out = torch.empty_like(kv)
+    T, B = kv.shape[0], batch.num_requests
+    L = 2 if overlap else 1
+    # entry programs only when a request can emit more entries than its lead takes (host-known geometry)
+    n_entry = batch.emit_capacity[m] if -(-batch.max_new // m) > L else 0
+    has_index = index is not None
+    x = index if has_index else main
+    c = main.norm.shape[0]
+    grid = (B * (1 + has_index) + n_entry * (1 + has_index) + triton.cdiv(T, WINDOW_BT),)
+    dummy = main.tail_kv
+    _write_before_attention_kernel[grid](
+        kv, positions, inv_freq, out, T,
+        batch.start_pos, batch.end_pos, batch.cu_seqlens, batch.slots, batch.block_tables,
+        batch.block_tables.stride(0), batch.block_size, B,
+        batch.emit_pad_request[m], batch.emit_pad_entry[m], batch.num_emit_device[m], n_entry, eps,
+        main.a, main.z_raw, main.ape, main.tail_kv, main.tail_gate,
+        main.prev_kv if overlap else dummy, main.prev_gate if overlap else dummy, main.norm, main.pages,
+        main.pages.shape[1],
+        x.a, x.z_raw, x.ape, x.tail_kv, x.tail_gate, x.prev_kv if has_index else dummy,
+        x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
+        C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
+        NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
+        MAXT=TORCH_REDUCE_MAX_THREADS, num_warps=4, enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,224 @@
+"""Triton device helpers for the cache's number formats (SPEC §2.3–2.4), bit-exact with ``dsv4.formats``.
+
+Every helper is a ``@triton.jit`` function on fp32 register tensors of any shape; none touches memory. They are
+written with integer bit arithmetic and IEEE round-to-nearest operations only, so the results are the same on
+the GPU and in the Triton interpreter (whose float→float8 cast is unreliable; nothing here uses it):
+
+* ``ue8m0_exponent`` / ``exp2i``         — the power-of-two ("ue8m0") scale rule: ``ceil(log2 x)`` from the fp32
+  bits, and ``2**e`` built from bits;
+* ``fp8_block_qdq``                      — official FP8: per block ``s = 2**ceil(log2(max(amax, 1e-4)·fp32(1/448)))``,
+  E4M3 codes of ``clamp(v / s, ±448)`` (RNE, subnormals), their values times ``s``, the UE8M0 byte;
+* ``e4m3_round``                         — E4M3 code + value of an fp32 in ``[-448, 448]``;
+* ``mxfp4_block_qdq`` / ``e2m1_round``   — official MXFP4 (block 32, ``s = 2**ceil(log2(max(amax, 6·2⁻¹²⁶)·fp32(1/6)))``);
+* ``hadamard128``                        — the normalized 128-point Sylvester Walsh–Hadamard transform as the same
+  7 add/subtract butterfly stages as ``formats.hadamard_transform`` (so the fp32 rounding is identical);
+* ``pack_nibbles``                       — two E2M1 codes per byte (even element in the low nibble).
+
+Bit-exactness notes: divisions use ``tl.math.div_rn`` (Triton's ``/`` is an approximate fp32 division), and the
+kernels that use these helpers are compiled with ``enable_fp_fusion=False`` so that no ``a*b + c`` is contracted
+into an FMA that torch would round twice.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+__all__ = [
+    "expf", "cosf", "sinf", "rsqrtf", "bf16_round", "with_sign_of",
+    "ue8m0_exponent", "exp2i", "e4m3_round", "fp8_block_qdq", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
+    "pack_nibbles", "split_halves", "seq_sum4_last", "pair_tree_last",
+]
+
+
+def _fp32(v: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+# The CUDA math library's expf / cosf / sinf / rsqrtf (libdevice), which torch's CUDA kernels call; Triton's own
+# tl.exp / tl.cos lower to faster approximations that round differently. The interpreter has no libdevice, so
+# there the numpy-backed tl functions stand in (CPU tests check logic, the GPU tests check bits).
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def expf(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def cosf(x):
+        return tl.cos(x)
+
+    @triton.jit
+    def sinf(x):
+        return tl.sin(x)
+
+    @triton.jit
+    def rsqrtf(x):
+        return tl.rsqrt(x)
+
+else:
+    expf, cosf, sinf, rsqrtf = libdevice.exp, libdevice.cos, libdevice.sin, libdevice.rsqrt
+
+INV_448: tl.constexpr = tl.constexpr(_fp32(1.0 / 448.0))
+INV_6: tl.constexpr = tl.constexpr(_fp32(1.0 / 6.0))
+FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(_fp32(1e-4))
+MXFP4_AMAX_FLOOR: tl.constexpr = tl.constexpr(6.0 * 2.0**-126)
+INV_SQRT_128: tl.constexpr = tl.constexpr(_fp32(1.0 / 128**0.5))
+
+
+# ------------------------------------------------------------------------------------------- BF16
+@triton.jit
+def bf16_round(x):
+    """Round fp32 ``x`` to the nearest BF16 value, ties to even; returns fp32 (exactly representable in BF16, so a
+    following ``.to(tl.bfloat16)`` is exact). Same as the GPU's ``cvt.rn.bf16.f32`` on finite values; spelled out
+    because the interpreter's cast truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # clear the low 16 bits (0xFFFF0000)
+    return r.to(tl.float32, bitcast=True)
+
+
+# ------------------------------------------------------------------------------------------- power-of-two scales
+@triton.jit
+def ue8m0_exponent(x):
+    """``ceil(log2(x))`` of positive normal fp32 ``x`` from its bits (exponent field, +1 if any mantissa bit).
+
+    Args: ``x`` fp32, any shape, > 0 and normal. Returns int32, same shape.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def exp2i(e):
+    """``2.0**e`` as fp32 for int32 ``e`` in ``[-126, 127]`` (built from the exponent bits, exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+# ------------------------------------------------------------------------------------------- E4M3
+@triton.jit
+def with_sign_of(mag, bits):
+    """``mag`` (fp32 ≥ +0) with the sign bit of int32 ``bits`` — ``-0.0`` kept (Triton's ``-x`` is ``0 − x``)."""
+    return (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_round(y):
+    """Round fp32 ``y`` (``|y| <= 448``) to E4M3, round-to-nearest-even, subnormals down to ``2**-9``.
+
+    Returns ``(code, value)``: int32 bit patterns in ``[0, 256)`` (sign bit kept: ``-0.0`` → 0x80) and the fp32
+    value of the code. Same shape as ``y``.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    neg = bits < 0
+    ab = bits & 0x7FFFFFFF
+    ay = ab.to(tl.float32, bitcast=True)
+    # |y| < 2**-6: E4M3 subnormals, multiples of 2**-9. ay * 512 is exact; adding and removing 2**23 rounds it to
+    # the nearest integer, ties to even (fp32 RNE).
+    q = (ay * 512.0 + 8388608.0) - 8388608.0
+    sub_code = q.to(tl.int32)
+    sub_val = q * 0.001953125
+    # Normal range: round the 23-bit mantissa to 3 bits (RNE); a carry moves into the exponent as it should.
+    r = (ab + 0x7FFFF + ((ab >> 20) & 1)) & -1048576  # clear the low 20 bits (0xFFF00000)
+    norm_code = ((((r >> 23) & 0xFF) - 120) << 3) | ((r >> 20) & 7)
+    norm_val = r.to(tl.float32, bitcast=True)
+    is_sub = ab < 0x3C800000  # 2**-6
+    code = tl.where(is_sub, sub_code, norm_code) | tl.where(neg, 0x80, 0)
+    val = tl.where(is_sub, sub_val, norm_val)
+    return code, with_sign_of(val, bits)
+
+
+@triton.jit
+def fp8_block_qdq(v, AXIS: tl.constexpr):
+    """Official FP8 block quantization of ``v`` (fp32), one block along ``AXIS`` (the last axis, length 64).
+
+    Per block ``a = max(max|v|, 1e-4)``, ``s = 2**ceil(log2(a·fp32(1/448)))``, ``code = e4m3(clamp(v / s, ±448))``.
+
+    Returns ``(code int32 like v, value fp32 like v = e4m3(code)·s, exponent byte int32 [...] = log2(s) + 127)``.
+    """
+    amax = tl.max(tl.abs(v), axis=AXIS)
+    e = ue8m0_exponent(tl.maximum(amax, FP8_AMAX_FLOOR) * INV_448)
+    s = tl.expand_dims(exp2i(e), AXIS)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -448.0), 448.0)
+    code, val = e4m3_round(y)
+    return code, val * s, e + 127
+
+
+# ------------------------------------------------------------------------------------------- E2M1 / MXFP4
+@triton.jit
+def e2m1_round(y):
+    """Round fp32 ``y`` (``|y| <= 6``) to E2M1 as ``formats.fp4.e2m1_encode`` (7 RNE thresholds, sign bit kept).
+
+    Returns ``(code int32 in [0, 16), value fp32)``, same shape as ``y``.
+    """
+    m = tl.abs(y)
+    c = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
+    c = c + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
+    ex = c >> 1
+    frac = (c & 1).to(tl.float32)
+    mag = tl.where(ex == 0, 0.5 * frac, (1.0 + 0.5 * frac) * exp2i(ex - 1))
+    bits = y.to(tl.int32, bitcast=True)
+    return c | tl.where(bits < 0, 8, 0), with_sign_of(mag, bits)
+
+
+@triton.jit
+def mxfp4_block_qdq(v, AXIS: tl.constexpr):
+    """Official MXFP4 block quantization of ``v`` (fp32), one block along ``AXIS`` (the last axis, length 32).
+
+    Returns ``(code int32 like v in [0, 16), value fp32 like v, exponent byte int32 [...])``.
+    """
+    amax = tl.max(tl.abs(v), axis=AXIS)
+    e = ue8m0_exponent(tl.maximum(amax, MXFP4_AMAX_FLOOR) * INV_6)
+    s = tl.expand_dims(exp2i(e), AXIS)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -6.0), 6.0)
+    code, val = e2m1_round(y)
+    return code, val * s, e + 127
+
+
+@triton.jit
+def pack_nibbles(code, N: tl.constexpr):
+    """``[N]`` int32 codes in ``[0, 16)`` → ``[N // 2]`` int32 bytes ``code[2i] | code[2i+1] << 4``."""
+    lo, hi = tl.split(tl.reshape(code, (N // 2, 2)))
+    return lo | (hi << 4)
+
+
+# ------------------------------------------------------------------------------------------- data movement + sums
+@triton.jit
+def split_halves(x, N: tl.constexpr):
+    """``[N]`` → ``(x[:N//2], x[N//2:])`` (pure data movement, no arithmetic)."""
+    return tl.split(tl.trans(tl.reshape(x, (2, N // 2))))
+
+
+@triton.jit
+def seq_sum4_last(t):
+    """``((t[..., 0] + t[..., 1]) + t[..., 2]) + t[..., 3]`` over a last axis of length 4, in exactly that order."""
+    ev, od = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # ev = t[..., 0::2], od = t[..., 1::2]
+    t0, t2 = tl.split(ev)
+    t1, t3 = tl.split(od)
+    return ((t0 + t1) + t2) + t3
+
+
+@triton.jit
+def pair_tree_last(t, N: tl.constexpr, LOG2N: tl.constexpr):
+    """Pairwise sum of a 1-D ``[N]`` (N a power of two ≥ 2) in the order of a CUDA warp's shuffle-down tree with
+    offsets 1, 2, 4, …: adjacent pairs first, then adjacent pairs of pair sums, … Returns a ``[1]`` tensor."""
+    for lvl in tl.static_range(LOG2N):
+        a, b = tl.split(tl.reshape(t, (N >> (lvl + 1), 2)))
+        t = a + b
+    return t
+
+
+# ------------------------------------------------------------------------------------------- Hadamard
+@triton.jit
+def hadamard128(x):
+    """Normalized Walsh–Hadamard transform of ``x`` fp32 ``[128]``: the butterfly stages h = 1, 2, …, 64 of
+    ``formats.hadamard_transform`` (pairs at distance h become ``(a + b, a − b)``), then ``· fp32(128**-0.5)``."""
+    for lvl in tl.static_range(7):
+        # stage h = 2**lvl: view x as [64 / h, 2, h]; (a, b) = the two rows of each [2, h] pair
+        y = tl.permute(tl.reshape(x, (64 >> lvl, 2, 1 << lvl)), (0, 2, 1))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (128,))
+    return x * INV_SQRT_128

@@ -1,0 +1,655 @@
+"""Sparse attention with sink over the paged 584-B KV entries (SPEC §3 step 5–6, §6), for Hopper.
+
+One program handles one query token, one block of ``BLOCK_H`` (64) heads and one *split* (a contiguous range of
+key chunks). All heads of the block share every key load: the keys are the single shared KV head (K ≡ V). The
+same kernel serves decode (1–4 tokens per request, split-KV when there are few programs) and prefill chunks
+(many tokens, no split): every token has its own key set, so the tensor-core M dimension is the heads.
+
+Key set of a query at position ``t`` of request ``b`` (SPEC §6), in chunks of ``BLOCK_N`` keys:
+
+* window chunks first: positions ``t−W+1 … t``; a position ``≥ start_pos[b]`` is one of this step's tokens and is
+  read from ``kv_new`` (BF16, already rounded as stored), an older one from the request's ring page (slot
+  ``p mod W``; present iff ``ring_positions[slot, p mod W] == p``);
+* then compressed chunks: CSA the entry list ``entry_idx[t, :]`` (−1 = none), HCA every entry ``i < visible[t]``
+  (no index list at all). Entry ``i`` lives in block ``block_tables[b, (i·m) // block_size]`` at slot
+  ``((i·m) % block_size) // m``.
+
+The 512 dims are processed as 8 blocks of 64: blocks 0–6 are the FP8 blocks (each with its own UE8M0 scale per
+key), block 7 the BF16 rope dims. A key block is dequantized in registers (E4M3 code × 2^(e−127) is exact in
+BF16) and feeds the tensor-core products ``S += Q_b·K_bᵀ`` and ``O_b += P·K_b``; no BF16 copy of the keys is
+written to memory. The softmax is the online one in base 2 with P rounded to BF16 for P·V and FP32 sums; the sink
+enters the denominator at the end. With several splits per token each program writes an FP32 partial
+(``o/l`` and its log-sum-exp) and ``_combine_kernel`` merges them.
+
+The inverse RoPE of the output (rotation of the last 64 dims by ``−t``, adjacent pairs) is fused into the final
+store; like the reference, the output is rounded to BF16 before the rotation and again after it.
+
+Development: the kernels also run in the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors; then BF16
+products are upcast to FP32 and ``tl.cos`` replaces libdevice, see ``INTERPRET``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+__all__ = ["sparse_attention_fwd", "num_sms", "choose_splits"]
+
+HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
+LOG2E = 1.4426950408889634
+# Kernel constants (globals a @triton.jit function reads must be tl.constexpr).
+NOPE_DIM = tl.constexpr(448)
+DATA_BYTES = tl.constexpr(576)  # per entry: 448 E4M3 codes + 64 BF16 rope values
+SCALE_BYTES = tl.constexpr(8)  # per entry: 7 UE8M0 exponents + pad
+# Where a token's compressed entries come from.
+MODE_WINDOW = tl.constexpr(0)  # none (SWA layers)
+MODE_LIST = tl.constexpr(1)  # entry_idx[t, :], −1 = none (CSA top-k)
+MODE_ALL = tl.constexpr(2)  # every i < visible[t] (HCA)
+
+
+# ------------------------------------------------------------------------------------------------ device helpers
+@triton.jit
+def _key_block(
+    pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide,
+    B: tl.constexpr, HAS_NEW: tl.constexpr, BF16_MATH: tl.constexpr, DEQUANT_BITS: tl.constexpr = False,
+):
+    """Dims ``64·B … 64·B+63`` of ``BLOCK_N`` keys as a BF16 ``[BLOCK_N, 64]`` tile (rows not ``ok`` → 0).
+
+    Args:
+        pages_ptr: uint8 base of the pages; data_off: int64 ``[BLOCK_N]`` byte offset of each entry's 576 data
+            bytes (a multiple of 16); scales: int64 ``[BLOCK_N]`` each entry's 8 scale bytes (little-endian word).
+        ok: ``[BLOCK_N]`` rows to read from the pages.
+        new_ptrs / fresh: ``HAS_NEW`` only: ``[BLOCK_N, 1]`` pointers to BF16 rows of ``kv_new`` and the rows
+            to take from there instead.
+        B: 0–6 FP8 block ``B`` (E4M3 × 2^(e_B − 127), exact in BF16); 7 the BF16 rope values.
+        BF16_MATH: scale in BF16 (fewer conversions); else in FP32 (the interpreter's BF16 arithmetic is wrong).
+        wide / DEQUANT_BITS: see ``_dequant_bits``.
+    """
+    col = tl.arange(0, 64)
+    if B < 7:
+        codes = tl.load(pages_ptr + data_off[:, None] + (B * 64 + col)[None, :], mask=ok[:, None], other=0)
+        e = (scales >> (8 * B)) & 0xFF
+        fp8 = codes.to(tl.float8e4nv, bitcast=True)
+        if DEQUANT_BITS:
+            k = _dequant_bits(codes, e[:, None], wide, BF16_MATH)
+        elif BF16_MATH:
+            # UE8M0 byte e → 2^(e−127): e << 7 is exactly that BF16 (its exponent field is bits 7…14).
+            scale = (e << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            k = fp8.to(tl.bfloat16) * scale[:, None]
+        else:
+            scale = (e << 23).to(tl.int32).to(tl.float32, bitcast=True)
+            k = (fp8.to(tl.float32) * scale[:, None]).to(tl.bfloat16)
+    else:
+        rope = pages_ptr.to(tl.pointer_type(tl.bfloat16)) + (data_off // 2 + NOPE_DIM // 2)
+        k = tl.load(rope[:, None] + col[None, :], mask=ok[:, None], other=0.0)
+    if HAS_NEW:
+        k_new = tl.load(new_ptrs + (B * 64 + col)[None, :], mask=fresh[:, None], other=0.0)
+        k = tl.where(fresh[:, None], k_new.to(tl.bfloat16), k)
+    return k
+
+
+@triton.jit
+def _dequant_bits(codes, e, wide, BF16_MATH: tl.constexpr):
+    """Variant ``dequant="bits"``: E4M3 ``codes`` (uint8) × 2^(``e`` − 127) as BF16, built from the code bits.
+
+    ``sign << 15 | magnitude << 4`` is a BF16 holding the E4M3 exponent field and mantissa in place, i.e. the
+    value × 2^−120 (E4M3 subnormals land on BF16 subnormals, still exact); one multiply by the power of two
+    2^(e − 7) restores it and applies the scale. That multiplier is a BF16 only for ``e ≤ 134``: when ``wide``
+    (some exponent of the chunk above 134, |x| ≥ 2^15) a second multiply by 2^(e − 134) follows. Exact like the
+    conversion path (products of powers of two), with integer ops instead of FP8 → FP16 → FP32 → BF16.
+    Without ``BF16_MATH`` (the interpreter, whose BF16 subnormals are wrong) the same is done in FP32.
+    """
+    if BF16_MATH:
+        x = codes.to(tl.uint16)
+        kb = (((x & 0x80) << 8) | ((x & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+        s1 = ((tl.minimum(e, 134) + 120) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        k = kb * s1
+        if wide:
+            s2 = ((tl.maximum(e, 134) - 7) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            k = (k.to(tl.float32) * s2.to(tl.float32)).to(tl.bfloat16)
+    else:
+        x = codes.to(tl.uint32)
+        kb = (((x & 0x80) << 24) | ((x & 0x7F) << 20)).to(tl.float32, bitcast=True)  # value × 2^−120
+        scale = (e << 23).to(tl.int32).to(tl.float32, bitcast=True)
+        k = (kb * 1.329227995784916e36 * scale).to(tl.bfloat16)  # 2^120
+    return k
+
+
+@triton.jit
+def _wide_scales(scales, DEQUANT_BITS: tl.constexpr):
+    """Whether any of the chunk's 7 UE8M0 exponents exceeds 134 (``_dequant_bits`` then needs two multiplies);
+    always false without ``DEQUANT_BITS``."""
+    wide = 0
+    if DEQUANT_BITS:
+        top = scales & 0xFF
+        for b in tl.static_range(1, 7):
+            top = tl.maximum(top, (scales >> (8 * b)) & 0xFF)
+        wide = tl.max(top, 0) > 134
+    return wide
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` with FP32 accumulation (the interpreter multiplies BF16 wrongly: upcast there)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_chunk(
+    pages_ptr, data_off, scales, ok, new_ptrs, fresh, valid,
+    q0, q1, q2, q3, q4, q5, q6, q7,
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
+    qk_scale,
+    HAS_NEW: tl.constexpr, BF16_MATH: tl.constexpr, INTERPRET: tl.constexpr, DEQUANT_BITS: tl.constexpr = False,
+):
+    """One online-softmax step (base 2; ``qk_scale`` = softmax scale · log2 e) over a chunk of ``BLOCK_N`` keys.
+
+    The 512 dims are handled as 8 blocks of 64 (7 FP8 blocks with their own scales, then the rope dims):
+    ``q0…q7`` ``[BLOCK_H, 64]`` bf16 query blocks, ``a0…a7`` ``[BLOCK_H, 64]`` fp32 output accumulators,
+    ``m_i`` / ``l_i`` ``[BLOCK_H]`` running max (−inf = none yet) and sum; ``valid`` ``[BLOCK_N]`` the real keys.
+    Key arguments as ``_key_block``.
+    """
+    wide = _wide_scales(scales, DEQUANT_BITS)
+    k0 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 0, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+    k1 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 1, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+    k2 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 2, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+    k3 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 3, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+    k4 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 4, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+    k5 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 5, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+    k6 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 6, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+    k7 = _key_block(pages_ptr, data_off, scales, ok, new_ptrs, fresh, wide, 7, HAS_NEW, BF16_MATH, DEQUANT_BITS)
+
+    s = tl.zeros((q0.shape[0], k0.shape[0]), tl.float32)
+    s = _dot(q0, tl.trans(k0), s, INTERPRET)
+    s = _dot(q1, tl.trans(k1), s, INTERPRET)
+    s = _dot(q2, tl.trans(k2), s, INTERPRET)
+    s = _dot(q3, tl.trans(k3), s, INTERPRET)
+    s = _dot(q4, tl.trans(k4), s, INTERPRET)
+    s = _dot(q5, tl.trans(k5), s, INTERPRET)
+    s = _dot(q6, tl.trans(k6), s, INTERPRET)
+    s = _dot(q7, tl.trans(k7), s, INTERPRET)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # The probabilities are rounded to BF16 for P·V; the denominator keeps the FP32 ones (SPEC §3 step 5).
+    pb = p.to(tl.bfloat16)
+    a0 = _dot(pb, k0, a0 * alpha[:, None], INTERPRET)
+    a1 = _dot(pb, k1, a1 * alpha[:, None], INTERPRET)
+    a2 = _dot(pb, k2, a2 * alpha[:, None], INTERPRET)
+    a3 = _dot(pb, k3, a3 * alpha[:, None], INTERPRET)
+    a4 = _dot(pb, k4, a4 * alpha[:, None], INTERPRET)
+    a5 = _dot(pb, k5, a5 * alpha[:, None], INTERPRET)
+    a6 = _dot(pb, k6, a6 * alpha[:, None], INTERPRET)
+    a7 = _dot(pb, k7, a7 * alpha[:, None], INTERPRET)
+    return m_new, l_i, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _locate_entries(
+    c, t, req, n_comp, idx_ptr, stride_idx, block_tables_ptr, stride_bt, scale_words, stride_page,
+    RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_ENTRIES: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW_CHUNKS: tl.constexpr,
+):
+    """Where the ``BLOCK_N`` compressed entries of key chunk ``c`` live: ``(page, entry_slot, scales, ok)`` — int64
+    byte offset of each entry's page, its slot in the page, its 8 scale bytes (little-endian word) and whether it
+    exists (listed, not −1, block mapped). A chunk past the token's entries gives ``ok`` all false (no reads)."""
+    j = (c - WINDOW_CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    listed = j < n_comp
+    if MODE == MODE_LIST:
+        entry = tl.load(idx_ptr + t * stride_idx + j, mask=listed, other=-1).to(tl.int64)
+    else:
+        entry = tl.where(listed, j, -1).to(tl.int64)
+    first_pos = tl.maximum(entry, 0) * RATIO
+    block = tl.load(block_tables_ptr + req * stride_bt + first_pos // BLOCK_SIZE, mask=entry >= 0, other=-1)
+    ok = (entry >= 0) & (block >= 0)
+    entry_slot = (first_pos % BLOCK_SIZE) // RATIO
+    page = tl.maximum(block, 0).to(tl.int64) * stride_page
+    scales = tl.load(scale_words + (page + PAGE_ENTRIES * DATA_BYTES) // 8 + entry_slot, mask=ok, other=0)
+    return page, entry_slot, scales, ok
+
+
+@triton.jit
+def _cos_sin(angle, INTERPRET: tl.constexpr):
+    """``cos``/``sin`` of fp32 angles up to ~1e6 rad with libdevice's full range reduction (the interpreter has no
+    libdevice: ``tl.cos``/``tl.sin`` there)."""
+    if INTERPRET:
+        return tl.cos(angle), tl.sin(angle)
+    else:
+        return libdevice.cos(angle), libdevice.sin(angle)
+
+
+@triton.jit
+def _store_rope(o, pos, inv_freq_ptr, o_ptrs, mask, INTERPRET: tl.constexpr):
+    """Store the rope dims ``o`` ``[BLOCK_H, 64]`` fp32 with the inverse RoPE at ``pos``: rounded to the output
+    dtype, rotated by ``−pos·ω_i`` per pair ``(2i, 2i+1)`` in FP32 and rounded again (as ``apply_rope`` on the
+    reference's output)."""
+    BLOCK_H: tl.constexpr = o.shape[0]
+    o = o.to(o_ptrs.dtype.element_ty).to(tl.float32)
+    re, im = tl.split(tl.reshape(o, (BLOCK_H, 32, 2)))
+    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, 32))
+    cos, sin = _cos_sin(angle, INTERPRET)
+    sin = -sin
+    out = tl.reshape(tl.join(re * cos[None, :] - im * sin[None, :], re * sin[None, :] + im * cos[None, :]), (BLOCK_H, 64))
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, stride_qt, stride_qh,  # [T, H, 512] bf16
+    kv_new_ptr, stride_kvt,  # [T, 512] bf16
+    ring_ptr, stride_ring,  # uint8 [slots, ring_page_bytes]
+    ring_pos_ptr, stride_rpos,  # int32 [slots, W]
+    pool_ptr, stride_page,  # uint8 [num_blocks, page_bytes]
+    block_tables_ptr, stride_bt,  # int32 [B, max_blocks]
+    idx_ptr, stride_idx,  # MODE_LIST: int [T, num_compressed] entry indices (−1 = none)
+    visible_ptr,  # MODE_ALL: int64 [T] entries visible to each token
+    token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr,
+    sink_ptr, inv_freq_ptr,  # fp32 [H], fp32 [32]
+    o_ptr, stride_ot, stride_oh,  # [T, H, 512] act dtype
+    lse_ptr, stride_lt,  # fp32 [T, H]
+    po_ptr, plse_ptr,  # fp32 [T, S, H, 512], [T, S, H] (SPLIT only)
+    H, num_compressed, chunks_per_split, num_splits, qk_scale,
+    WINDOW: tl.constexpr, RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_ENTRIES: tl.constexpr,
+    MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BF16_MATH: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
+    DEQUANT_BITS: tl.constexpr = False,
+):
+    """Grid ``(T · ceil(H / BLOCK_H), splits)``: token ``t``, head block and split of its key chunks."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    t = (tl.program_id(0) // head_blocks).to(tl.int64)  # the head blocks of one token run side by side
+    hb = tl.program_id(0) % head_blocks
+    split = tl.program_id(1)
+
+    req = tl.load(token_request_ptr + t).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    start = tl.load(start_pos_ptr + req).to(tl.int64)
+    first_row = tl.load(cu_seqlens_ptr + req).to(tl.int64)
+    slot = tl.load(token_slots_ptr + t).to(tl.int64)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    col = tl.arange(0, 64)
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh + col[None, :]
+    q0 = tl.load(q_row + 0 * 64, mask=head_ok[:, None], other=0.0)
+    q1 = tl.load(q_row + 1 * 64, mask=head_ok[:, None], other=0.0)
+    q2 = tl.load(q_row + 2 * 64, mask=head_ok[:, None], other=0.0)
+    q3 = tl.load(q_row + 3 * 64, mask=head_ok[:, None], other=0.0)
+    q4 = tl.load(q_row + 4 * 64, mask=head_ok[:, None], other=0.0)
+    q5 = tl.load(q_row + 5 * 64, mask=head_ok[:, None], other=0.0)
+    q6 = tl.load(q_row + 6 * 64, mask=head_ok[:, None], other=0.0)
+    q7 = tl.load(q_row + 7 * 64, mask=head_ok[:, None], other=0.0)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    a0 = tl.zeros((BLOCK_H, 64), tl.float32)
+    a1 = tl.zeros((BLOCK_H, 64), tl.float32)
+    a2 = tl.zeros((BLOCK_H, 64), tl.float32)
+    a3 = tl.zeros((BLOCK_H, 64), tl.float32)
+    a4 = tl.zeros((BLOCK_H, 64), tl.float32)
+    a5 = tl.zeros((BLOCK_H, 64), tl.float32)
+    a6 = tl.zeros((BLOCK_H, 64), tl.float32)
+    a7 = tl.zeros((BLOCK_H, 64), tl.float32)
+
+    WINDOW_CHUNKS: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+    if MODE == MODE_ALL:
+        n_comp = tl.minimum(tl.load(visible_ptr + t).to(tl.int32), num_compressed)
+    elif MODE == MODE_LIST:
+        n_comp = num_compressed
+    else:
+        n_comp = 0
+    total = WINDOW_CHUNKS + tl.cdiv(n_comp, BLOCK_N)
+    c_begin = split * chunks_per_split
+    c_end = tl.minimum(c_begin + chunks_per_split, total)
+    n = tl.arange(0, BLOCK_N)
+    scale_words = pool_ptr.to(tl.pointer_type(tl.int64))
+
+    # ---- window keys: this step's tokens from kv_new, older ones from the ring page
+    ring_words = ring_ptr.to(tl.pointer_type(tl.int64))
+    # (at most a few chunks: not software-pipelined, which keeps its shared memory for the loop below)
+    for c in tl.range(c_begin, tl.minimum(c_end, WINDOW_CHUNKS), num_stages=1):
+        j = c * BLOCK_N + n
+        p = pos - (WINDOW - 1) + j
+        in_window = (j < WINDOW) & (p >= 0)
+        in_step = p >= start
+        ring_slot = tl.maximum(p, 0) % WINDOW
+        held = tl.load(ring_pos_ptr + slot * stride_rpos + ring_slot, mask=in_window & ~in_step, other=-1)
+        from_ring = in_window & ~in_step & (held.to(tl.int64) == p)
+        fresh = in_window & in_step
+        page = slot * stride_ring
+        scales = tl.load(ring_words + (page + WINDOW * DATA_BYTES) // 8 + ring_slot, mask=from_ring, other=0)
+        new_ptrs = kv_new_ptr + (first_row + tl.maximum(p - start, 0))[:, None] * stride_kvt
+        # (multiple_of must see the op that computes the offsets: on a helper's argument it is lost)
+        data_off = tl.multiple_of(page + ring_slot * DATA_BYTES, 16)
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend_chunk(
+            ring_ptr, data_off, scales, from_ring, new_ptrs, fresh, from_ring | fresh,
+            q0, q1, q2, q3, q4, q5, q6, q7, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, qk_scale,
+            True, BF16_MATH, INTERPRET, DEQUANT_BITS,
+        )
+
+    # ---- compressed entries from the pool, through the block table
+    c_first = tl.maximum(c_begin, WINDOW_CHUNKS)
+    if PREFETCH:
+        # Variant "prefetch": chunk c+1's entry index → block table → scale loads are issued before chunk c's
+        # math, so a chunk waits on one load latency (its codes) instead of three dependent ones.
+        page, entry_slot, scales, ok = _locate_entries(
+            c_first, t, req, n_comp, idx_ptr, stride_idx, block_tables_ptr, stride_bt, scale_words, stride_page,
+            RATIO, BLOCK_SIZE, PAGE_ENTRIES, MODE, BLOCK_N, WINDOW_CHUNKS,
+        )
+        for c in range(c_first, c_end):
+            data_off = tl.multiple_of(page + entry_slot * DATA_BYTES, 16)
+            cur_scales, cur_ok = scales, ok
+            page, entry_slot, scales, ok = _locate_entries(
+                c + 1, t, req, n_comp, idx_ptr, stride_idx, block_tables_ptr, stride_bt, scale_words, stride_page,
+                RATIO, BLOCK_SIZE, PAGE_ENTRIES, MODE, BLOCK_N, WINDOW_CHUNKS,
+            )
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend_chunk(
+                pool_ptr, data_off, cur_scales, cur_ok, kv_new_ptr, cur_ok, cur_ok,
+                q0, q1, q2, q3, q4, q5, q6, q7, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, qk_scale,
+                False, BF16_MATH, INTERPRET, DEQUANT_BITS,
+            )
+    else:
+        for c in range(c_first, c_end):
+            page, entry_slot, scales, ok = _locate_entries(
+                c, t, req, n_comp, idx_ptr, stride_idx, block_tables_ptr, stride_bt, scale_words, stride_page,
+                RATIO, BLOCK_SIZE, PAGE_ENTRIES, MODE, BLOCK_N, WINDOW_CHUNKS,
+            )
+            data_off = tl.multiple_of(page + entry_slot * DATA_BYTES, 16)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend_chunk(
+                pool_ptr, data_off, scales, ok, kv_new_ptr, ok, ok,
+                q0, q1, q2, q3, q4, q5, q6, q7, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, qk_scale,
+                False, BF16_MATH, INTERPRET, DEQUANT_BITS,
+            )
+
+    if SPLIT:
+        # Partial: o/l and its log-sum-exp (base 2); an empty split has lse −inf and o 0.
+        has = l_i > 0
+        inv = 1.0 / tl.where(has, l_i, 1.0)
+        plse = tl.where(has, tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        row = (t * num_splits + split) * H + heads
+        out = po_ptr + row[:, None] * 512 + col[None, :]
+        tl.store(out + 0 * 64, a0 * inv[:, None], mask=head_ok[:, None])
+        tl.store(out + 1 * 64, a1 * inv[:, None], mask=head_ok[:, None])
+        tl.store(out + 2 * 64, a2 * inv[:, None], mask=head_ok[:, None])
+        tl.store(out + 3 * 64, a3 * inv[:, None], mask=head_ok[:, None])
+        tl.store(out + 4 * 64, a4 * inv[:, None], mask=head_ok[:, None])
+        tl.store(out + 5 * 64, a5 * inv[:, None], mask=head_ok[:, None])
+        tl.store(out + 6 * 64, a6 * inv[:, None], mask=head_ok[:, None])
+        tl.store(out + 7 * 64, a7 * inv[:, None], mask=head_ok[:, None])
+        tl.store(plse_ptr + row, plse, mask=head_ok)
+    else:
+        sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = l_i + tl.exp2(sink - m_use)
+        tl.store(lse_ptr + t * stride_lt + heads, (m_use + tl.log2(denom)) * 0.6931471805599453, mask=head_ok)
+        inv = 1.0 / denom
+        out = o_ptr + t * stride_ot + heads[:, None] * stride_oh + col[None, :]
+        dt = o_ptr.dtype.element_ty
+        tl.store(out + 0 * 64, (a0 * inv[:, None]).to(dt), mask=head_ok[:, None])
+        tl.store(out + 1 * 64, (a1 * inv[:, None]).to(dt), mask=head_ok[:, None])
+        tl.store(out + 2 * 64, (a2 * inv[:, None]).to(dt), mask=head_ok[:, None])
+        tl.store(out + 3 * 64, (a3 * inv[:, None]).to(dt), mask=head_ok[:, None])
+        tl.store(out + 4 * 64, (a4 * inv[:, None]).to(dt), mask=head_ok[:, None])
+        tl.store(out + 5 * 64, (a5 * inv[:, None]).to(dt), mask=head_ok[:, None])
+        tl.store(out + 6 * 64, (a6 * inv[:, None]).to(dt), mask=head_ok[:, None])
+        _store_rope(a7 * inv[:, None], pos, inv_freq_ptr, out + 7 * 64, head_ok[:, None], INTERPRET)
+
+
+@triton.jit
+def _dequant_probe_kernel(pages_ptr, out_ptr, BF16_MATH: tl.constexpr, DEQUANT_BITS: tl.constexpr):
+    """Test hook: the key blocks ``_key_block`` builds for 64 entries stored as one page (64 × 576 data bytes,
+    then 64 × 8 scale bytes), written as bf16 ``[64, 512]`` to ``out_ptr``."""
+    n = tl.arange(0, 64)
+    data_off = tl.multiple_of(n.to(tl.int64) * DATA_BYTES, 16)
+    scales = tl.load(pages_ptr.to(tl.pointer_type(tl.int64)) + 64 * DATA_BYTES // 8 + n)
+    ok = n >= 0
+    wide = _wide_scales(scales, DEQUANT_BITS)
+    for b in tl.static_range(8):
+        k = _key_block(pages_ptr, data_off, scales, ok, out_ptr, ok, wide, b, False, BF16_MATH, DEQUANT_BITS)
+        tl.store(out_ptr + n[:, None] * 512 + b * 64 + tl.arange(0, 64)[None, :], k)
+
+
+@triton.jit
+def _combine_kernel(
+    po_ptr, plse_ptr,  # fp32 [T, S, H, 512], [T, S, H]
+    positions_ptr, sink_ptr, inv_freq_ptr,
+    o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+    H, num_splits,
+    BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Merge the splits of one token and head block (grid ``(ceil(H / BLOCK_H), T)``):
+    ``o = Σ_s 2^{lse_s − M} o_s / (Σ_s 2^{lse_s − M} + 2^{sink − M})``, then the inverse RoPE."""
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    d = tl.arange(0, 512)
+    r = tl.arange(0, 64)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(plse_ptr + (t * num_splits + s) * H + heads, mask=head_ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    nope = tl.zeros((BLOCK_H, 512), tl.float32)  # dims 448… unused
+    rope = tl.zeros((BLOCK_H, 64), tl.float32)
+    weight = tl.zeros((BLOCK_H,), tl.float32)
+    for s in range(num_splits):
+        row = (t * num_splits + s) * H + heads
+        w = tl.exp2(tl.load(plse_ptr + row, mask=head_ok, other=float("-inf")) - m_use)
+        part = po_ptr + row[:, None] * 512
+        nope += w[:, None] * tl.load(part + d[None, :], mask=head_ok[:, None] & (d[None, :] < NOPE_DIM), other=0.0)
+        rope += w[:, None] * tl.load(part + NOPE_DIM + r[None, :], mask=head_ok[:, None], other=0.0)
+        weight += w
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+    denom = weight + tl.exp2(sink - m_use)
+    tl.store(lse_ptr + t * stride_lt + heads, (m_use + tl.log2(denom)) * 0.6931471805599453, mask=head_ok)
+    out = o_ptr + t * stride_ot + heads[:, None] * stride_oh
+    tl.store(out + d[None, :], (nope / denom[:, None]).to(o_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & (d[None, :] < NOPE_DIM))
+    pos = tl.load(positions_ptr + t)
+    _store_rope(rope / denom[:, None], pos, inv_freq_ptr, out + NOPE_DIM + r[None, :], head_ok[:, None], INTERPRET)
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached; 132 when not a CUDA device, e.g. the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def choose_splits(programs: int, max_chunks: int, sms: int, min_chunks: int = 2,
+                  policy: str = "fill") -> tuple[int, int]:
+    """Split each token's key chunks so that ``programs · splits`` fills the GPU about once.
+
+    Args:
+        programs: programs without splitting (tokens × head blocks).
+        max_chunks: the most key chunks any token has (host bound).
+        sms: multiprocessors; min_chunks: fewest chunks per split worth a partial's write and read.
+        policy: ``"fill"`` at least one program per multiprocessor (may spill into a short second wave);
+            ``"waves"`` the most splits whose programs still fit in one wave (one program per multiprocessor:
+            the kernel runs one CTA per SM), so the slowest SM runs ``chunks_per_split`` chunks, not twice that.
+    Returns:
+        ``(num_splits, chunks_per_split)``.
+    """
+    if programs >= sms or max_chunks <= min_chunks:
+        return 1, max(max_chunks, 1)
+    if policy == "waves":
+        splits = min(max(sms // programs, 1), max(max_chunks // min_chunks, 1))
+    elif policy == "fill":
+        splits = min(-(-sms // programs), max(max_chunks // min_chunks, 1))
+    else:
+        raise ValueError(f"unknown split policy {policy!r}")
+    per = -(-max_chunks // splits)
+    return -(-max_chunks // per), per
+
+
+def sparse_attention_fwd(
+    q: torch.Tensor,
+    kv_new: torch.Tensor,
+    ring: torch.Tensor,
+    ring_positions: torch.Tensor,
+    pool: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    token_request: torch.Tensor,
+    positions: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    token_slots: torch.Tensor,
+    sink: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float,
+    *,
+    window: int,
+    ratio: int = 0,
+    block_size: int = 1,
+    entry_idx: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
+    max_entries: int = 0,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace=None,
+    block_h: int = 64,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 1,
+    num_splits: int | None = None,
+    min_chunks: int = 2,
+    bf16_math: bool = True,
+    split_policy: str = "fill",
+    prefetch: bool = False,
+    dequant: str = "cvt",
+    tile: str = "blocks",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``T`` query tokens over their window and compressed entries, sink, inverse RoPE.
+
+    Args:
+        q: ``[T, H, 512]`` bf16 queries (head-normed, RoPE'd).
+        kv_new: ``[T, 512]`` bf16 this step's window entries as stored.
+        ring: uint8 ``[slots, ring_page_bytes]`` SWA ring pages (``window`` entries of 584 B each).
+        ring_positions: int32 ``[slots, window]`` position held by each ring slot (−1 = empty).
+        pool: uint8 ``[num_blocks, page_bytes]`` compressed-entry pages (``block_size // ratio`` entries), or
+            ``None`` for window-only layers.
+        block_tables: int32 ``[B, max_blocks]`` physical block of each logical block (−1 = none).
+        token_request / positions / cu_seqlens / start_pos / token_slots: the ``StepBatch`` fields
+            (int32 ``[T]``, int64 ``[T]``, int32 ``[B+1]``, int64 ``[B]``, int64 ``[T]``).
+        sink: fp32 ``[H]`` sink logits; inv_freq: fp32 ``[32]`` RoPE frequencies; scale: softmax scale.
+        window, ratio, block_size: the layer's geometry (``ratio`` 0: window only).
+        entry_idx: int ``[T, K]`` entries to attend (CSA), −1 = none; or
+        visible: int64 ``[T]`` entries visible to each token (HCA: attend all ``i < visible[t]``) with
+            ``max_entries`` ≥ every ``visible[t]`` (a host bound).
+        out / lse: optional outputs ``[T, H, 512]`` (dtype of ``q``) / fp32 ``[T, H]``.
+        workspace: a ``dsv4.cache.Workspace`` for the split partials (else they are allocated).
+        block_h, block_n, num_warps, num_stages: tiling (heads per program, keys per chunk).
+        num_splits: force the number of key splits (default: ``choose_splits`` with ``min_chunks`` chunks or
+            more per split).
+        bf16_math: dequantize with BF16 multiplies (else FP32; same values).
+
+    Kernel variants under measurement (same results; the defaults are the measured baseline):
+        split_policy: ``choose_splits`` policy, ``"fill"`` or ``"waves"``.
+        prefetch: locate chunk ``c+1``'s compressed entries (index, block table, scales) during chunk ``c``.
+        dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
+        tile: ``"blocks"`` (8 blocks of 64 dims) or ``"single"`` (one ``[BLOCK_N, 512]`` key tile, one Q·Kᵀ
+            and one P·V product; ``dsv4.kernels.sparse_attention_tile``).
+    Returns:
+        ``(o [T, H, 512], lse fp32 [T, H])``: ``o`` with the inverse RoPE applied, ``lse`` with the sink.
+    """
+    T, H, D = q.shape
+    if D != HEAD_DIM:
+        raise ValueError(f"sparse_attention_fwd supports head_dim {HEAD_DIM}, got {D}")
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+
+    if entry_idx is not None:
+        mode, num_compressed = MODE_LIST, entry_idx.shape[1]
+        if num_compressed == 0:
+            mode = MODE_WINDOW
+    elif visible is not None:
+        mode, num_compressed = MODE_ALL, int(max_entries)
+        if num_compressed == 0:
+            mode = MODE_WINDOW
+    else:
+        mode, num_compressed = MODE_WINDOW, 0
+    if mode != MODE_WINDOW and pool is None:
+        raise ValueError("compressed entries need the pool pages")
+
+    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
+    head_blocks = triton.cdiv(H, block_h)
+    max_chunks = triton.cdiv(window, block_n) + triton.cdiv(num_compressed, block_n)
+    if num_splits is None:
+        splits, per = choose_splits(T * head_blocks, max_chunks, num_sms(q.device), min_chunks, split_policy)
+    else:
+        per = triton.cdiv(max_chunks, max(1, min(num_splits, max_chunks)))
+        splits = triton.cdiv(max_chunks, per)
+
+    if splits > 1:
+        if workspace is not None:
+            po = workspace.get("sparse_attention.partial_o", (T, splits, H, HEAD_DIM), torch.float32)
+            plse = workspace.get("sparse_attention.partial_lse", (T, splits, H), torch.float32)
+        else:
+            po = torch.empty((T, splits, H, HEAD_DIM), dtype=torch.float32, device=q.device)
+            plse = torch.empty((T, splits, H), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = lse  # unused
+
+    page_entries = block_size // ratio if ratio else 1
+    interpret = q.device.type != "cuda"  # TRITON_INTERPRET=1 on CPU tensors (development only)
+    pool_t = pool if pool is not None else ring
+    idx_t = entry_idx if mode == MODE_LIST else positions
+    vis_t = visible if mode == MODE_ALL else positions
+    stride_page = pool_t.stride(0)
+    if dequant not in ("cvt", "bits"):
+        raise ValueError(f"unknown dequant {dequant!r}")
+    if tile == "single":
+        from .sparse_attention_tile import _sparse_attention_tile_kernel as kernel
+    elif tile == "blocks":
+        kernel = _sparse_attention_kernel
+    else:
+        raise ValueError(f"unknown tile {tile!r}")
+    kernel[(T * head_blocks, splits)](
+        q, q.stride(0), q.stride(1),
+        kv_new, kv_new.stride(0),
+        ring, ring.stride(0),
+        ring_positions, ring_positions.stride(0),
+        pool_t, stride_page,
+        block_tables, block_tables.stride(0) if block_tables.dim() == 2 else 0,
+        idx_t, idx_t.stride(0) if idx_t.dim() == 2 else 0,
+        vis_t,
+        token_request, positions, cu_seqlens, start_pos, token_slots,
+        sink, inv_freq,
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0),
+        po, plse,
+        H, num_compressed, per, splits, float(scale) * LOG2E,
+        WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
+        MODE=mode, SPLIT=splits > 1, BLOCK_H=block_h, BLOCK_N=block_n, INTERPRET=interpret,
+        BF16_MATH=bf16_math and not interpret, PREFETCH=prefetch, DEQUANT_BITS=dequant == "bits",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        combine_h = min(16, block_h)
+        _combine_kernel[(triton.cdiv(H, combine_h), T)](
+            po, plse, positions, sink, inv_freq,
+            out, out.stride(0), out.stride(1), lse, lse.stride(0),
+            H, splits,
+            BLOCK_H=combine_h, INTERPRET=interpret, num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,176 @@
+"""Sliding-window writes (SPEC §3 step 3, §7.2): the step's window entries and the SWA ring commit.
+
+Two pieces, both bit-exact with the torch backend (``torch_ops.window_entries`` / ``torch_ops.append_swa``):
+
+* ``window_entries_block`` (device function, also launched alone by ``window_entries``): for a block of
+  ``BT`` tokens, RoPE on the last 64 dims at each token's position (fp32, rounded once to BF16), then the
+  official FP8 quantize→dequantize of the 448 nope dims (block 64, power-of-two scales). Writes the entries
+  *as stored* (BF16 ``[T, 512]``), which the attention of the same step reads. The compressor's fused launch
+  (``dsv4.kernels.compressor``) calls the same device function for its window programs.
+* ``append_swa`` (its own launch, after attention): encodes each kept token's entry into the 584-B
+  ``fp8_ds_mla`` format and writes it, with its position, into ring slot ``p mod window`` of the request's ring
+  page. Encoding the stored values again is what the torch backend does (``storage.write(kv_new)``); it equals
+  the first encoding except where a block's re-quantization picks a smaller scale, so it is done the same way.
+
+Ring page layout (one page per state slot, ``window`` entries): ``[window × 576 data | window × 8 scales | pad]``;
+entry j's data at ``j·576`` (448 E4M3 codes, 64 BF16 rope values), its scales at ``window·576 + j·8`` (7 UE8M0
+bytes + a zero pad byte).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .quant import bf16_round, cosf, fp8_block_qdq, sinf
+
+__all__ = ["window_entries_block", "window_entries", "append_swa"]
+
+KV_DIM = 512
+NOPE = 448
+DATA_BYTES = 576
+SCALE_BYTES = 8
+
+
+@triton.jit
+def rope_pairs(re, im, pos_f, inv_freq):
+    """Rotate adjacent pairs ``(re, im)`` by ``pos·ω`` as ``reference.rope.apply_rope`` (fp32, no FMA contraction).
+
+    Args: ``re``, ``im`` fp32 ``[..., 32]``; ``pos_f`` fp32 broadcastable to them (``[..., 1]``); ``inv_freq``
+    fp32 ``[32]``. Returns the rotated ``(re', im')`` fp32.
+    """
+    angle = pos_f * inv_freq
+    c = cosf(angle)
+    s = sinf(angle)
+    return re * c - im * s, re * s + im * c
+
+
+@triton.jit
+def window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, t0, T, BT: tl.constexpr):
+    """Window entries of tokens ``t0 … t0+BT−1`` (masked to ``< T``).
+
+    Args:
+        kv_ptr: bf16 ``[T, 512]`` contiguous, ``RMSNorm(W_kv x)`` of the step's tokens.
+        pos_ptr: int64 ``[T]`` positions. inv_freq_ptr: fp32 ``[32]``.
+        out_ptr: bf16 ``[T, 512]``: RoPE'd, FP8-rounded entries (values exactly as stored).
+    """
+    tok = t0 + tl.arange(0, BT)
+    tmask = tok < T
+    tok64 = tok.to(tl.int64)
+    # nope dims as [BT, 8 blocks, 64] (block 7 holds the rope dims here and is ignored)
+    blk = tl.arange(0, 8)
+    col = tl.arange(0, 64)
+    offs = tok64[:, None, None] * 512 + blk[None, :, None] * 64 + col[None, None, :]
+    nmask = tmask[:, None, None] & (blk[None, :, None] < 7)
+    nope = tl.load(kv_ptr + offs, mask=nmask, other=0.0).to(tl.float32)
+    _, val, _ = fp8_block_qdq(nope, 2)
+    tl.store(out_ptr + offs, val.to(tl.bfloat16), mask=nmask)
+    # rope dims as [BT, 32 pairs, 2]
+    pair = tl.arange(0, 32)
+    roffs = tok64[:, None] * 512 + 448 + pair[None, :] * 2
+    rmask = tmask[:, None]
+    re = tl.load(kv_ptr + roffs, mask=rmask, other=0.0).to(tl.float32)
+    im = tl.load(kv_ptr + roffs + 1, mask=rmask, other=0.0).to(tl.float32)
+    pos_f = tl.load(pos_ptr + tok64, mask=tmask, other=0).to(tl.float32)[:, None]
+    inv_freq = tl.load(inv_freq_ptr + pair)[None, :]
+    re2, im2 = rope_pairs(re, im, pos_f, inv_freq)
+    tl.store(out_ptr + roffs, bf16_round(re2).to(tl.bfloat16), mask=rmask)
+    tl.store(out_ptr + roffs + 1, bf16_round(im2).to(tl.bfloat16), mask=rmask)
+
+
+@triton.jit
+def _window_entries_kernel(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, T, BT: tl.constexpr):
+    window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, tl.program_id(0) * BT, T, BT)
+
+
+@triton.jit
+def encode_kv_entries_store(
+    vals_ptr, rows, rmask, page_ptr, data_off, scale_off,
+    BT: tl.constexpr,
+):
+    """Encode BF16 entries ``vals[rows]`` (``[BT]`` int64 rows of a bf16 ``[*, 512]`` tensor) into the 584-B format
+    and store them: data (448 codes + 128 rope bytes) at ``page_ptr + data_off`` and the 8 scale bytes at
+    ``page_ptr + scale_off`` (both int64 ``[BT]`` byte offsets). ``rmask`` bool ``[BT]`` selects the rows written.
+    """
+    blk = tl.arange(0, 8)
+    col = tl.arange(0, 64)
+    offs = rows[:, None, None] * 512 + blk[None, :, None] * 64 + col[None, None, :]
+    nmask = rmask[:, None, None] & (blk[None, :, None] < 7)
+    nope = tl.load(vals_ptr + offs, mask=nmask, other=0.0).to(tl.float32)
+    code, _, ebyte = fp8_block_qdq(nope, 2)
+    dst = data_off[:, None, None] + blk[None, :, None] * 64 + col[None, None, :]
+    tl.store(page_ptr + dst, code.to(tl.uint8), mask=nmask)
+    # rope: the 64 BF16 values copied bit for bit (two bytes each, little endian)
+    r = tl.arange(0, 64)
+    rope = tl.load(vals_ptr + rows[:, None] * 512 + 448 + r[None, :], mask=rmask[:, None], other=0.0)
+    rdst = (page_ptr + data_off[:, None] + 448 + 2 * r[None, :]).to(tl.pointer_type(tl.bfloat16))
+    tl.store(rdst, rope, mask=rmask[:, None])
+    # scales: 7 UE8M0 bytes and a zero pad byte
+    sbyte = tl.where(blk[None, :] < 7, ebyte, 0)
+    tl.store(page_ptr + scale_off[:, None] + blk[None, :], sbyte.to(tl.uint8), mask=rmask[:, None])
+
+
+@triton.jit
+def _append_swa_kernel(
+    kvn_ptr, ring_ptr, ring_pos_ptr, token_slots_ptr, ring_slots_ptr, keep_ptr, pos_ptr,
+    T, ring_page_bytes, WINDOW: tl.constexpr, BT: tl.constexpr,
+):
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    inb = tok < T
+    tok64 = tok.to(tl.int64)
+    keep = tl.load(keep_ptr + tok64, mask=inb, other=0) != 0
+    m = inb & keep
+    slot = tl.load(token_slots_ptr + tok64, mask=m, other=0)
+    j = tl.load(ring_slots_ptr + tok64, mask=m, other=0)
+    page = slot * ring_page_bytes
+    encode_kv_entries_store(
+        kvn_ptr, tok64, m, ring_ptr, page + j * 576, page + WINDOW * 576 + j * 8, BT,
+    )
+    pos = tl.load(pos_ptr + tok64, mask=m, other=0)
+    tl.store(ring_pos_ptr + slot * WINDOW + j, pos.to(tl.int32), mask=m)
+
+
+# ------------------------------------------------------------------------------------------- launchers
+WINDOW_BT = 4
+APPEND_BT = 4
+
+
+def window_entries(kv: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """The step's window entries as stored (one launch).
+
+    Args:
+        kv: bf16 ``[T, 512]`` (made contiguous), ``RMSNorm(W_kv x)``.
+        positions: int64 ``[T]``. inv_freq: fp32 ``[32]``.
+    Returns:
+        bf16 ``[T, 512]``.
+    """
+    kv = kv.contiguous()
+    out = kv.new_empty(kv.shape)
+    T = kv.shape[0]
+    if T:
+        _window_entries_kernel[(triton.cdiv(T, WINDOW_BT),)](
+            kv, positions, inv_freq, out, T, BT=WINDOW_BT, num_warps=4, enable_fp_fusion=False
+        )
+    return out
+
+
+def append_swa(
+    kv_new: Tensor, ring: Tensor, ring_positions: Tensor, token_slots: Tensor, ring_slots: Tensor,
+    ring_keep: Tensor, positions: Tensor, window: int,
+) -> None:
+    """Commit the kept tokens' entries into their rings (one launch).
+
+    Args:
+        kv_new: bf16 ``[T, 512]`` contiguous, the entries as stored (``window_entries``' output).
+        ring: uint8 ``[R, ring_page_bytes]``; ring_positions: int32 ``[R, window]`` (both written in place).
+        token_slots, ring_slots: int64 ``[T]``; ring_keep: bool ``[T]``; positions: int64 ``[T]``.
+    """
+    T = kv_new.shape[0]
+    if T == 0:
+        return
+    _append_swa_kernel[(triton.cdiv(T, APPEND_BT),)](
+        kv_new, ring, ring_positions, token_slots, ring_slots, ring_keep.view(torch.uint8),
+        positions, T, ring.shape[1], WINDOW=window, BT=APPEND_BT, num_warps=4, enable_fp_fusion=False,
+    )

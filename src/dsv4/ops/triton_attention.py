@@ -1,0 +1,110 @@
+"""Triton glue for ``all_visible_entries`` and ``attend`` (``dsv4.kernels.sparse_attention``).
+
+Same signatures and results as ``torch_ops`` with one documented difference in the HCA hand-off:
+``all_visible_entries`` returns the per-token *count* of visible entries (int64 ``[T]``, ``batch.visible_entries[m]``)
+instead of a ``[T, N]`` list padded with −1, so nothing of data-dependent size is built; ``attend`` reads a 1-D
+``entry_idx`` as "every entry ``i < entry_idx[t]``" and walks those entries straight through the block table.
+(``dsv4.Attention`` expands the counts to the documented ``[T, N]`` form only for ``StepOutputs.entry_idx``.)
+
+The kernels read the official ``fp8_ds_mla`` 584-B entries. Layers whose numerics use another KV format
+(``fp8_per_token``, ``fp32``), whose geometry is not 512 = 448 + 64, or tensors not on a CUDA device (unless
+``TRITON_INTERPRET=1``) run the torch backend's ``attend`` instead (same results; not graph-safe).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from ..cache.batch import StepBatch
+from ..cache.manager import LayerCache
+from ..numerics import Numerics
+from . import torch_ops
+
+__all__ = ["KERNEL_OPTIONS", "all_visible_entries", "attend", "supports"]
+
+# Extra keywords for ``sparse_attention_fwd`` (kernel variants under measurement; tests and benchmarks set it).
+KERNEL_OPTIONS: dict = {}
+
+
+def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
+    """HCA: how many compressed entries each token sees, int64 ``[T]`` (every entry ``i < count`` is attended)."""
+    return batch.visible_entries[m]
+
+
+def _max_entries(batch: StepBatch, m: int) -> int:
+    """Host bound on any token's visible entries this step (no device sync)."""
+    return max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
+
+
+def supports(layer: LayerCache, q: Tensor, numerics: Numerics) -> bool:
+    """Whether the Triton kernel handles this layer/input (else ``attend`` falls back to torch)."""
+    s = layer.schema
+    on_device = q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (layer.kv_pages, layer.ring))  # 8-B scale words
+    return (
+        on_device
+        and aligned
+        and numerics.kv_format == "fp8_ds_mla"
+        and s.kv_storage.name == "fp8_ds_mla"
+        and (s.head_dim, s.rope_dim) == (512, 64)
+        and q.dtype == torch.bfloat16
+    )
+
+
+def attend(
+    layer: LayerCache,
+    batch: StepBatch,
+    q: Tensor,
+    kv_new: Tensor,
+    m: int,
+    entry_idx: Tensor | None,
+    sink: Tensor,
+    scale: float,
+    inv_freq: Tensor,
+    numerics: Numerics,
+) -> tuple[Tensor, Tensor]:
+    """Attention over window ∪ compressed entries with the sink, then the inverse RoPE (see ``torch_ops.attend``).
+
+    Args:
+        entry_idx: CSA int ``[T, K]`` entry indices (−1 = none); HCA int64 ``[T]`` counts from
+            ``all_visible_entries`` (a ``[T, K]`` list works too); ``None`` for SWA layers.
+    Returns:
+        ``o`` ``[T, H, D]`` act dtype (inverse RoPE applied), ``lse`` ``[T, H]`` float32 (sink included).
+    """
+    if not supports(layer, q, numerics):
+        if entry_idx is not None and entry_idx.dim() == 1:
+            entry_idx = torch_ops.all_visible_entries(batch, m)
+        return torch_ops.attend(layer, batch, q, kv_new, m, entry_idx, sink, scale, inv_freq, numerics)
+
+    from ..kernels.sparse_attention import sparse_attention_fwd
+
+    counts = entry_idx if entry_idx is not None and entry_idx.dim() == 1 else None
+    listed = entry_idx if entry_idx is not None and entry_idx.dim() == 2 else None
+    o, lse = sparse_attention_fwd(
+        q,
+        kv_new,
+        layer.ring,
+        layer.ring_positions,
+        layer.kv_pages,
+        batch.block_tables,
+        batch.token_request,
+        batch.positions,
+        batch.cu_seqlens,
+        batch.start_pos,
+        batch.token_slots,
+        sink.float(),
+        inv_freq.float(),
+        scale,
+        window=batch.window,
+        ratio=m,
+        block_size=batch.block_size,
+        entry_idx=listed,
+        visible=counts,
+        max_entries=_max_entries(batch, m) if counts is not None else 0,
+        workspace=layer.workspace,
+        **KERNEL_OPTIONS,
+    )
+    return o, lse

@@ -1,0 +1,258 @@
+"""Memory planner (``dsv4 plan``): cache bytes per token and per request, and what fits a memory budget.
+
+Built on ``dsv4.cache.schema`` (the same geometry ``HybridCache`` allocates), side by side for several storage
+formats:
+
+* ``official`` — the DeepSeek reference: 584-B KV entries (448 FP8 E4M3 + 7 UE8M0 scales + 64 BF16 rope dims,
+  FlashMLA / vLLM ``fp8_ds_mla`` layout) and 68-B MXFP4 indexer keys (SPEC §7.2);
+* ``hopper`` — what serving engines use on Hopper today: the same 584-B entries, 132-B FP8 indexer keys
+  (128 E4M3 + one FP32 scale; vLLM / SGLang, SPEC §11);
+* ``exact`` — FP32 everywhere (2048-B entries, 512-B keys): the ``exact`` numerics;
+* ``prototype`` — the seed prototype's per-token FP8 (580 B) and NVFP4 keys (72 B);
+* ``dense-bf16`` — no compression and no window: every layer keeps every token's 512-dim KV in BF16 (K ≡ V, one
+  KV head): 1024 B per token and layer, no fixed state.
+
+Assumptions (also printed by ``dsv4 plan``): the main layers only (the MTP block is a draft layer that engines
+usually cache separately; include it with ``layers``); cache only (no weights, activations or workspace);
+``block_size``-token pool blocks with block rounding and page padding exactly as ``HybridCache`` allocates;
+every request holds its own blocks (no prefix sharing); per-request fixed state = the SWA ring of every layer
+(``window`` entries in the KV format, plus int32 positions) and the CSA/HCA compressor tails in FP32 (SPEC §7.4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .cache import blocks_for_tokens, layer_schemas, plan_capacity
+from .cache.schema import resolve_layers
+from .config import LayerKind, ModelConfig
+from .engine.runner import DENSE_BF16_BYTES_PER_TOKEN_LAYER
+from .numerics import Numerics
+
+__all__ = ["DEFAULT_FORMATS", "FORMATS", "FormatPlan", "KindRow", "plan_formats", "request_bytes"]
+
+
+@dataclass(frozen=True)
+class StorageFormat:
+    """A named (KV format, indexer-key format) pair; ``numerics is None`` means the dense BF16 baseline."""
+
+    name: str
+    description: str
+    numerics: Numerics | None
+
+
+FORMATS: dict[str, StorageFormat] = {
+    "official": StorageFormat("official", "584-B FP8 entries + 68-B MXFP4 indexer keys (DeepSeek reference)",
+                              Numerics.official()),
+    "hopper": StorageFormat("hopper", "584-B FP8 entries + 132-B FP8 indexer keys (vLLM / SGLang on Hopper)",
+                            Numerics.official().with_formats(index_format="fp8")),
+    "exact": StorageFormat("exact", "FP32 entries (2048 B) + FP32 indexer keys (512 B)", Numerics.exact()),
+    "prototype": StorageFormat("prototype", "580-B per-token FP8 entries + 72-B NVFP4 keys (seed prototype)",
+                               Numerics.official().with_formats(kv_format="fp8_per_token", index_format="nvfp4")),
+    "dense-bf16": StorageFormat("dense-bf16", "no compression, no window: 1024 B per token and layer (BF16, K = V)",
+                                None),
+}
+DEFAULT_FORMATS = ("official", "hopper", "exact", "dense-bf16")
+
+
+@dataclass(frozen=True)
+class KindRow:
+    """One layer kind under one format.
+
+    Attributes:
+        kind: SWA / CSA / HCA.
+        layers: how many layers of this kind are counted.
+        ratio: compression ratio (0 for SWA).
+        kv_entry_bytes / index_entry_bytes: bytes of one stored KV entry / indexer key (0 if none).
+        bytes_per_token: growth per token per layer, ``(kv + index) / m`` (SPEC §7.3; 0 for SWA).
+        state_bytes: fixed per-request state of one layer (ring, positions, compressor tails).
+        pool_bytes_per_block: pool bytes of one layer per block (page padding included).
+    """
+
+    kind: str
+    layers: int
+    ratio: int
+    kv_entry_bytes: int
+    index_entry_bytes: int
+    bytes_per_token: float
+    state_bytes: int
+    pool_bytes_per_block: int
+
+
+@dataclass
+class FormatPlan:
+    """Memory of one storage format for requests of ``context_len`` tokens and a ``memory_bytes`` budget.
+
+    Attributes:
+        format: ``StorageFormat`` name.
+        bytes_per_token: compressed growth per token over all counted layers (entry bytes, no padding).
+        fixed_bytes_per_request: per-request state over all layers.
+        bytes_per_request: at ``context_len`` (fixed + blocks · block bytes; dense: context · per-token).
+        spec_estimate: ``bytes_per_token · context_len`` (the SPEC §7.3 figure, without fixed state).
+        max_requests: requests of ``context_len`` that fit ``memory_bytes``.
+        max_context: longest single request that fits ``memory_bytes`` (capped at ``max_position``).
+        kinds: per-kind breakdown (empty for dense).
+    """
+
+    format: str
+    description: str
+    bytes_per_token: float
+    fixed_bytes_per_request: int
+    bytes_per_request: int
+    spec_estimate: float
+    max_requests: int
+    max_context: int
+    blocks_per_request: int = 0
+    pool_bytes_per_block: int = 0
+    kinds: list[KindRow] = field(default_factory=list)
+
+
+def request_bytes(
+    cfg: ModelConfig, context_len: int, fmt: str, layers: Iterable[int] | None = None, block_size: int = 256
+) -> int:
+    """Cache bytes of one request of ``context_len`` tokens in format ``fmt`` (block rounding included)."""
+    f = FORMATS[fmt]
+    idx = resolve_layers(cfg, layers)
+    if f.numerics is None:
+        return context_len * len(idx) * DENSE_BF16_BYTES_PER_TOKEN_LAYER
+    schemas = layer_schemas(cfg, idx, f.numerics, block_size)
+    fixed = sum(s.state_bytes_per_request for s in schemas)
+    per_block = sum(s.pool_bytes_per_block for s in schemas)
+    ratios = [s.ratio for s in schemas if s.ratio]
+    return fixed + blocks_for_tokens(context_len, min(ratios) if ratios else 0, block_size) * per_block
+
+
+def plan_formats(
+    cfg: ModelConfig,
+    context_len: int,
+    memory_bytes: int,
+    layers: Iterable[int] | None = None,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    block_size: int = 256,
+) -> list[FormatPlan]:
+    """One ``FormatPlan`` per format (see the module docstring for what is counted)."""
+    idx = resolve_layers(cfg, layers)
+    out = []
+    for name in formats:
+        if name not in FORMATS:
+            raise ValueError(f"unknown format {name!r}; choose from {sorted(FORMATS)}")
+        f = FORMATS[name]
+        if f.numerics is None:
+            per_tok = len(idx) * DENSE_BF16_BYTES_PER_TOKEN_LAYER
+            per_req = context_len * per_tok
+            out.append(FormatPlan(
+                format=name, description=f.description, bytes_per_token=float(per_tok), fixed_bytes_per_request=0,
+                bytes_per_request=per_req, spec_estimate=float(per_req),
+                max_requests=memory_bytes // per_req if per_req else 0,
+                max_context=min(memory_bytes // per_tok, cfg.max_position) if per_tok else cfg.max_position,
+            ))
+            continue
+        cap = plan_capacity(cfg, memory_bytes, context_len, idx, f.numerics, block_size)
+        schemas = layer_schemas(cfg, idx, f.numerics, block_size)
+        kinds = []
+        for kind in LayerKind:
+            ks = [s for s in schemas if s.kind is kind]
+            if not ks:
+                continue
+            s = ks[0]
+            kinds.append(KindRow(
+                kind=kind.name, layers=len(ks), ratio=s.ratio, kv_entry_bytes=s.kv_storage.entry_bytes,
+                index_entry_bytes=s.index_storage.entry_bytes if s.index_storage is not None else 0,
+                bytes_per_token=s.bytes_per_token, state_bytes=s.state_bytes_per_request,
+                pool_bytes_per_block=s.pool_bytes_per_block,
+            ))
+        out.append(FormatPlan(
+            format=name, description=f.description, bytes_per_token=cap.bytes_per_token,
+            fixed_bytes_per_request=cap.fixed_bytes_per_request, bytes_per_request=cap.bytes_per_request,
+            spec_estimate=cap.bytes_per_token * context_len, max_requests=cap.max_requests, max_context=cap.max_context,
+            blocks_per_request=cap.blocks_per_request, pool_bytes_per_block=cap.pool_bytes_per_block, kinds=kinds,
+        ))
+    return out
+
+
+def context_grid(max_context: int, points_per_octave: int = 4, start: int = 1024) -> list[int]:
+    """Log-spaced context lengths from ``start`` to ``max_context`` (for plots)."""
+    out, k = [], 0
+    while True:
+        v = int(round(start * 2 ** (k / points_per_octave)))
+        if v >= max_context:
+            out.append(max_context)
+            return out
+        out.append(v)
+        k += 1
+
+
+def plot_memory(
+    cfg: ModelConfig,
+    path: str,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    layers: Iterable[int] | None = None,
+    block_size: int = 256,
+    memory_bytes: int | None = None,
+    max_context: int | None = None,
+) -> None:
+    """Draw per-request cache memory against context length (log–log) for each format into ``path``.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'dsv4[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("--plot needs matplotlib: pip install 'dsv4[plot]' (or pip install matplotlib)") from e
+    idx = resolve_layers(cfg, layers)
+    grid = context_grid(max_context or cfg.max_position)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name in formats:
+        ys = [request_bytes(cfg, L, name, idx, block_size) / 2**30 for L in grid]
+        ax.plot(grid, ys, label=f"{name}: {FORMATS[name].description}", linewidth=1.8)
+    if memory_bytes:
+        ax.axhline(memory_bytes / 2**30, color="grey", linestyle="--", linewidth=1, label=f"budget {memory_bytes / 2**30:g} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("cache per request (GiB)")
+    ax.set_title(f"{cfg.name}: {len(idx)} layers, {block_size}-token blocks")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` → ``"1.50 KiB"``."""
+    if not math.isfinite(n):
+        return str(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"512MiB"``, ``"1e9"``, ``1024`` → bytes (GB = 10⁹, GiB = 2³⁰)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().replace(" ", "").lower()
+    units = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 10**12, "gb": 10**9, "mb": 10**6,
+             "kb": 10**3, "t": 2**40, "g": 2**30, "m": 2**20, "k": 2**10, "b": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            num = s[: -len(u)]
+            break
+    else:
+        num, mult = s, 1
+    try:
+        v = float(num) * mult
+    except ValueError:
+        raise ValueError(f"cannot parse a byte size from {text!r} (examples: 80GiB, 512MiB, 4e9)") from None
+    if v < 0:
+        raise ValueError(f"byte size must be >= 0, got {text!r}")
+    return int(v)

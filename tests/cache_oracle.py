@@ -1,0 +1,82 @@
+"""Independent oracles shared by the reliability tests (test_properties, test_soak): what the cache should hold
+(brute-force block counts, byte accounting) and a tie-aware comparison of layer outputs with the stateless
+reference (``dsv4.reference.forward``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsv4
+from dsv4.cache import HybridCache
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the duration of a test: these tests run many small tensor ops, which are faster on
+    one thread, and much faster on a shared, busy machine (no oversubscription)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def expected_blocks(num_tokens: int, m_min: int, block_size: int) -> int:
+    """Brute force: distinct blocks holding the finest cached layer's complete entries (0 without one)."""
+    if not m_min:
+        return 0
+    return len({(i * m_min) // block_size for i in range(num_tokens // m_min)})
+
+
+def bytes_per_block(cache: HybridCache) -> int:
+    """Pool bytes of one block over all layers, from the tensors themselves."""
+    return sum(math.prod(t.shape[1:]) * t.element_size() for d in cache.pool.tensors.values() for t in d.values())
+
+
+def bytes_per_slot(cache: HybridCache) -> int:
+    """State bytes of one slot over all layers, from the tensors themselves."""
+    return sum(math.prod(t.shape[1:]) * t.element_size() for d in cache.state.tensors.values() for t in d.values())
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = b.double().norm().item()
+    return (a.double() - b.double()).norm().item() / den if den else (a.double() - b.double()).norm().item()
+
+
+def pad_idx(idx: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(idx, (0, width - idx.shape[1]), value=-1)
+
+
+def check_against_reference(
+    w: dsv4.AttentionWeights,
+    cfg: dsv4.ModelConfig,
+    layer_idx: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    entry_idx: torch.Tensor,
+    numerics: str,
+    tol: float,
+    max_tie_fraction: float = 0.25,
+    rows: slice | None = None,
+    tie_rel: float = 1e-5,
+) -> None:
+    """Assert that ``y`` / ``entry_idx`` (rows ``rows`` of the sequence ``x`` [S, d], run through the cache) equal
+    ``dsv4.reference.forward`` of the whole sequence: the attended entries exactly, except CSA rows where the two
+    top-k sets differ only by exact score ties (``reference.topk_differences``); ``y`` of the other rows to ``tol``
+    relative error (Frobenius). ``tie_rel``: how close two index scores must be to count as a tie."""
+    ref = dsv4.reference.forward(w, cfg, layer_idx, x, numerics)
+    rows = rows if rows is not None else slice(0, x.shape[0])
+    scores = ref.index_scores[rows] if ref.index_scores is not None else torch.zeros(y.shape[0], 1)
+    differs, ties = dsv4.reference.topk_differences(scores, ref.entry_idx[rows], entry_idx, rel=tie_rel)
+    if ref.index_scores is None:
+        assert not differs.any(), f"layer {layer_idx}: attended entries differ at rows {differs.nonzero().flatten().tolist()}"
+    else:
+        bad = differs & ~ties
+        assert not bad.any(), f"layer {layer_idx}: top-k differs beyond ties at rows {bad.nonzero().flatten().tolist()}"
+    assert differs.float().mean().item() <= max_tie_fraction, f"layer {layer_idx}: too many tie rows"
+    keep = ~differs
+    if keep.any():
+        err = rel_err(y[keep].float(), ref.y[rows][keep].float())
+        assert err <= tol, f"layer {layer_idx}: relative error {err:.3g} > {tol}"

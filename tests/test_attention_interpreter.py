@@ -1,0 +1,96 @@
+"""The sparse-attention kernel's index and mask logic on the CPU, through the Triton interpreter.
+
+Runs ``dsv4.ops.triton_attention.attend`` with ``TRITON_INTERPRET=1`` (in a subprocess: the variable must be set
+before Triton compiles anything) on the tiny config's SWA / CSA / HCA layers, with stale and empty ring slots,
+−1 entries and forced key splits, against the torch backend, once per kernel variant (``VARIANTS``), plus the
+exact key dequantization probe (``test_gpu_attention.dequant_probe``, FP32 paths). The interpreter rounds FP32 → BF16 by truncation,
+so agreement is to ~5e-3 rather than BF16 rounding; numerics are checked on the GPU (``test_gpu_attention``).
+Skipped when Triton is not installed (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import triton.runtime.interpreter as _it
+    import numpy as np
+
+    # Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
+    _orig = _it._patch_lang_tensor
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    _it._patch_lang_tensor = _patched
+
+    import json, sys
+    import torch, dsv4
+    from dsv4.config import LayerKind
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+    from dsv4.ops import torch_ops, triton_attention
+    from test_gpu_attention import make_case, compare
+
+    variant = json.loads(sys.argv[1])
+    triton_attention.KERNEL_OPTIONS.update(variant)
+
+    from test_gpu_attention import dequant_probe
+    for wide in (False, True):  # every E4M3 code, exact (the FP32 paths: the interpreter's BF16 is wrong)
+        got, expected = dequant_probe("cpu", variant, wide)
+        assert torch.equal(got, expected), (wide, int((got != expected).sum()))
+
+    tiny = dsv4.ModelConfig.preset("tiny")
+    cases = [
+        (LayerKind.SWA, [0, 5, 20], [1, 2, 3], None),
+        (LayerKind.CSA, [3, 40, 200], [1, 1, 2], None),
+        (LayerKind.CSA, [0, 300], [7, 1], 70),
+        (LayerKind.HCA, [15, 100, 1200], [1, 2, 1], None),
+    ]
+    for i, (kind, prefix, step, topk) in enumerate(cases):
+        layer, batch, args, ti, xi = make_case(tiny, kind, prefix, step, "cpu", seed=i, topk=topk, block_size=32)
+        err_o, err_l, o, o_ref = compare(layer, batch, args, ti, xi)
+        assert err_o < 1e-2 and err_l < 1e-4, (kind, err_o, err_l)
+        m = args["m"]
+        for splits in (2, 5):
+            out, lse = sparse_attention_fwd(
+                args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
+                batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
+                args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=m,
+                block_size=batch.block_size, entry_idx=xi if xi is not None and xi.dim() == 2 else None,
+                visible=xi if xi is not None and xi.dim() == 1 else None,
+                max_entries=int(batch.visible_entries[m].max()) if kind is LayerKind.HCA else 0,
+                num_splits=splits, block_n=16, **variant,
+            )
+            err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
+            assert err < 1e-2, (kind, splits, err)
+    print("ok")
+    """
+)
+
+
+# Kernel variants (keywords of sparse_attention_fwd); test_gpu_attention.VARIANTS runs them on the GPU.
+VARIANTS = {
+    "default": {},
+    "prefetch": {"prefetch": True},
+    "bits": {"dequant": "bits"},
+    "single": {"tile": "single"},
+    "single_prefetch_bits": {"tile": "single", "prefetch": True, "dequant": "bits"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_attend_logic_in_interpreter(variant: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.path.join(root, "tests")]))
+    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(VARIANTS[variant])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]

@@ -1,0 +1,237 @@
+"""dsv4.engine: lengths, hidden states, the continuous-batching scheduler, the runner and its spot check."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dsv4
+from dsv4.engine import (
+    Engine,
+    EngineConfig,
+    HashHidden,
+    LengthSpec,
+    Request,
+    RequestTooLargeError,
+    Scheduler,
+    SchedulerConfig,
+    make_requests,
+    spot_check,
+)
+from dsv4.engine.graphs import copy_step_batch, default_batch_sizes, pad_step_batch, reserve_pad
+
+TINY = dsv4.ModelConfig.preset("tiny")
+
+
+# ------------------------------------------------------------------------------------------------ requests, hidden
+def test_length_specs() -> None:
+    rng = random.Random(0)
+    assert LengthSpec.parse("512").sample(rng) == 512 and str(LengthSpec.parse("fixed:512")) == "512"
+    u = LengthSpec.parse("uniform:10:20")
+    assert all(10 <= u.sample(rng) <= 20 for _ in range(200)) and str(u) == "uniform:10:20"
+    assert all(v >= 1 for v in (LengthSpec.parse("normal:3:50").sample(rng) for _ in range(200)))
+    assert {LengthSpec.parse("choice:4,8").sample(rng) for _ in range(100)} == {4, 8}
+    assert LengthSpec.parse("lognormal:100:0.5").max_value > 100
+    assert LengthSpec.parse("0", minimum=0).sample(rng) == 0
+    for bad in ("uniform:5", "uniform:9:3", "fast:3", "abc", "0"):
+        with pytest.raises(ValueError):
+            LengthSpec.parse(bad)
+    reqs = make_requests(5, "uniform:10:20", "choice:0,3", seed=1)
+    assert [r.request_id for r in reqs] == [f"req{i}" for i in range(5)]
+    assert reqs == make_requests(5, "uniform:10:20", "choice:0,3", seed=1)
+    assert all(r.total_len <= 12 for r in make_requests(5, 100, 100, max_total=12))
+    with pytest.raises(ValueError):
+        Request("x", 0, 3)
+
+
+def test_hash_hidden_is_a_pure_function_of_request_and_position() -> None:
+    h = HashHidden(TINY.hidden_size, seed=3)
+    nums = torch.tensor([0, 0, 0, 1, 1, 7])
+    pos = torch.tensor([0, 1, 2, 0, 1, 5])
+    x = h(nums, pos)
+    assert x.shape == (6, TINY.hidden_size) and x.dtype == torch.float32
+    assert torch.equal(x[4], h(torch.tensor([1]), torch.tensor([1]))[0])  # chunking does not matter
+    assert not torch.equal(x[0], x[3]) and not torch.equal(x[0], x[1])
+    assert not torch.equal(x, HashHidden(TINY.hidden_size, seed=4)(nums, pos))
+    big = h(torch.arange(4000) % 13, torch.arange(4000))
+    assert abs(big.mean().item()) < 0.01 and abs(big.std().item() - 1) < 0.01
+
+
+# ------------------------------------------------------------------------------------------------ scheduler
+def _drive(sched: Scheduler, cache: dsv4.HybridCache, max_steps: int = 10_000) -> list:
+    """Run the scheduler with bookkeeping only (prepare_forward, no layers)."""
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_work:
+            break
+        plan = sched.schedule()
+        if plan is None:
+            sched.skip_step()
+            continue
+        cache.prepare_forward(plan.plan)  # never raises: admission reserved the blocks
+        steps.append((plan, len(sched.running), cache.num_free_blocks))
+        sched.commit(plan)
+    return steps
+
+
+def test_scheduler_budget_decode_first_and_release() -> None:
+    cache = dsv4.HybridCache(TINY, layers=[1, 2], max_requests=4, num_blocks=64, block_size=64)
+    sched = Scheduler(cache, SchedulerConfig(max_batched_tokens=48, decode_tokens=2))
+    reqs = make_requests(9, "uniform:1:100", "uniform:0:9", seed=2)
+    for r in reqs:
+        sched.add(r)
+    steps = _drive(sched, cache)
+    assert all(r.done and r.finished_step is not None for r in reqs)
+    assert [r.request_id for r in sched.finished] and len(sched.finished) == 9
+    for plan, running, _ in steps:
+        assert 1 <= plan.num_tokens <= 48
+        assert running <= 4
+        kinds = [rid in plan.decode_ids for rid, _ in plan.plan]
+        assert kinds == sorted(kinds, reverse=True)  # decodes first
+        assert all(n <= 2 for rid, n in plan.plan if rid in plan.decode_ids)
+    assert sum(p.num_prefill_tokens for p, _, _ in steps) == sum(r.prompt_len for r in reqs)
+    assert sum(p.num_decode_tokens for p, _, _ in steps) == sum(r.gen_len for r in reqs)
+    # everything released
+    assert cache.active_requests == [] and cache.num_free_blocks == 64 and cache.num_free_slots == 4
+    cache.check_invariants()
+
+
+def test_scheduler_admission_waits_for_blocks_never_crashes() -> None:
+    # 7 blocks of 64 tokens: a 300-token request needs 5 blocks (ratio 4), so only one runs at a time.
+    cache = dsv4.HybridCache(TINY, layers=[1, 2], max_requests=4, num_blocks=7, block_size=64)
+    sched = Scheduler(cache, SchedulerConfig(max_batched_tokens=128))
+    reqs = [Request(f"r{i}", 290, 10) for i in range(3)] + [Request("small", 20, 4)]
+    for r in reqs:
+        sched.add(r)
+    steps = _drive(sched, cache)
+    assert all(r.done for r in reqs)
+    assert max(running for _, running, _ in steps) <= 2  # one big + at most the small one
+    assert reqs[1].admitted_step >= reqs[0].finished_step  # waited for the first to release its blocks
+    assert reqs[3].admitted_step >= reqs[2].admitted_step  # FCFS: no skipping ahead of the queue head
+    with pytest.raises(RequestTooLargeError, match="blocks"):
+        sched.add(Request("huge", 1000, 0))
+    with pytest.raises(RequestTooLargeError, match="max_position"):
+        sched.add(Request("long", TINY.max_position, 1))
+    with pytest.raises(ValueError, match="duplicate"):
+        sched.add(Request("r0", 5, 1))
+
+
+def test_scheduler_arrivals() -> None:
+    cache = dsv4.HybridCache(TINY, layers=[0], max_requests=2, num_blocks=0, block_size=64)
+    sched = Scheduler(cache, SchedulerConfig(max_batched_tokens=16))
+    late = Request("late", 4, 2, arrival_step=5)
+    sched.add(Request("early", 4, 2))
+    sched.add(late)
+    _drive(sched, cache)
+    assert late.admitted_step == 5 and late.done
+
+
+# ------------------------------------------------------------------------------------------------ engine
+def test_engine_run_spot_check_and_figures() -> None:
+    eng = Engine(TINY, config=EngineConfig(device="cpu", max_running=3, max_batched_tokens=64, block_size=64,
+                                           decode_tokens=2, seed=1))
+    reqs = make_requests(5, "uniform:8:64", "uniform:1:6", seed=3)
+    eng.trace([reqs[0].request_id, reqs[4].request_id])
+    stats = eng.run(reqs)
+    s = stats.summary()
+    assert s["requests_finished"] == 5
+    assert s["prefill_tokens"] == sum(r.prompt_len for r in reqs)
+    assert s["decode_tokens"] == sum(r.gen_len for r in reqs)
+    assert s["prefill_tok_s"] > 0 and s["decode_tok_s"] > 0 and s["step_ms"]["decode"]["p50"] > 0
+    assert 0 < s["cache_bytes_peak"] <= s["cache_bytes_allocated"]
+    assert s["dense_bf16_bytes_at_peak"] == s["tokens_cached_at_peak"] * 4 * 1024
+    assert max(r.num_requests for r in stats.steps) <= 3
+    assert all(r.prefill_tokens + r.decode_tokens <= 64 for r in stats.steps)
+    assert eng.cache.active_requests == []
+    rows = spot_check(eng)
+    assert len(rows) == 2 * TINY.num_layers
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+
+
+def test_engine_exact_numerics_layer_subset_and_user_hidden() -> None:
+    calls = []
+
+    def hidden(nums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        calls.append(int(pos.numel()))
+        return torch.sin(nums[:, None] * 0.37 + pos[:, None] * 0.11 + torch.arange(TINY.hidden_size)[None, :] * 0.05)
+
+    eng = Engine(TINY, layers=[2, 1], config=EngineConfig(device="cpu", numerics="exact", max_running=2,
+                                                          max_batched_tokens=40, block_size=64), hidden=hidden)
+    reqs = make_requests(3, "uniform:20:50", 5, seed=4)
+    eng.trace([reqs[1].request_id])
+    eng.run(reqs)
+    assert sum(calls) == sum(r.total_len for r in reqs)
+    rows = spot_check(eng)
+    assert [r.layer for r in rows] == [2, 1] and all(r.passed and r.tol == 1e-4 for r in rows)
+
+
+def test_engine_rejects_bad_configs() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        Engine(TINY, config=EngineConfig(device="cpu", backend="triton"))
+    with pytest.raises(ValueError):
+        Engine(TINY, layers=[0, 0], config=EngineConfig(device="cpu"))
+    with pytest.raises(ValueError):
+        EngineConfig(cuda_graphs="maybe")
+    with pytest.raises(ValueError, match="cuda_graphs='on'"):
+        Engine(TINY, config=EngineConfig(device="cpu", cuda_graphs="on", block_size=64)).submit(make_requests(1, 4, 1))
+    assert default_batch_sizes(64) == (1, 2, 4, 8, 16, 32, 64) and default_batch_sizes(6) == (1, 2, 4, 6)
+
+
+def test_padded_decode_batch_matches_unpadded() -> None:
+    """The CUDA-graph padding (pad rows in the pad slot, padded tables and emit lists) changes nothing for the
+    real requests: same outputs, and the next (unpadded) step still agrees, so the cache state is the same too.
+    Runs eagerly on the CPU, through a static batch written by ``copy_step_batch`` as the graph path does."""
+    weights = {li: dsv4.AttentionWeights.random(TINY, li, seed=10 + li) for li in range(TINY.num_layers)}
+    engines, pads = [], []
+    for _ in range(2):
+        eng = Engine(TINY, config=EngineConfig(device="cpu", max_running=4, max_batched_tokens=512, block_size=64,
+                                               decode_tokens=4, cache_memory=4 << 20), weights=weights)
+        eng.submit(make_requests(3, "uniform:20:40", 12, seed=5))
+        pads.append(reserve_pad(eng.cache, Engine.PAD_REQUEST))
+        engines.append(eng)
+    assert pads[0] == pads[1]
+    for eng in engines:  # prefill everything
+        while any(r.in_prefill for r in eng.scheduler.requests.values()):
+            eng.step()
+    pad_slot, pad_block = pads[0]
+    static = None
+    for step in range(3):
+        outs = []
+        for k, eng in enumerate(engines):
+            plan = eng.scheduler.schedule()
+            assert plan.is_decode_only and len(plan.plan) == 3 and all(n == 4 for _, n in plan.plan)
+            batch = eng.cache.prepare_forward(plan.plan)
+            numbers = [eng.scheduler.running[rid].number for rid, _ in plan.plan]
+            if k == 1 and step < 2:  # padded: 3 requests in a 6-row bucket, wide tables
+                b = pad_step_batch(eng.cache, batch.request_ids, batch.num_new, 6, 4, 8, pad_slot, pad_block)
+                assert b.block_tables.shape == (6, 8) and b.num_tokens == 24
+                if hasattr(b, "emit_pad_request"):  # fixed-capacity emit metadata for graph-safe kernels
+                    assert all(b.emit_pad_request[m].shape[0] == 6 * -(-4 // m) for m in b.ratios)
+                # as the graph path does: copy into a static batch built once from pad rows only
+                if static is None:
+                    static = pad_step_batch(eng.cache, [], [], 6, 4, 8, pad_slot, pad_block)
+                copy_step_batch(static, b)
+                nums = torch.tensor(numbers + [0] * 3)
+                h, _ = eng.forward_layers(static, eng.hidden(nums[static.token_request.long()], static.positions))
+                h = h[: batch.num_tokens]
+            else:
+                h, _ = eng.forward_layers(batch, eng._hidden_for(batch, numbers))
+            eng.scheduler.commit(plan)
+            outs.append(h)
+        assert torch.equal(outs[1], outs[0])  # bit-identical on the CPU (torch backend)
+    for eng in engines:
+        eng.cache.check_invariants()
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_default_backend_and_graphs() -> None:
+    eng = Engine(TINY, config=EngineConfig(device="cuda", max_running=4, max_batched_tokens=128, block_size=64))
+    reqs = make_requests(6, "uniform:16:200", 24, seed=6)
+    eng.trace([reqs[0].request_id, reqs[3].request_id])
+    stats = eng.run(reqs)
+    if eng.graph_safe:
+        assert stats.summary()["graph_steps"] > 0
+    rows = spot_check(eng)
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]

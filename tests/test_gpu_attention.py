@@ -1,0 +1,271 @@
+"""Triton sparse attention (``dsv4.ops.triton_attention``) against the torch backend (marked gpu).
+
+Each case builds a real ``HybridCache`` layer, fills its pool pages and rings with random valid 584-B entries
+(some ring slots stale or empty), schedules a step of several requests (decode tokens and prefill chunks), draws
+random queries, window entries, sinks and CSA entry lists (some −1), and compares ``attend`` of both backends.
+The kernel tests run once per entry of ``VARIANTS`` (kernel variants under measurement), and
+``test_dequant_exact`` checks each variant's key dequantization bit for bit over every E4M3 code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dsv4
+from dsv4.cache import HybridCache
+from dsv4.config import LayerKind
+from dsv4.ops import torch_ops
+from dsv4.reference.rope import rope_inv_freq
+
+FLASH = dsv4.ModelConfig.preset("v4-flash")
+PRO = dsv4.ModelConfig.preset("v4-pro")
+
+
+def make_case(
+    cfg: dsv4.ModelConfig,
+    kind: LayerKind,
+    prefix: list[int],
+    step: list[int],
+    device: str,
+    seed: int = 0,
+    topk: int | None = None,
+    invalid_frac: float = 0.1,
+    block_size: int = 256,
+):
+    """A layer step ready for ``attend``: returns ``(layer, batch, args)`` with args for ``attend`` minus the
+    entry list, and the entry lists for torch (``[T, K]``) and triton (CSA: same; HCA: counts)."""
+    g = torch.Generator().manual_seed(seed)
+    li = cfg.layers_of_kind(kind)[0]
+    m = cfg.ratio(li)
+    need = sum(-(-(p + s) // block_size) for p, s in zip(prefix, step)) + 2
+    cache = HybridCache(cfg, layers=[li], max_requests=len(prefix) + 1, num_blocks=need, block_size=block_size,
+                        device=device, numerics="official")
+    names = [f"r{i}" for i in range(len(prefix))]
+    for n in names:
+        cache.add_request(n)
+    for n, p in zip(names, prefix):
+        if p:
+            cache.prepare_forward({n: p})
+    batch = cache.prepare_forward(dict(zip(names, step)))
+    layer = cache.layer(li)
+    storage = layer.schema.kv_storage
+    W = cfg.window
+
+    def rand_entries(n: int) -> torch.Tensor:
+        v = torch.randn(n, 512, generator=g) * torch.exp(torch.randn(n, 8, generator=g)).repeat_interleave(64, 1)
+        return storage.encode(v)
+
+    if layer.kv_pages is not None and layer.kv_pages.shape[0]:
+        nb, epp = layer.kv_pages.shape[0], layer.schema.entries_per_block
+        blocks = torch.arange(nb).repeat_interleave(epp)
+        slots = torch.arange(epp).repeat(nb)
+        storage.write_bytes(layer.kv_pages, blocks.to(device), slots.to(device), rand_entries(nb * epp).to(device))
+    R = layer.ring.shape[0]
+    storage.write_bytes(layer.ring, torch.arange(R).repeat_interleave(W).to(device), torch.arange(W).repeat(R).to(device),
+                        rand_entries(R * W).to(device))
+    ring_pos = torch.full((R, W), -1, dtype=torch.int32)
+    for b, start in enumerate(batch.start_positions):
+        slot = int(batch.slots[b])
+        for p in range(max(0, start - W), start):
+            r = torch.rand((), generator=g).item()
+            ring_pos[slot, p % W] = -1 if r < invalid_frac / 2 else (p - W if r < invalid_frac else p)
+    layer.ring_positions.copy_(ring_pos.to(device))
+
+    T, H = batch.num_tokens, cfg.num_heads
+    q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16)
+    nm = dsv4.Numerics.official()
+    kv_new = nm.qdq_kv(torch.randn(T, 512, generator=g), cfg.nope_dim)
+    sink = torch.randn(H, generator=g)
+    inv_freq = rope_inv_freq(cfg, kind)
+
+    torch_idx = triton_idx = None
+    if kind is LayerKind.CSA:
+        k = topk or cfg.index_topk
+        vis = batch.visible_entries[m].cpu()
+        n_max = int(vis.max()) if T else 0
+        width = min(k, n_max)
+        order = torch.rand(T, max(n_max, 1), generator=g).argsort(dim=1)[:, :width]
+        ok = (order < vis[:, None]) & (torch.rand(T, width, generator=g) >= invalid_frac)
+        torch_idx = torch.where(ok, order, -1).to(device)
+        triton_idx = torch_idx
+    elif kind is LayerKind.HCA:
+        torch_idx = torch_ops.all_visible_entries(batch, m)
+        from dsv4.ops import triton_attention
+
+        triton_idx = triton_attention.all_visible_entries(batch, m)
+    args = dict(q=q.to(device), kv_new=kv_new.to(device), m=m, sink=sink.to(device), scale=cfg.softmax_scale,
+                inv_freq=inv_freq.to(device), numerics=nm)
+    return layer, batch, args, torch_idx, triton_idx
+
+
+# Kernel variants under measurement (keywords of ``sparse_attention_fwd``; ``{}`` the default kernel). Each GPU
+# case below runs once per variant; the benchmark's ``--variants`` takes the same dicts.
+VARIANTS = {
+    "default": {},
+    "waves": {"split_policy": "waves"},
+    "prefetch": {"prefetch": True},
+    "bits": {"dequant": "bits"},
+    "single": {"tile": "single"},
+    "h32_n32_prefetch_bits": {"block_h": 32, "block_n": 32, "prefetch": True, "dequant": "bits", "split_policy": "waves"},
+}
+
+
+# DSV4_ATTN_VARIANTS=name,name,... runs only those (e.g. one pytest process per variant, side by side).
+_SELECTED = [v for v in os.environ.get("DSV4_ATTN_VARIANTS", "").split(",") if v] or list(VARIANTS)
+
+
+@pytest.fixture(params=_SELECTED)
+def variant(request, monkeypatch):
+    """Runs the test with ``dsv4.ops.triton_attention.attend`` using one kernel variant."""
+    from dsv4.ops import triton_attention
+
+    monkeypatch.setattr(triton_attention, "KERNEL_OPTIONS", dict(VARIANTS[request.param]))
+    return VARIANTS[request.param]
+
+
+def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's key dequantization (``_key_block`` × 8 or ``_key_tile``) of 64 entries holding every finite
+    E4M3 code, against ``code × 2^(e−127)`` rounded to BF16 once. Exponents 100–134, or 10–246 when ``wide``
+    (``dequant="bits"`` then takes its two-multiply path). Returns ``(kernel, expected)`` as float32 ``[64, 512]``.
+    """
+    from dsv4.formats.fp8 import e4m3_decode
+    from dsv4.kernels import sparse_attention as sa
+
+    g = torch.Generator().manual_seed(seed)
+    codes = (torch.randperm(64 * 448, generator=g) % 256).to(torch.uint8).view(64, 448)
+    codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes → zero (kept: ±0 and every subnormal)
+    lo, hi = (10, 246) if wide else (100, 134)
+    exps = torch.randint(lo, hi + 1, (64, 8), generator=g, dtype=torch.uint8)
+    exps[:, 7] = 0
+    exps[0, :7] = hi  # the extremes are present
+    exps[1, :7] = lo
+    rope = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    pages = torch.cat((torch.cat((codes, rope.view(torch.uint8)), 1).reshape(-1), exps.reshape(-1)))
+    scale = torch.ldexp(torch.ones(64, 7), exps[:, :7].to(torch.int32) - 127).repeat_interleave(64, 1)
+    expected = torch.cat(((e4m3_decode(codes) * scale).to(torch.bfloat16), rope), 1).float()
+    out = torch.empty(64, 512, dtype=torch.bfloat16, device=device)
+    interpret = device != "cuda"
+    if options.get("tile") == "single":
+        from dsv4.kernels.sparse_attention_tile import _dequant_probe_tile_kernel as probe
+    else:
+        probe = sa._dequant_probe_kernel
+    probe[(1,)](pages.to(device), out, BF16_MATH=options.get("bf16_math", True) and not interpret,
+                DEQUANT_BITS=options.get("dequant") == "bits", num_warps=8)
+    return out.float().cpu(), expected
+
+
+def compare(layer, batch, args, torch_idx, triton_idx):
+    """Relative errors ``(o, lse)`` of the triton ``attend`` against torch's, plus the triton outputs."""
+    from dsv4.ops import triton_attention
+
+    o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=torch_idx, **args)
+    o, lse = triton_attention.attend(layer, batch, entry_idx=triton_idx, **args)
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype and lse.shape == lse_ref.shape
+    assert torch.isfinite(o.float()).all() and torch.isfinite(lse).all()
+    err_o = ((o.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
+    err_l = ((lse.double() - lse_ref.double()).norm() / lse_ref.double().norm()).item()
+    return err_o, err_l, o, o_ref
+
+
+CASES = {
+    # name: (cfg, kind, prefix lengths, step lengths, topk)
+    "swa_decode": (FLASH, LayerKind.SWA, [0, 5, 300, 127, 128], [1, 2, 1, 4, 3], None),
+    "swa_prefill": (FLASH, LayerKind.SWA, [0, 200], [300, 77], None),
+    "csa_decode_flash": (FLASH, LayerKind.CSA, [3, 40, 2500, 9000], [1, 1, 2, 4], None),
+    "csa_decode_pro": (PRO, LayerKind.CSA, [9000, 4100, 11], [1, 3, 1], None),
+    "csa_prefill": (FLASH, LayerKind.CSA, [0, 3000], [513, 260], None),
+    "csa_small_k": (FLASH, LayerKind.CSA, [7, 1], [1, 5], 3),
+    "hca_decode": (FLASH, LayerKind.HCA, [127, 1000, 40000, 5], [1, 2, 1, 1], None),
+    "hca_prefill": (PRO, LayerKind.HCA, [0, 1000], [700, 300], None),
+    "hca_1m": (FLASH, LayerKind.HCA, [128 * 8192 - 1, 128 * 8192 - 2], [1, 2], None),  # 128 + 8192 keys
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wide", [False, True], ids=["e100-134", "e10-246"])
+def test_dequant_exact(variant: dict, wide: bool) -> None:
+    """The key tiles the kernel feeds the tensor cores are exactly the decoded entries (every E4M3 code)."""
+    got, expected = dequant_probe("cuda", variant, wide)
+    bad = (got != expected).nonzero()
+    first = tuple(bad[0].tolist()) if bad.numel() else None
+    assert first is None, f"{bad.shape[0]} wrong, first at {first}: {got[first]} vs {expected[first]}"
+
+
+_BUILT: dict = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_attend_matches_torch(name: str, variant: dict) -> None:
+    cfg, kind, prefix, step, topk = CASES[name]
+    if name not in _BUILT:  # built once, shared by the variants (attend only reads the cache)
+        _BUILT[name] = make_case(cfg, kind, prefix, step, "cuda", seed=len(name), topk=topk)
+    layer, batch, args, ti, xi = _BUILT[name]
+    err_o, err_l, o, _ = compare(layer, batch, args, ti, xi)
+    assert err_o <= 1e-2, err_o
+    assert err_l <= 1e-3, err_l
+    if name == "hca_1m":
+        assert int(batch.visible_entries[cfg.hca_ratio].max()) == 8192
+
+
+@pytest.mark.gpu
+def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
+    """Split-KV partials + combine give the same result, and every output element is written."""
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+
+    layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [5000, 12], [1, 3], "cuda", seed=7)
+    o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
+    for splits in (1, 3, 20):
+        out = torch.full_like(args["q"], float("nan"))
+        lse = torch.full(out.shape[:2], float("nan"), device="cuda")
+        sparse_attention_fwd(
+            args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
+            batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
+            args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4, block_size=batch.block_size,
+            entry_idx=ti, out=out, lse=lse, workspace=layer.workspace, num_splits=splits, **variant,
+        )
+        assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+        err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
+        assert err <= 1e-2, (splits, err)
+        assert torch.allclose(lse, lse_ref, rtol=1e-3, atol=1e-3), splits
+
+
+@pytest.mark.gpu
+def test_attend_all_invalid_gives_sink_only(variant: dict) -> None:
+    """A token whose compressed slots are all −1 and whose ring is empty sees only its own window entry."""
+    layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [400], [1], "cuda", seed=3, invalid_frac=1.0)
+    ti = torch.full_like(ti, -1)
+    err_o, err_l, _, _ = compare(layer, batch, args, ti, ti)
+    assert err_o <= 1e-2 and err_l <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("li", [0, 1, 2], ids=["swa", "csa", "hca"])
+def test_layer_triton_backend_matches_torch(li: int) -> None:
+    """``dsv4.Attention(backend="triton")`` end to end over several steps (tiny config) vs the torch backend."""
+    tiny = dsv4.ModelConfig.preset("tiny")
+    w = dsv4.AttentionWeights.random(tiny, li, seed=4)
+    outs = {}
+    for backend in ("torch", "triton"):
+        cache = HybridCache(tiny, layers=[li], max_requests=2, num_blocks=64, block_size=32, device="cuda")
+        layer = dsv4.Attention(w, tiny, li, backend=backend)
+        cache.add_request("a")
+        cache.add_request("b")
+        x = torch.randn(200, tiny.hidden_size, generator=torch.Generator().manual_seed(li)).cuda()
+        ys, idx, at = [], [], 0
+        for plan in ({"a": 37, "b": 5}, {"a": 1, "b": 60}, {"a": 3, "b": 1}, {"a": 1, "b": 1}):
+            n = sum(plan.values())
+            res = layer.forward_with_aux(x[at : at + n], cache.prepare_forward(plan), cache)
+            ys.append(res.y.float())
+            idx.append(res.entry_idx)
+            at += n
+        outs[backend] = (torch.cat(ys), idx)
+    y_t, y_x = outs["torch"][0], outs["triton"][0]
+    assert torch.isfinite(y_x).all()
+    err = ((y_x.double() - y_t.double()).norm() / y_t.double().norm()).item()
+    assert err <= 5e-2, err  # other ops may also run Triton kernels (BF16 GEMMs, top-k ties)
+    for a, b in zip(*(outs[k][1] for k in ("torch", "triton"))):
+        assert a.shape == b.shape

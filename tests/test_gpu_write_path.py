@@ -1,0 +1,123 @@
+"""Triton write path == torch backend, byte for byte, on the GPU (marked gpu; skipped without CUDA).
+
+Every step runs the write ops (``window_entries`` / ``compress`` / ``append_swa``) of one layer on two caches
+holding the same random garbage in their pools: one through ``dsv4.ops.torch_ops``, one through
+``dsv4.ops.triton_write``. After each step the window entries and every byte of the layer's state (ring,
+positions, tails, previous-window state) and pool (KV pages, indexer pages) must be identical. V4-Flash layer
+geometry (window 128, ratios 4 / 128); fresh random inputs each step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dsv4
+from dsv4.layer import Attention
+from dsv4.ops import torch_ops
+from write_path_util import differences, make_cache, write_step
+
+pytestmark = pytest.mark.gpu
+triton_write = pytest.importorskip("dsv4.ops.triton_write")
+CFG = dsv4.ModelConfig.preset("v4-flash")
+LAYERS = {"swa": 0, "csa": 2, "hca": 3}
+
+
+def _layer(li: int) -> Attention:
+    return Attention(dsv4.AttentionWeights.random(CFG, li, seed=7, device="cuda"), CFG, li, backend="torch")
+
+
+def _compare_run(kind: str, plans: list[dict[str, int]], seed: int, max_requests: int) -> None:
+    li = LAYERS[kind]
+    lay = _layer(li)
+    nblocks = 8 + sum(sum(p.values()) for p in plans) // 256 + 3 * max_requests
+    ca = make_cache(CFG, [li], "cuda", max_requests, num_blocks=nblocks, block_size=256)
+    cb = make_cache(CFG, [li], "cuda", max_requests, num_blocks=nblocks, block_size=256)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for step, plan in enumerate(plans):
+        for rid in plan:
+            if rid not in ca:
+                ca.add_request(rid)
+                cb.add_request(rid)
+        ba, bb = ca.prepare_forward(plan), cb.prepare_forward(plan)
+        x = torch.randn(ba.num_tokens, CFG.hidden_size, generator=g, device="cuda")
+        k1 = write_step(torch_ops, lay, ca, ba, x)
+        k2 = write_step(triton_write, lay, cb, bb, x)
+        nk = int((k1.view(torch.int16) != k2.view(torch.int16)).sum())
+        diffs = differences(ca, cb, li)
+        assert nk == 0 and not diffs, f"{kind} step {step} ({len(plan)} requests, emit {ba.num_emit}): kv_new {nk} values, {diffs}"
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_decode_steps_match_torch(kind: str, batch: int) -> None:
+    rng = random.Random(batch)
+    ids = [f"r{i}" for i in range(batch)]
+    # a short random prefill per request (windows partly filled), then decode steps crossing window closes
+    plans = [{r: rng.randint(1, 300) for r in ids}] + [{r: 1 for r in ids} for _ in range(5)]
+    if kind == "hca":  # make some requests close a 128-window during the decode steps
+        plans[0] = {r: 128 * rng.randint(0, 2) + 125 + rng.randint(0, 2) for r in ids}
+    _compare_run(kind, plans, seed=batch, max_requests=batch)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_prefill_chunks_match_torch(kind: str, batch: int) -> None:
+    rng = random.Random(100 + batch)
+    ids = [f"r{i}" for i in range(batch)]
+    plans = []
+    for _ in range(4):
+        chosen = rng.sample(ids, k=max(1, batch - rng.randint(0, batch // 2)))
+        plans.append({r: rng.choice([1, 2, 3, 4, 7, rng.randint(1, 300), rng.randint(100, 900)]) for r in chosen})
+    _compare_run(kind, plans, seed=1000 + batch, max_requests=batch)
+
+
+def test_mixed_prefill_and_spec_decode_match_torch() -> None:
+    rng = random.Random(5)
+    ids = [f"r{i}" for i in range(12)]
+    plans = [{r: rng.randint(1, 700) for r in ids}] + [{r: rng.randint(1, 4) for r in ids} for _ in range(5)]
+    plans.append({"r0": 1024, **{r: 1 for r in ids[1:]}})
+    for kind in LAYERS:
+        _compare_run(kind, plans, seed=5, max_requests=12)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca", "swa"])
+def test_cuda_graph_replay_matches_eager(kind: str) -> None:
+    """Capture one decode step of the write ops on a static batch; replay it over steps where windows close and
+    where they do not; the cache bytes equal an eager Triton run of the same steps."""
+    li = LAYERS[kind]
+    lay = _layer(li)
+    B, maxb = 8, 4
+    ce = make_cache(CFG, [li], "cuda", B, num_blocks=2 * B * maxb, block_size=256)  # eager
+    cg = make_cache(CFG, [li], "cuda", B, num_blocks=2 * B * maxb, block_size=256)  # graph
+    ids = [f"r{i}" for i in range(B)]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    pre = {r: 120 + 3 * i for i, r in enumerate(ids)}  # HCA requests reach their 128-window close at different steps
+    for c in (ce, cg):
+        for r in ids:
+            c.add_request(r)
+    x0 = torch.randn(sum(pre.values()), CFG.hidden_size, generator=g, device="cuda")
+    for c in (ce, cg):
+        write_step(triton_write, lay, c, c.prepare_forward(pre, max_blocks=maxb), x0)
+    plan = {r: 1 for r in ids}
+    # warm-up step (eager) on the static batch, then capture
+    static = cg.prepare_forward(plan, max_blocks=maxb)
+    x_static = torch.randn(B, CFG.hidden_size, generator=g, device="cuda")
+    write_step(triton_write, lay, ce, ce.prepare_forward(plan, max_blocks=maxb), x_static)
+    write_step(triton_write, lay, cg, static, x_static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_step(triton_write, lay, cg, static, x_static)
+    for step in range(12):
+        x = torch.randn(B, CFG.hidden_size, generator=g, device="cuda")
+        be = ce.prepare_forward(plan, max_blocks=maxb)
+        k_e = write_step(triton_write, lay, ce, be, x)
+        static.copy_(cg.prepare_forward(plan, max_blocks=maxb))
+        x_static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        diffs = differences(ce, cg, li)
+        assert not diffs, f"{kind} replay step {step} (emit {be.num_emit}): {diffs}"
