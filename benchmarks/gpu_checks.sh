@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One batched GPU session (device time is scarce): end-to-end smoke with CUDA graphs off/on and the torch backend
+# as a control, the write-path cases that failed on the H200, and the indexer / attention variant benchmarks.
+# Usage (repo root, GPU machine): bash benchmarks/gpu_checks.sh   — outputs under $OUT (default ./out).
+export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
+O=${OUT:-out}; mkdir -p "$O"
+nvidia-smi --query-gpu=name --format=csv,noheader; date -u
+RUN="python3 -m dsv4.cli run --preset v4-flash --layers 0 2 3 --device cuda --requests 4 --prompt-len 1024 --gen-len 16 --no-progress"
+for g in off on; do
+  timeout 60 $RUN --backend triton --cuda-graphs $g --json "$O/smoke_triton_$g.json" > "$O/smoke_triton_$g.log" 2>&1
+  echo "== smoke triton graphs=$g rc=$?"; grep -E "req|spot check|decode |prefill " "$O/smoke_triton_$g.log" | tail -10
+done
+timeout 50 $RUN --backend torch --cuda-graphs off --json "$O/smoke_torch.json" > "$O/smoke_torch.log" 2>&1
+echo "== smoke torch rc=$?"; grep -E "req|spot check" "$O/smoke_torch.log" | tail -8
+W=tests/test_gpu_write_path.py
+timeout 70 python3 -m pytest -q -p no:cacheprovider -m gpu "$W::test_decode_steps_match_torch[256-csa]" \
+  "$W::test_prefill_chunks_match_torch[1-csa]" --tb=short > "$O/write.log" 2>&1
+echo "== write rc=$?"; grep -E "^E |passed|failed|Error" "$O/write.log" | head -30
+timeout 90 python3 benchmarks/bench_indexer.py --quick --no-sweep --json "$O/indexer_variants.json" > "$O/idx_bench.log" 2>&1
+echo "== indexer bench rc=$?"; grep -v '^ *$' "$O/idx_bench.log" | tail -30
+I=tests/test_gpu_indexer.py
+timeout 40 python3 -m pytest -q -p no:cacheprovider "$I::test_gpu_radix_topk_large" "$I::test_gpu_indexer_topk_variants" > "$O/idx_tests.log" 2>&1
+echo "== indexer tests rc=$?"; tail -3 "$O/idx_tests.log"
+WV='"split_policy": "waves"'
+V="[{}, {$WV}, {$WV, \"prefetch\": true}, {$WV, \"block_h\": 32, \"block_n\": 32, \"prefetch\": true, \"dequant\": \"bits\"}]"
+timeout 130 python3 benchmarks/bench_attention.py --quick --variants "$V" --json "$O/attn_variants.json" > "$O/attn_bench.log" 2>&1
+echo "== attention bench rc=$?"; grep -v '^ *$' "$O/attn_bench.log" | tail -40
