@@ -9,8 +9,7 @@ Roofline per row: ``max(bytes / copy bandwidth, FLOPs / FP8 matmul rate)``, both
 queries; FLOPs = the FP8 MMA work ``2 · Σ_t visible_t · 64 · 128``. Top-k: bytes = scores read once + indices
 written; no FLOPs.
 
-``--quick`` also times the scores variants (``dsv4.kernels.indexer.SCORES_VARIANTS``, each checked against the
-default config's scores) at B=64 × 128K decode, and every top-k variant (``dsv4.kernels.topk.VARIANTS`` and a few launch shapes,
+``--quick`` also times every top-k variant (``dsv4.kernels.topk.VARIANTS`` and a few launch shapes,
 ``TOPK_LAUNCHES``) at B=64 × 128K decode and B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each checked
 against torch.topk (``check`` in the JSON rows).
 
@@ -27,7 +26,6 @@ import sys
 import torch
 
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
-from dsv4.kernels.indexer import SCORES_VARIANTS
 from dsv4.kernels.topk import VARIANTS
 
 H, C, K_TOP, M, BLOCK = 64, 128, 512, 4, 256
@@ -188,29 +186,7 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
         if quick and batch > 1:
             rows += _topk_variants(s, tag, tk_bytes, bw, rate, max(iters, 20), common)
         if quick and tokens == 1:
-            # variants at the acceptance shape: the named scores variants (always), then the config sweep
-            ref_scores = s["scores"].clone()
-            for label, cfg in SCORES_VARIANTS.items():
-                try:
-                    s["scores"].fill_(float("nan"))
-                    _scores_fn(s, batch, tokens, cfg)()
-                    r = ref_scores.float().abs()
-                    tol = 2.0**-6 * r + 2.0**-12 * r.amax(dim=1, keepdim=True)  # bf16 ulps + accumulation order
-                    ok = bool(torch.isfinite(s["scores"]).all()
-                              and ((s["scores"].float() - ref_scores.float()).abs() <= tol).all())
-                    for graph in (False, True):
-                        rows.append(_measure(f"scores mxfp4 {tag} [{label}{' graph' if graph else ''}]",
-                                             _scores_fn(s, batch, tokens, cfg), sc_bytes, flops, bw, rate, iters,
-                                             graph=graph, op="scores-variant", variant=label, options=cfg, check=ok,
-                                             fmt="mxfp4", **common))
-                    if not ok:
-                        print(f"scores variant {label}: WRONG RESULT at {tag}", file=sys.stderr)
-                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                    print(f"scores variant {label} at {tag}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-                    rows.append(dict(name=f"scores mxfp4 {tag} [{label}]", op="scores-variant", variant=label,
-                                     options=cfg, error=f"{type(e).__name__}: {str(e)[:300]}", **common))
-            s["scores"].copy_(ref_scores)
-            del ref_scores
+            # at the acceptance shape: the default config as CUDA-graph replays, then the config sweep
             rows.append(_measure(f"scores mxfp4 {tag} [default graph]", _scores_fn(s, batch, tokens), sc_bytes, flops,
                                  bw, rate, iters, graph=True, op="scores", fmt="mxfp4", **common))
             do_sweep = True if sweep is None else sweep

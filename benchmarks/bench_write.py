@@ -22,7 +22,6 @@ import torch
 import dsv4
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, roofline_row, time_cuda
 from dsv4.cache import HybridCache
-from dsv4.config import LayerKind
 from dsv4.layer import Attention
 from dsv4.ops import torch_ops, triton_write
 from dsv4.reference.primitives import linear, rms_norm

@@ -105,11 +105,10 @@ def make_case(
 # case below runs once per variant; the benchmark's ``--variants`` takes the same dicts.
 VARIANTS = {
     "default": {},
-    "waves": {"split_policy": "waves"},
+    "fill": {"split_policy": "fill"},
     "prefetch": {"prefetch": True},
     "bits": {"dequant": "bits"},
     "single": {"tile": "single"},
-    "h32_n32_prefetch_bits": {"block_h": 32, "block_n": 32, "prefetch": True, "dequant": "bits", "split_policy": "waves"},
 }
 
 

@@ -28,7 +28,6 @@ from dsv4.numerics import Numerics  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.ops import triton_indexer as ti  # noqa: E402
 from dsv4.kernels import topk as topk_mod  # noqa: E402
-from dsv4.kernels.indexer import SCORES_VARIANTS  # noqa: E402
 from dsv4.kernels.topk import VARIANTS, radix_topk  # noqa: E402
 from dsv4.reference.indexer import index_scores as ref_scores  # noqa: E402
 
@@ -181,35 +180,6 @@ def test_interpreter_scores_and_topk(fmt: str, variant: str, monkeypatch) -> Non
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
 
 
-def _scores_with_config(layer, batch, fmt: str, q, w, score_dtype, config: dict | None) -> torch.Tensor:
-    """``index_scores`` run directly with a launch ``config`` (NaN-poisoned ``[T, n_max]`` output)."""
-    from dsv4.kernels.indexer import index_scores
-
-    qq = ti.queries_from_float(q, fmt)
-    wq = torch.zeros_like(qq.scale)
-    wq[:, : w.shape[1]] = w
-    wq *= qq.scale
-    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
-    out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=score_dtype, device=q.device)
-    return index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq,
-                        out, fmt=ti._FORMATS[fmt], m=M, block_size=batch.block_size,
-                        entries_per_page=layer.schema.entries_per_block, num_requests=batch.num_requests,
-                        max_new=batch.max_new, max_entries=n_max, config=config)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
-def test_interpreter_scores_keys_as_n(fmt: str) -> None:
-    """Heads as MMA rows / keys as columns (``KEYS_AS_N``): scores within tolerance, top-k right."""
-    if ON_GPU or not INTERPRETED:
-        pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
-    cfg, cache, layer, batch = _scenario("cpu", fmt, heads=4, k=8, steps=STEPS_SMALL)
-    q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
-    nm = _numerics(fmt)
-    out = _scores_with_config(layer, batch, fmt, q, w, nm.score_dtype, dict(SCORES_VARIANTS["keys_as_n"], BLOCK_N=64))
-    got = radix_topk(out, batch.visible_entries[M], 8)
-    _check(layer, batch, q, w, 8, nm.score_dtype, got, out)
-
-
 def _check_topk(s: torch.Tensor, counts: torch.Tensor, k: int, out: torch.Tensor) -> None:
     """Exactly ``min(k, n_t)`` distinct valid indices whose values are the row's top-k (up to ties), then −1."""
     assert out.shape == (s.shape[0], k) and out.dtype == torch.int64
@@ -277,19 +247,6 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     buf = layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype)
     worst = _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
-@pytest.mark.parametrize("variant", list(SCORES_VARIANTS))
-def test_gpu_scores_variants(variant: str, fmt: str) -> None:
-    """Each scores launch variant (Flash shapes, prefill and decode rows): scores within tolerance, top-k right."""
-    cfg, cache, layer, batch = _scenario("cuda", fmt, heads=64, k=512, steps=FLASH_STEPS, block_size=256, seed=3)
-    q, w = _queries(cfg, fmt, batch.num_tokens, "cuda", seed=4)
-    nm = _numerics(fmt)
-    out = _scores_with_config(layer, batch, fmt, q, w, nm.score_dtype, SCORES_VARIANTS[variant])
-    got = radix_topk(out, batch.visible_entries[M], 512)
-    _check(layer, batch, q, w, 512, nm.score_dtype, got, out)
 
 
 @pytest.mark.gpu

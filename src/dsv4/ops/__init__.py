@@ -7,9 +7,10 @@ a step can be captured in a CUDA graph):
 * ``torch_ops`` — plain torch, any device: the oracle the kernels are tested against.
 * ``triton_ops`` — Triton kernels for Hopper GPUs (``dsv4.kernels``); CUDA tensors only.
 
-``dsv4.Attention`` calls them in this order per layer step: ``window_entries`` → ``compress`` (main, and for CSA
-the indexer's) → ``indexer_queries`` + ``indexer_topk`` (CSA) or ``all_visible_entries`` (HCA) → ``attend`` →
-``append_swa`` (last: a multi-token step would otherwise overwrite ring slots its own earlier queries still read).
+``dsv4.Attention`` calls them in this order per layer step: ``window_entries`` (SWA layers) or ``compress``
+(compressed layers: the window entries and every compressor of the layer in one op) → ``indexer_queries`` +
+``indexer_topk`` (CSA) or ``all_visible_entries`` (HCA) → ``attend`` → ``append_swa`` (last: a multi-token step
+would otherwise overwrite ring slots its own earlier queries still read).
 """
 
 from __future__ import annotations
