@@ -74,7 +74,7 @@ def test_plan_plot(tmp_path, capsys) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         with pytest.raises(SystemExit, match="matplotlib"):
-            main(["plan", "--preset", "tiny", "--plot", str(path)])
+            main(["plan", "--preset", "tiny", "--context", "4096", "--plot", str(path)])
         return
     assert main(["plan", "--preset", "tiny", "--context", "4096", "--plot", str(path)]) == 0
     assert path.read_bytes()[:4] == b"\x89PNG"

@@ -328,7 +328,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         memory = parse_bytes(args.memory)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    context = args.context
+    context = args.context if args.context is not None else min(1 << 20, cfg.max_position)
     if not 1 <= context <= cfg.max_position:
         raise SystemExit(f"error: --context must be in 1..{cfg.max_position} (max_position of {cfg.name})")
     formats = args.formats or ["official", "hopper", "exact", "dense-bf16"]
@@ -598,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory planner: bytes per token / request, capacity of a memory budget",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model_args(pl, "model preset (default: v4-flash)")
-    pl.add_argument("--context", type=int, default=1 << 20, help="tokens per request")
+    pl.add_argument("--context", type=int, help="tokens per request (default: 1M, or the preset's max_position)")
     pl.add_argument("--memory", default="80GiB", help="cache memory budget (e.g. 80GiB, 141GB)")
     pl.add_argument("--layers", nargs="+", help="main (default) | all | kinds | indices")
     pl.add_argument("--block-size", type=int, default=256)
