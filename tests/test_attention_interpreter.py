@@ -81,8 +81,6 @@ VARIANTS = {
     "default": {},
     "prefetch": {"prefetch": True},
     "bits": {"dequant": "bits"},
-    "single": {"tile": "single"},
-    "single_prefetch_bits": {"tile": "single", "prefetch": True, "dequant": "bits"},
 }
 
 

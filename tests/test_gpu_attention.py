@@ -108,7 +108,6 @@ VARIANTS = {
     "fill": {"split_policy": "fill"},
     "prefetch": {"prefetch": True},
     "bits": {"dequant": "bits"},
-    "single": {"tile": "single"},
 }
 
 
@@ -126,7 +125,7 @@ def variant(request, monkeypatch):
 
 
 def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's key dequantization (``_key_block`` × 8 or ``_key_tile``) of 64 entries holding every finite
+    """The kernel's key dequantization (``_key_block`` × 8) of 64 entries holding every finite
     E4M3 code, against ``code × 2^(e−127)`` rounded to BF16 once. Exponents 100–134, or 10–246 when ``wide``
     (``dequant="bits"`` then takes its two-multiply path). Returns ``(kernel, expected)`` as float32 ``[64, 512]``.
     """
@@ -147,10 +146,7 @@ def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tupl
     expected = torch.cat(((e4m3_decode(codes) * scale).to(torch.bfloat16), rope), 1).float()
     out = torch.empty(64, 512, dtype=torch.bfloat16, device=device)
     interpret = device != "cuda"
-    if options.get("tile") == "single":
-        from dsv4.kernels.sparse_attention_tile import _dequant_probe_tile_kernel as probe
-    else:
-        probe = sa._dequant_probe_kernel
+    probe = sa._dequant_probe_kernel
     probe[(1,)](pages.to(device), out, BF16_MATH=options.get("bf16_math", True) and not interpret,
                 DEQUANT_BITS=options.get("dequant") == "bits", num_warps=8)
     return out.float().cpu(), expected

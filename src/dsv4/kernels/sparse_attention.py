@@ -533,7 +533,6 @@ def sparse_attention_fwd(
     split_policy: str = "waves",
     prefetch: bool = False,
     dequant: str = "cvt",
-    tile: str = "blocks",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``T`` query tokens over their window and compressed entries, sink, inverse RoPE.
 
@@ -565,8 +564,6 @@ def sparse_attention_fwd(
             HCA-1M B=64 504 vs 659) and equal on prefill (never split).
         prefetch: locate chunk ``c+1``'s compressed entries (index, block table, scales) during chunk ``c``.
         dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
-        tile: ``"blocks"`` (8 blocks of 64 dims) or ``"single"`` (one ``[BLOCK_N, 512]`` key tile, one Q·Kᵀ
-            and one P·V product; ``dsv4.kernels.sparse_attention_tile``).
     Returns:
         ``(o [T, H, 512], lse fp32 [T, H])``: ``o`` with the inverse RoPE applied, ``lse`` with the sink.
     """
@@ -620,13 +617,7 @@ def sparse_attention_fwd(
     stride_page = pool_t.stride(0)
     if dequant not in ("cvt", "bits"):
         raise ValueError(f"unknown dequant {dequant!r}")
-    if tile == "single":
-        from .sparse_attention_tile import _sparse_attention_tile_kernel as kernel
-    elif tile == "blocks":
-        kernel = _sparse_attention_kernel
-    else:
-        raise ValueError(f"unknown tile {tile!r}")
-    kernel[(T * head_blocks, splits)](
+    _sparse_attention_kernel[(T * head_blocks, splits)](
         q, q.stride(0), q.stride(1),
         kv_new, kv_new.stride(0),
         ring, ring.stride(0),
