@@ -173,10 +173,7 @@ def test_interpreter_scores_and_topk(fmt: str, variant: str, monkeypatch) -> Non
     q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
     nm = _numerics(fmt)
     got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype)
-    buf = layer.workspace.get("indexer_scores", (batch.num_tokens, 1), nm.score_dtype)  # view of the same buffer
-    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
-    buf = layer.workspace._buffers["indexer_scores"][: batch.num_tokens * n_max * buf.element_size()]
-    buf = buf.view(nm.score_dtype).view(batch.num_tokens, n_max)
+    buf = ti.score_buffer(layer, batch, M, nm.score_dtype)  # the matrix indexer_topk wrote
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
 
 
@@ -240,11 +237,10 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     cfg, cache, layer, batch = _scenario("cuda", fmt, heads=heads, k=k, steps=FLASH_STEPS, block_size=256, seed=heads)
     q, w = _queries(cfg, fmt, batch.num_tokens, "cuda", seed=k)
     nm = _numerics(fmt)
-    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
     # poison the score buffer: every visible element must be written
-    layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype).fill_(float("nan"))
+    ti.score_buffer(layer, batch, M, nm.score_dtype).fill_(float("nan"))
     got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
-    buf = layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype)
+    buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     worst = _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
 

@@ -156,6 +156,12 @@ class StepBatch:
     def device(self) -> torch.device:
         return self.positions.device
 
+    def addressable_entries(self, m: int) -> int:
+        """Entries at ratio ``m`` that the block tables can address: a host bound on every token's visible
+        entries that depends only on this batch's shapes. Graph-safe kernels size grids and buffers with it, never
+        with the step's own positions: a captured graph replays the bound it was captured with."""
+        return self.block_tables.shape[1] * (self.block_size // m)
+
     def copy_(self, other: "StepBatch") -> "StepBatch":
         """Make this batch describe ``other``'s step, writing every fixed-shape device tensor in place (so a CUDA
         graph captured on this batch replays ``other``'s step). Returns ``self``.

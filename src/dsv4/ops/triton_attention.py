@@ -34,13 +34,6 @@ def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
     return batch.visible_entries[m]
 
 
-def _entries_bound(batch: StepBatch, m: int) -> int:
-    """A bound on any token's visible entries that depends only on the batch's shapes: the entries the block
-    tables can address. Not the step's own maximum: a CUDA graph captured on one step replays on others, so a
-    bound taken from this step's positions would stay baked into the graph (and drop later entries)."""
-    return batch.block_tables.shape[1] * (batch.block_size // m)
-
-
 def supports(layer: LayerCache, q: Tensor, numerics: Numerics) -> bool:
     """Whether the Triton kernel handles this layer/input (else ``attend`` falls back to torch)."""
     s = layer.schema
@@ -105,7 +98,7 @@ def attend(
         block_size=batch.block_size,
         entry_idx=listed,
         visible=counts,
-        max_entries=_entries_bound(batch, m) if counts is not None else 0,
+        max_entries=batch.addressable_entries(m) if counts is not None else 0,
         workspace=layer.workspace,
         **KERNEL_OPTIONS,
     )

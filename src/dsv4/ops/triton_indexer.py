@@ -30,7 +30,7 @@ from ..reference.rope import apply_rope
 from ..weights import IndexerWeights
 from . import torch_ops
 
-__all__ = ["IndexerQueries", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad"]
+__all__ = ["IndexerQueries", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad", "score_buffer"]
 
 _FORMATS = {"mxfp4": FMT_MXFP4, "fp8": FMT_FP8, "fp32": FMT_FP32}
 
@@ -127,6 +127,13 @@ def indexer_queries(
     return queries_from_float(values, fmt)
 
 
+def score_buffer(layer: LayerCache, batch: StepBatch, m: int, score_dtype: torch.dtype) -> Tensor:
+    """The step's index-score matrix ``[T, max(1, batch.addressable_entries(m))]`` (workspace ``"indexer_scores"``;
+    row ``t`` holds scores for entries ``s < visible[t]``). Its width is a bound from the batch's shapes, never
+    from the step's positions, so a captured CUDA graph stays right on later steps."""
+    return layer.workspace.get("indexer_scores", (batch.num_tokens, max(batch.addressable_entries(m), 1)), score_dtype)
+
+
 def indexer_topk(
     layer: LayerCache, batch: StepBatch, m: int, q_idx: IndexerQueries | Tensor, head_weights: Tensor, k: int,
     score_dtype: torch.dtype,
@@ -144,9 +151,9 @@ def indexer_topk(
     if isinstance(q_idx, Tensor):
         q_idx = queries_from_float(q_idx, storage.name)
     T = batch.num_tokens
-    n_max = max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
+    n_max = batch.addressable_entries(m)
     visible = batch.visible_entries[m]
-    scores = layer.workspace.get("indexer_scores", (T, max(n_max, 1)), score_dtype)
+    scores = score_buffer(layer, batch, m, score_dtype)
     if storage.name in _FORMATS and storage.dim == 128:
         w = torch.zeros_like(q_idx.scale)
         w[:, : q_idx.num_heads] = head_weights.float()
