@@ -91,7 +91,8 @@ class Attention:
     def _weights_on(self, device: torch.device) -> tuple[AttentionWeights, Tensor]:
         """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused)."""
         if device not in self._device_weights:
-            self._device_weights[device] = (self.weights.to(device), rope_inv_freq(self.cfg, self.kind, device))
+            w = self.weights.to(device).with_fp32_compressors()
+            self._device_weights[device] = (w, rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[device]
 
     def _validate(self, x: Tensor, batch: StepBatch, cache: HybridCache) -> None:

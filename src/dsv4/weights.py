@@ -237,6 +237,17 @@ class AttentionWeights:
 
         return mv(self)
 
+    def with_fp32_compressors(self) -> "AttentionWeights":
+        """A copy whose compressors (main and indexer) hold FP32 tensors: they compute in FP32 (SPEC §4), so a
+        device copy cast once spares every step the cast (the values are unchanged)."""
+        def fp32(c: CompressorWeights | None) -> CompressorWeights | None:
+            if c is None:
+                return None
+            return dataclasses.replace(c, **{f.name: getattr(c, f.name).float() for f in dataclasses.fields(c)})
+
+        indexer = None if self.indexer is None else dataclasses.replace(self.indexer, compressor=fp32(self.indexer.compressor))
+        return dataclasses.replace(self, compressor=fp32(self.compressor), indexer=indexer)
+
     def check(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Raise ``ValueError`` naming every tensor whose shape does not fit ``cfg``'s layer ``layer_idx``."""
         d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim

@@ -39,6 +39,11 @@ class Workspace:
             self._buffers[name] = buf
         return buf[:nbytes].view(dtype).view(tuple(shape))
 
+    def buffers(self) -> tuple[Tensor, ...]:
+        """The buffers as they are now (a captured CUDA graph keeps their addresses: hold them to keep them alive
+        should a later eager step grow one)."""
+        return tuple(self._buffers.values())
+
     @property
     def nbytes(self) -> int:
         """Bytes held by all buffers."""

@@ -25,7 +25,6 @@ comes from the fixed-shape device tensors, and it allocates nothing whose size d
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,27 +115,9 @@ def pad_step_batch(
         return b
 
 
-_VARIABLE = ("emit_request", "emit_entry", "emit_block", "emit_slot", "emit_position")
-
-
 def copy_step_batch(dst: StepBatch, src: StepBatch) -> None:
-    """Make ``dst`` describe ``src``'s step in place: ``StepBatch.copy_`` where the cache provides it; otherwise
-    every fixed-shape device tensor is copied and the variable-length ``emit_*`` lists and host fields are
-    replaced (same semantics)."""
-    if hasattr(dst, "copy_"):
-        dst.copy_(src)
-        return
-    for f in dataclasses.fields(src):
-        v = getattr(src, f.name)
-        if isinstance(v, Tensor):
-            getattr(dst, f.name).copy_(v)
-        elif isinstance(v, dict) and v and all(isinstance(t, Tensor) for t in v.values()):
-            if f.name in _VARIABLE:
-                getattr(dst, f.name).update(v)
-            else:
-                for m, t in v.items():
-                    getattr(dst, f.name)[m].copy_(t)
-    dst.request_ids, dst.start_positions, dst.num_emit = list(src.request_ids), list(src.start_positions), dict(src.num_emit)
+    """Make the static ``dst`` describe ``src``'s step in place (``StepBatch.copy_``)."""
+    dst.copy_(src)
 
 
 @dataclass
@@ -221,8 +202,7 @@ class DecodeGraphs:
             # The graph holds the addresses of the cache's workspace buffers as they are now. A later eager step
             # (a large prefill) may grow a buffer, i.e. replace it; keep the captured ones alive so a replay never
             # touches memory the allocator has handed to someone else.
-            ws = getattr(self.cache, "workspace", None)
-            self._pinned.extend(getattr(ws, "_buffers", {}).values())
+            self._pinned.extend(self.cache.workspace.buffers())
         torch.cuda.synchronize(dev)
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ ring slots that its own earlier queries still read).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Sequence
 
 import torch
@@ -286,21 +287,29 @@ def indexer_topk(
     Returns:
         int64 ``[T, min(k, N)]`` entry indices, −1 padded (N = the most entries any request of the step has).
     """
-    storage = layer.schema.index_storage
     out = torch.full((batch.num_tokens, min(k, _max_entries(batch, m))), -1, dtype=torch.int64, device=q_idx.device)
-    cu = [0, *itertools.accumulate(batch.num_new)]
-    for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):  # host loop over requests (oracle)
-        n_entries = (s + n) // m
-        if n_entries == 0:
-            continue
-        idx = torch.arange(n_entries, device=q_idx.device)
-        block, slot = _entry_addresses(batch, m, torch.full_like(idx, b), idx)
-        keys = storage.read(layer.index_pages, block, slot)  # [n_entries, c_I] float32
-        rows = slice(cu[b], cu[b + 1])
+    for rows, keys in request_index_keys(layer, batch, m):
         scores = index_scores(q_idx[rows], head_weights[rows], keys, score_dtype)
         chosen = select_topk(scores, batch.visible_entries[m][rows], k)
         out[rows, : chosen.shape[1]] = chosen
     return out
+
+
+def request_index_keys(layer: LayerCache, batch: StepBatch, m: int) -> Iterator[tuple[slice, Tensor]]:
+    """Each request's indexer keys after the step, read from the pool (a host loop over requests: the oracle's
+    way, and the fallback of formats without a kernel).
+
+    Yields ``(rows, keys)``: the request's token rows of the step and float32 ``[n_entries, c_I]`` keys, for every
+    request with at least one entry.
+    """
+    cu = [0, *itertools.accumulate(batch.num_new)]
+    for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):
+        n_entries = (s + n) // m
+        if n_entries == 0 or n == 0:
+            continue
+        idx = torch.arange(n_entries, device=batch.device)
+        block, slot = _entry_addresses(batch, m, torch.full_like(idx, b), idx)
+        yield slice(cu[b], cu[b + 1]), layer.schema.index_storage.read(layer.index_pages, block, slot)
 
 
 # ------------------------------------------------------------------------------------------------ attention

@@ -166,17 +166,8 @@ def indexer_topk(
         )
     else:  # nvfp4: the torch backend's scores (host loop), then the same top-k
         values = q_idx.values
-        cu = [0, *torch.tensor(batch.num_new).cumsum(0).tolist()]
-        for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):
-            n_entries = (s + n) // m
-            if n_entries == 0 or n == 0:
-                continue
-            idx = torch.arange(n_entries, device=values.device)
-            block, slot = torch_ops._entry_addresses(batch, m, torch.full_like(idx, b), idx)
-            keys = storage.read(layer.index_pages, block, slot)
-            scores[cu[b] : cu[b + 1], :n_entries] = _reference_scores(
-                values[cu[b] : cu[b + 1]], head_weights[cu[b] : cu[b + 1]], keys, score_dtype
-            )
+        for rows, keys in torch_ops.request_index_keys(layer, batch, m):
+            scores[rows, : keys.shape[0]] = _reference_scores(values[rows], head_weights[rows], keys, score_dtype)
     ws = None
     if topk.VARIANTS[topk.DEFAULT_VARIANT]["algorithm"] == "split":  # histograms + counters per row
         ws = layer.workspace.get("indexer_topk", topk.topk_workspace_shape(T, score_dtype), torch.int32)
