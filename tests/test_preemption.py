@@ -13,6 +13,7 @@ points inside and at the boundary of a compression window (and of the SWA window
 from __future__ import annotations
 
 import functools
+import zlib
 
 import pytest
 import torch
@@ -56,7 +57,8 @@ def weights(li: int) -> dsv4.AttentionWeights:
 @functools.cache
 def tokens(li: int, which: str = "a") -> torch.Tensor:
     """[2S, d] fresh random hidden states (request "a" uses the first S)."""
-    return torch.randn(2 * S, TINY.hidden_size, generator=torch.Generator().manual_seed(hash((li, which)) % 2**31))
+    seed = zlib.crc32(f"{li}/{which}".encode())  # not hash(): str hashing changes with every process
+    return torch.randn(2 * S, TINY.hidden_size, generator=torch.Generator().manual_seed(seed))
 
 
 def new_cache(li: int, numerics: str, num_blocks: int = 24, max_requests: int = 3) -> HybridCache:
@@ -307,4 +309,9 @@ def test_recompute_in_one_chunk_matches(kind: str, point: int) -> None:
         assert differs.float().mean() <= 0.25
         keep = ~differs
         assert rel_err(y[keep], ref.y[rows][keep]) <= 1e-5
+        # the uninterrupted run may break exact score ties its own way: compare rows where it chose the same entries
+        same_as_want = torch.tensor([
+            sorted(a[a >= 0].tolist()) == sorted(b[b >= 0].tolist()) for a, b in zip(idx, want[2][rows])
+        ], dtype=torch.bool)
+        keep &= same_as_want
         assert rel_err(y[keep], want[0][rows][keep]) <= 1e-5
