@@ -79,18 +79,7 @@ def _scores_fn(s, batch: int, tokens: int, config: dict | None = None):
 def _measure(name, fn, bytes_, flops, bw, rate, iters, graph: bool = False, **extra):
     """Time ``fn`` (median of ``iters``); ``graph``: capture it once in a CUDA graph and time the replays (as the
     engine's decode steps run: no Python launch overhead between a variant's launches)."""
-    if graph:
-        fn()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
-    sec = time_cuda(fn, warmup=max(3, iters // 5), iters=iters)
+    sec = time_cuda(fn, warmup=max(3, iters // 5), iters=iters, graph=graph)
     row = roofline_row(name, sec, bytes_, flops, bw, rate, graph=graph, **extra)
     print(_table([row], header=False), flush=True)  # progress (long sweeps)
     return row

@@ -75,7 +75,9 @@ def _count_launches(fn) -> tuple[int, int]:
     return len(triton_k), len(names)
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) -> list[dict]:
+    """Time every case (``quick``: fewer repetitions). ``only``: just the cases whose name contains it;
+    ``profile_calls``: no timing, call the kernels that many times (a target for ``ncu``)."""
     bw = measure_copy_bandwidth("cuda")
     rows = []
     presets = ["v4-flash", "v4-pro"]
@@ -90,6 +92,8 @@ def run(quick: bool = False) -> list[dict]:
                     for b in (1, 64, 256)]
             scen.append(("prefill 8K", {}, {"r0": 8192}))
             for name, start, plan in scen:
+                if only and only not in f"{preset} {kind} {name}":
+                    continue
                 cache, batch = _setup(cfg, li, start, plan)
                 nm = cache.numerics
                 wd, inv = lay._weights_on(torch.device("cuda"))
@@ -129,18 +133,26 @@ def run(quick: bool = False) -> list[dict]:
                         swa_write.append_swa(kv, layer.ring, layer.ring_positions, batch.token_slots,
                                              batch.ring_slots, batch.ring_keep, batch.positions, batch.window)
 
-                t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50)
+                if profile_calls:
+                    for _ in range(profile_calls):
+                        kernels()
+                    torch.cuda.synchronize()
+                    print(f"{preset} {kind} {name}: {profile_calls} calls", flush=True)
+                    continue
+                # kernels' GPU time: CUDA-graph replays, L2 flushed before each (eager: Python launches included)
+                t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=True, graph=True)
+                t_k_eager = time_cuda(kernels, warmup=1, iters=10 if quick else 30, flush_l2=True)
                 t_op = time_cuda(op, warmup=2, iters=10 if quick else 30)
                 t_torch = time_cuda(lambda: op(torch_ops), warmup=0 if quick else 1, iters=1 if quick else 10)
                 n_tri, n_all = _count_launches(op)
                 nbytes = _bytes(cfg, kind, batch, m)
                 row = roofline_row(f"{preset} {kind} {name}", t_k, bytes=nbytes, flops=0.0, copy_bw=bw,
                                    mm_rate=math.nan, preset=preset, kind=kind, scenario=name,
-                                   op_us=t_op * 1e6, torch_us=t_torch * 1e6, triton_launches=n_tri,
+                                   op_us=t_op * 1e6, kernels_eager_us=t_k_eager * 1e6, torch_us=t_torch * 1e6, triton_launches=n_tri,
                                    all_launches=n_all, emitted=batch.num_emit.get(m, 0), copy_gbps=bw / 1e9)
                 rows.append(row)
                 print(f"{row['name']:<34} {row['us']:9.1f} us {nbytes / 1e6:9.2f} MB {row['gbps']:8.0f} GB/s "
-                      f"{100 * row['roofline_frac']:6.1f}% | op {t_op * 1e6:8.1f} us torch {t_torch * 1e6:9.1f} us "
+                      f"{100 * row['roofline_frac']:6.1f}% (eager {t_k_eager * 1e6:7.1f} us) | op {t_op * 1e6:8.1f} us torch {t_torch * 1e6:9.1f} us "
                       f"| launches triton {n_tri} all {n_all}", flush=True)
                 del cache
     return rows
@@ -150,11 +162,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the acceptance shapes only, fewer repetitions")
     ap.add_argument("--json", help="write the rows (and the environment) here")
+    ap.add_argument("--only", help="run only the cases whose name contains this, e.g. 'v4-flash hca decode B=1'")
+    ap.add_argument("--profile-calls", type=int, default=0, help="no timing: call the kernels N times (for ncu)")
     a = ap.parse_args()
+    if a.profile_calls:
+        run(only=a.only, profile_calls=a.profile_calls)
+        return
     env = environment("cuda")
     print(f"device: {env.get('device')}  copy bandwidth measured: {measure_copy_bandwidth('cuda') / 1e9:.0f} GB/s")
     print(f"{'shape':<34} {'kernels':>12} {'bytes':>12} {'achieved':>13} {'%copy':>7} | whole op (GEMMs incl.), torch backend | launches per step")
-    rows = run(a.quick)
+    rows = run(a.quick, only=a.only)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"environment": env, "rows": rows}, f, indent=1, default=str)

@@ -48,3 +48,41 @@ def test_interpreted_write_path_matches_torch(li: int) -> None:
                PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", _SCRIPT, str(li)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+_ROWS_SCRIPT = r"""
+import sys, numpy as np, torch, triton, triton.language as tl
+from dsv4.kernels.quant import seq_accumulate_rows
+
+@triton.jit
+def _rows_kernel(t_ptr, acc_ptr, out_ptr, N: tl.constexpr, C: tl.constexpr):
+    t = tl.load(t_ptr + tl.arange(0, N)[:, None] * C + tl.arange(0, C)[None, :])
+    tl.store(out_ptr + tl.arange(0, C), seq_accumulate_rows(tl.load(acc_ptr + tl.arange(0, C)), t, N))
+
+rng = np.random.default_rng(int(sys.argv[1]))
+C = 64
+for N in (4, 8, 16):
+    # magnitudes spread over many binades so that the summation order changes the rounded result
+    t = (rng.standard_normal((N, C)) * 2.0 ** rng.integers(-20, 20, (N, C))).astype(np.float32)
+    acc = (rng.standard_normal(C) * 1e3).astype(np.float32)
+    want = acc.copy()
+    for r in range(N):
+        want = (want + t[r]).astype(np.float32)
+    out = torch.empty(C)
+    _rows_kernel[(1,)](torch.from_numpy(t), torch.from_numpy(acc), out, N=N, C=C)
+    assert np.array_equal(out.numpy().view(np.int32), want.view(np.int32)), N
+    # the tile summed first, then added (another order) differs somewhere: the check above can fail
+    other = (acc + t.sum(0, dtype=np.float32)).astype(np.float32)
+    assert not np.array_equal(other, want) or N == 4
+print("OK")
+"""
+
+
+def test_seq_accumulate_rows_is_row_by_row() -> None:
+    """``quant.seq_accumulate_rows`` (the compressors' softmax denominator over a tile of slots) adds the rows one
+    by one in order: bit-identical to a row loop in FP32 on values whose sum depends on the order."""
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, "7"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -69,6 +69,7 @@ def time_cuda(
     iters: int = 50,
     device: torch.device | str | None = None,
     flush_l2: bool = False,
+    graph: bool = False,
 ) -> float:
     """Median wall time of one ``fn()`` call, in seconds.
 
@@ -84,10 +85,15 @@ def time_cuda(
         flush_l2: CUDA only: overwrite a 256 MiB buffer before every timed call (outside the timed region), so
             ``fn`` reads its inputs from HBM rather than from a warm L2 (use for memory-bound kernels whose
             inputs would fit L2).
+        graph: CUDA only: capture ``fn`` once in a CUDA graph (after a warm-up call on a side stream) and time
+            its replays — the GPU time of the kernels without Python launch overhead, as the engine's decode
+            steps run. ``fn`` must be graph-safe (no host synchronisation, no allocation that changes).
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     dev = _dev(device)
+    if graph and dev.type == "cuda":
+        fn = _captured(fn, dev)
     for _ in range(max(0, warmup)):
         fn()
     if dev.type != "cuda":
@@ -113,6 +119,19 @@ def time_cuda(
         ends[i].record()
     _sync(dev)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+def _captured(fn: Callable[[], Any], dev: torch.device) -> Callable[[], Any]:
+    """``fn`` captured in a CUDA graph; returns the graph's ``replay``."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fn()  # compiles / allocates outside the capture
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
 
 
 # ---------------------------------------------------------------------------------------------------- ceilings

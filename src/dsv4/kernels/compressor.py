@@ -47,7 +47,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import bf16_round, expf, fp8_block_qdq, rsqrtf, hadamard128, mxfp4_block_qdq, pack_nibbles, pair_tree_last, seq_sum4_last, split_halves
+from .quant import (bf16_round, expf, fp8_block_qdq, hadamard128, mxfp4_block_qdq, pack_nibbles, pair_tree_last, rsqrtf,
+                    seq_accumulate_rows, seq_sum4_last, split_halves)
 from .swa_write import rope_pairs, window_entries_block
 
 __all__ = ["CompressorArgs", "write_before_attention"]
@@ -149,18 +150,19 @@ def pool_entry(
         z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                           prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
         mx = tl.maximum(mx, tl.max(z, axis=0))
-    # softmax denominator: a sequential sum over the slots, slot 0 first
-    den = tl.zeros([1, C], dtype=tl.float32)
-    for d in range(0, S):
-        z, _ = load_slots(d, 1, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+    # softmax denominator: a sequential sum over the slots, slot 0 first (a tile of CH slots per iteration,
+    # added row by row in order)
+    den = tl.zeros([C], dtype=tl.float32)
+    for k in range(0, S // CH):
+        z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                           prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
-        den = den + expf(z - mx[None, :])
+        den = seq_accumulate_rows(den, expf(z - mx[None, :]), CH)
     # weighted sum: accumulator row j collects slots j, j + CH, j + 2·CH, … in order
     acc = tl.zeros([CH, C], dtype=tl.float32)
     for k in range(0, S // CH):
         z, a = load_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                           prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
-        acc = acc + tl.math.div_rn(expf(z - mx[None, :]), den) * a
+        acc = acc + tl.math.div_rn(expf(z - mx[None, :]), den[None, :]) * a
     if NW == 0:
         # one thread per channel, 4 accumulators: ((acc0 + acc1) + acc2) + acc3
         pooled = tl.reshape(seq_sum4_last(tl.trans(acc)), (C,))
@@ -181,51 +183,61 @@ def pool_entry(
 
 # =========================================================================================== RMSNorm
 @triton.jit
-def torch_sum_sq(sq, C: tl.constexpr, BW: tl.constexpr):
-    """``Σ sq`` over ``[C]`` in the order of torch's block reduction of ``x.pow(2).mean(-1)`` for rows of ``C`` fp32
-    with ``BW`` threads per row (C = 512: float4 loads, 4 accumulators; C = 128: 4 strided accumulators), then
-    shared-memory halving down to 32 lanes and a warp shuffle tree. Returns ``[1]``."""
+def thread_partials(x_ptr, l0, C: tl.constexpr, BW: tl.constexpr):
+    """Per-thread partial sums of squares of threads ``l0 … l0+31`` of torch's block reduction of
+    ``x.pow(2).mean(-1)`` over a row of ``C`` fp32 (``x_ptr``) with ``BW`` threads per row: ``[32]``.
+
+    C = 512: thread l reads the float4 vectors ``l, l+BW, …`` into 4 accumulators (one per vector lane, in
+    vector order), then adds them ``((a0 + a1) + a2) + a3``; C = 128: one accumulator over ``x[l], x[l+BW], …``.
+    The values are read back from memory in this arrangement (cheap, L1-resident) instead of being reshaped in
+    registers: the reshape/permute/split chains cost ~50 µs per entry on an H200.
+    """
+    K: tl.constexpr = 128 // BW  # elements (C = 128) or float4 vectors (C = 512) per thread
+    lane = l0 + tl.arange(0, 32)
     if C == 512:
-        K: tl.constexpr = 128 // BW  # float4 vectors per thread
-        t = tl.permute(tl.reshape(sq, (K, BW, 4)), (1, 2, 0))  # [BW, 4, K]: thread, lane of the vector, step
-        if K == 4:
-            acc = seq_sum4_last(t)
-        elif K == 2:
-            u, v = tl.split(t)
-            acc = u + v
-        else:
-            acc = tl.reshape(t, (BW, 4))
-        p = seq_sum4_last(acc)  # [BW] per-thread partials
+        acc = tl.zeros([32, 4], tl.float32)
+        for k in tl.static_range(K):
+            v = tl.load(x_ptr + 4 * (lane[:, None] + k * BW) + tl.arange(0, 4)[None, :])
+            acc = acc + v * v
+        p = seq_sum4_last(acc)
     else:
-        if BW == 32:
-            p = seq_sum4_last(tl.trans(tl.reshape(sq, (4, 32))))  # thread l: x[l], x[l+32], x[l+64], x[l+96]
-        elif BW == 64:
-            u, v = split_halves(sq, 128)
-            p = u + v  # thread l: x[l] + x[l + 64]
-        else:
-            p = sq
-    # shared-memory halving (offsets BW/2 … 32), then the warp's shuffle-down tree
-    if BW == 128:
-        u, v = split_halves(p, 128)
-        p = u + v
-    if BW >= 64:
-        u, v = split_halves(p, 64)
-        p = u + v
+        p = tl.zeros([32], tl.float32)
+        for k in tl.static_range(K):
+            v = tl.load(x_ptr + lane + k * BW)
+            p = p + v * v
+    return p
+
+
+@triton.jit
+def torch_sum_sq(x_ptr, C: tl.constexpr, BW: tl.constexpr):
+    """``Σ x²`` over the ``[C]`` fp32 at ``x_ptr`` in the order of torch's block reduction with ``BW`` threads per
+    row: per-thread partials (``thread_partials``), shared-memory halving down to 32 lanes (offsets BW/2 … 32),
+    then the warp's shuffle-down tree. Returns ``[1]``."""
+    if BW == 32:
+        p = thread_partials(x_ptr, 0, C, 32)
+    elif BW == 64:
+        p = thread_partials(x_ptr, 0, C, 64) + thread_partials(x_ptr, 32, C, 64)
+    else:
+        p = ((thread_partials(x_ptr, 0, C, 128) + thread_partials(x_ptr, 64, C, 128))
+             + (thread_partials(x_ptr, 32, C, 128) + thread_partials(x_ptr, 96, C, 128)))
     return pair_tree_last(p, 32, 5)
 
 
 @triton.jit
-def rms_norm_bf16(x, w, eps, num_emit, C: tl.constexpr, MAXT: tl.constexpr):
+def rms_norm_bf16(x, w, eps, num_emit, scratch_ptr, C: tl.constexpr, MAXT: tl.constexpr):
     """``reference.rms_norm(x.bf16(), w, eps)`` of one entry: x fp32 ``[C]`` → BF16-valued fp32 ``[C]``.
 
     torch picks its reduction's threads per row from the number of rows ``num_emit``: ``min(128, MAXT / h)`` with
     ``h = min(pow2floor(num_emit), MAXT / 32)`` (MAXT = 512: 128 below 8 rows, 64 below 16, else 32); all three
-    sums are formed and the matching one chosen, on the device.
+    sums are formed and the matching one chosen, on the device. ``scratch_ptr``: this program's fp32 ``[C]``
+    scratch row (the BF16-rounded entry is stored there and read back in the reduction's arrangement).
     """
     xb = bf16_round(x)
-    sq = xb * xb
-    s = tl.where(num_emit >= MAXT // 32, torch_sum_sq(sq, C, 32),
-                 tl.where(num_emit >= MAXT // 64, torch_sum_sq(sq, C, 64), torch_sum_sq(sq, C, 128)))
+    tl.store(scratch_ptr + tl.arange(0, C), xb)
+    tl.debug_barrier()  # the row is read back by other threads of the program
+    s = tl.where(num_emit >= MAXT // 32, torch_sum_sq(scratch_ptr, C, 32),
+                 tl.where(num_emit >= MAXT // 64, torch_sum_sq(scratch_ptr, C, 64), torch_sum_sq(scratch_ptr, C, 128)))
+    tl.debug_barrier()  # all reads done before the program's next entry overwrites the row
     r = rsqrtf(s * (1.0 / C) + eps)
     return bf16_round(w * (xb * r))
 
@@ -251,7 +263,7 @@ def rope_last64(x, pos_f, inv_freq_ptr, C: tl.constexpr):
 @triton.jit
 def compress_entry(
     a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
-    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit, scratch_ptr,
     b, i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
     MAXT: tl.constexpr,
@@ -263,7 +275,7 @@ def compress_entry(
     """
     pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
                         i, start, cu, slot, C, M, OVERLAP, NW)
-    y = rms_norm_bf16(pooled, tl.load(norm_ptr + tl.arange(0, C)), eps, num_emit, C, MAXT)
+    y = rms_norm_bf16(pooled, tl.load(norm_ptr + tl.arange(0, C)), eps, num_emit, scratch_ptr, C, MAXT)
     head, rot = rope_last64(y, (i * M).to(tl.float32), inv_freq_ptr, C)
     first = i * M
     blk = tl.load(block_tables_ptr + b.to(tl.int64) * bt_stride + first // block_size).to(tl.int64)
@@ -297,7 +309,7 @@ def compress_entry(
 def lead_program(
     b,
     a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
-    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, end_ptr, cu_ptr, slots_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
     MAXT: tl.constexpr,
@@ -317,7 +329,7 @@ def lead_program(
         if i < i_end:
             compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
                            inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                           num_emit, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
+                           num_emit, scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
     cols = tl.arange(0, C)[None, :]
     r = tl.arange(0, M)
     if OVERLAP:
@@ -355,7 +367,7 @@ def lead_program(
 def entry_program(
     e,
     a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
-    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
     MAXT: tl.constexpr,
@@ -371,7 +383,7 @@ def entry_program(
             slot = tl.load(slots_ptr + b)
             compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
                            inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                           tl.load(num_emit_ptr), b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
+                           tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
 
 
 # =========================================================================================== the fused launch
@@ -379,7 +391,7 @@ def entry_program(
 def _write_before_attention_kernel(
     kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, T,
     start_ptr, end_ptr, cu_ptr, slots_ptr, block_tables_ptr, bt_stride, block_size, B,
-    emit_req_ptr, emit_entry_ptr, num_emit_ptr, n_entry, eps,
+    emit_req_ptr, emit_entry_ptr, num_emit_ptr, n_entry, eps, scratch_ptr,
     ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
@@ -387,15 +399,18 @@ def _write_before_attention_kernel(
 ):
     pid = tl.program_id(0)
     n_win = tl.cdiv(T, BT)
+    # each compressor program's fp32 [512] scratch row (RMSNorm): main programs 0 … B+n_entry−1, then the index's
+    main_scratch = scratch_ptr + pid.to(tl.int64) * 512
+    index_scratch = scratch_ptr + (pid - n_win).to(tl.int64) * 512
     if pid < B:
         lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
                      mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
-                     start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT)
+                     main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT)
     elif pid < B + n_entry:
         entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
                       inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                      num_emit_ptr, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M, OVERLAP, 0,
-                      NW, MAXT)
+                      num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
+                      OVERLAP, 0, NW, MAXT)
     elif pid < B + n_entry + n_win:
         window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
     else:
@@ -404,12 +419,13 @@ def _write_before_attention_kernel(
             if q < B:
                 lead_program(q, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                              inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                             num_emit_ptr, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1, NW_INDEX, MAXT)
+                             num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
+                             NW_INDEX, MAXT)
             else:
                 entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                               inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                              num_emit_ptr, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, 128, M,
-                              True, 1, NW_INDEX, MAXT)
+                              num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
+                              emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT)
 
 
 @dataclass
@@ -437,6 +453,13 @@ class CompressorArgs:
 WINDOW_BT = 4
 
 
+def pool_program_warps(m: int) -> int:
+    """Warps per program of the fused launch: 8 for HCA-like ratios (an entry pools ``m`` ≥ 64 slots × 512
+    channels, two ``exp`` and a division each, in one program: measured instruction-bound at 4 warps, 136 µs for
+    one entry on an H200), else 4. The results do not depend on it: every order-sensitive sum is spelled out."""
+    return 8 if m >= 64 else 4
+
+
 def write_before_attention(
     kv: Tensor, positions: Tensor, inv_freq: Tensor, batch, m: int, overlap: bool, eps: float,
     main: CompressorArgs, index: CompressorArgs | None,
@@ -461,12 +484,14 @@ def write_before_attention(
     x = index if has_index else main
     c = main.norm.shape[0]
     grid = (B * (1 + has_index) + n_entry * (1 + has_index) + triton.cdiv(T, WINDOW_BT),)
+    # one RMSNorm scratch row per compressor program (like ``out``, from the caching allocator: capture-safe)
+    scratch = torch.empty(((B + n_entry) * (1 + has_index), 512), dtype=torch.float32, device=kv.device)
     dummy = main.tail_kv
     _write_before_attention_kernel[grid](
         kv, positions, inv_freq, out, T,
         batch.start_pos, batch.end_pos, batch.cu_seqlens, batch.slots, batch.block_tables,
         batch.block_tables.stride(0), batch.block_size, B,
-        batch.emit_pad_request[m], batch.emit_pad_entry[m], batch.num_emit_device[m], n_entry, eps,
+        batch.emit_pad_request[m], batch.emit_pad_entry[m], batch.num_emit_device[m], n_entry, eps, scratch,
         main.a, main.z_raw, main.ape, main.tail_kv, main.tail_gate,
         main.prev_kv if overlap else dummy, main.prev_gate if overlap else dummy, main.norm, main.pages,
         main.pages.shape[1],
@@ -474,6 +499,6 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, num_warps=4, enable_fp_fusion=False,
+        MAXT=TORCH_REDUCE_MAX_THREADS, num_warps=pool_program_warps(m), enable_fp_fusion=False,
     )
     return out

@@ -202,6 +202,42 @@ def seq_sum4_last(t):
 
 
 @triton.jit
+def halves_last(t):
+    """``[R, N]`` → ``(t[:, :N//2], t[:, N//2:])`` (pure data movement)."""
+    R: tl.constexpr = t.shape[0]
+    N: tl.constexpr = t.shape[1]
+    return tl.split(tl.permute(tl.reshape(t, (R, 2, N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def seq_add4_last(acc, t):
+    """``(((acc + t[:, 0]) + t[:, 1]) + t[:, 2]) + t[:, 3]`` for ``t`` ``[R, 4]``, ``acc`` ``[R]``."""
+    ev, od = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # ev = t[:, 0::2], od = t[:, 1::2]
+    t0, t2 = tl.split(ev)
+    t1, t3 = tl.split(od)
+    return (((acc + t0) + t1) + t2) + t3
+
+
+@triton.jit
+def seq_accumulate_rows(acc, t, N: tl.constexpr):
+    """``acc + t[0] + t[1] + … + t[N−1]``, one row at a time in that order (``t`` ``[N, C]``, ``acc`` ``[C]``,
+    N = 4, 8 or 16): a running sum over a tile of rows with the order of a row-by-row loop, without a loop
+    iteration (and its address arithmetic) per row."""
+    tt = tl.trans(t)  # [C, N]
+    if N == 4:
+        acc = seq_add4_last(acc, tt)
+    else:
+        a, b = halves_last(tt)
+        if N == 8:
+            acc = seq_add4_last(seq_add4_last(acc, a), b)
+        else:
+            a0, a1 = halves_last(a)
+            b0, b1 = halves_last(b)
+            acc = seq_add4_last(seq_add4_last(seq_add4_last(seq_add4_last(acc, a0), a1), b0), b1)
+    return acc
+
+
+@triton.jit
 def pair_tree_last(t, N: tl.constexpr, LOG2N: tl.constexpr):
     """Pairwise sum of a 1-D ``[N]`` (N a power of two ≥ 2) in the order of a CUDA warp's shuffle-down tree with
     offsets 1, 2, 4, …: adjacent pairs first, then adjacent pairs of pair sums, … Returns a ``[1]`` tensor."""

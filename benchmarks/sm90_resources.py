@@ -1,0 +1,93 @@
+"""Registers, spills and shared memory of a kernel compiled for Hopper (sm_90) — on any machine, no GPU needed.
+
+Compiles one of the project's Triton kernels ahead of time for ``GPUTarget("cuda", 90, 32)`` with the same
+specialisation a launch gets (pointers and the usual strides divisible by 16), then reads the cubin's resource
+usage with the ``cuobjdump`` shipped in the triton wheel. Use it to check a change's register pressure before
+spending GPU time::
+
+    python benchmarks/sm90_resources.py attention                       # Flash CSA decode, split partials
+    python benchmarks/sm90_resources.py attention '{"BLOCK_N": 32}'     # constexpr / num_warps / num_stages overrides
+    python benchmarks/sm90_resources.py write                           # HCA write path (8 warps)
+    python benchmarks/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "num_warps": 4}'
+
+``--sass PATH`` also writes the disassembly (count ``STL``/``LDL`` for spills in loops, ``LDG.E.128`` for
+vectorised loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+#: kernel → (import path, pointer dtypes by argument, default constexprs + num_warps / num_stages, int args ≡ 0 mod 16)
+KERNELS = {
+    "attention": ("dsv4.kernels.sparse_attention:_sparse_attention_kernel", {
+        "q_ptr": "*bf16", "kv_new_ptr": "*bf16", "ring_ptr": "*u8", "ring_pos_ptr": "*i32", "pool_ptr": "*u8",
+        "block_tables_ptr": "*i32", "idx_ptr": "*i32", "visible_ptr": "*i64", "token_request_ptr": "*i32",
+        "positions_ptr": "*i64", "cu_seqlens_ptr": "*i32", "start_pos_ptr": "*i64", "token_slots_ptr": "*i64",
+        "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
+        "plse_ptr": "*fp32", "qk_scale": "fp32"},
+        dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, BLOCK_H=64, BLOCK_N=64,
+             BF16_MATH=True, INTERPRET=False, num_warps=8, num_stages=1),
+        {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
+         "stride_ot", "stride_oh", "stride_lt"}),
+    "write": ("dsv4.kernels.compressor:_write_before_attention_kernel", {
+        "kv_ptr": "*bf16", "pos_ptr": "*i64", "kv_out_ptr": "*bf16", "start_ptr": "*i64", "end_ptr": "*i64",
+        "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",
+        "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8", "eps": "fp32"},
+        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, num_warps=8),
+        {"mpage_bytes", "xpage_bytes"}),
+}
+
+
+def resources(kernel: str, overrides: dict | None = None, sass_path: str | None = None) -> dict:
+    """Compile ``kernel`` (a key of ``KERNELS``) for sm_90 and return ``{regs, stack, shared}`` (bytes)."""
+    target, types, defaults, div16 = KERNELS[kernel]
+    module, name = target.split(":")
+    fn = getattr(__import__(module, fromlist=[name]), name)
+    const = {**defaults, **(overrides or {})}
+    for param in fn.params:  # constexprs with a default value the caller did not set
+        if param.is_constexpr and param.name not in const and param.default is not inspect.Parameter.empty:
+            const[param.name] = param.default
+    opts = {k: const.pop(k) for k in ("num_warps", "num_stages") if k in const}
+    sig = {a: "constexpr" if a in const else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+           for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or a in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    fields = dict(item.split(":") for item in line.split() if ":" in item)
+    if sass_path:
+        with open(sass_path, "w") as out:
+            out.write(subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout)
+    os.unlink(f.name)
+    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "shared": compiled.metadata.shared}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=list(KERNELS))
+    ap.add_argument("overrides", nargs="?", default="{}", help="JSON: constexprs, num_warps, num_stages")
+    ap.add_argument("--sass", help="also write the SASS here")
+    a = ap.parse_args()
+    r = resources(a.kernel, json.loads(a.overrides), a.sass)
+    print(f"{a.kernel} {a.overrides}: {r['regs']} registers/thread, {r['stack']} B stack (spills), "
+          f"{r['shared']} B shared memory")
+
+
+if __name__ == "__main__":
+    main()
