@@ -51,7 +51,7 @@ from .quant import (bf16_round, expf, fp8_block_qdq, hadamard128, mxfp4_block_qd
                     seq_accumulate_rows, seq_sum4_last, split_halves)
 from .swa_write import rope_pairs, window_entries_block
 
-__all__ = ["CompressorArgs", "write_before_attention"]
+__all__ = ["CompressorArgs", "scratch_rows", "write_before_attention"]
 
 FLT_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
 
@@ -460,9 +460,21 @@ def pool_program_warps(m: int) -> int:
     return 8 if m >= 64 else 4
 
 
+def entry_program_count(batch, m: int, overlap: bool) -> int:
+    """Entry programs of the fused launch per compressor: one per emitted-entry slot (``emit_capacity[m]``) when a
+    request can emit more entries than its lead program takes (host-known geometry), else 0."""
+    return batch.emit_capacity[m] if -(-batch.max_new // m) > (2 if overlap else 1) else 0
+
+
+def scratch_rows(batch, m: int, overlap: bool, has_index: bool) -> int:
+    """Rows of the fp32 ``[rows, 512]`` RMSNorm scratch ``write_before_attention`` needs: one per compressor
+    program (leads and entry programs of the main and, CSA, the indexer's compressor)."""
+    return (batch.num_requests + entry_program_count(batch, m, overlap)) * (1 + has_index)
+
+
 def write_before_attention(
     kv: Tensor, positions: Tensor, inv_freq: Tensor, batch, m: int, overlap: bool, eps: float,
-    main: CompressorArgs, index: CompressorArgs | None,
+    main: CompressorArgs, index: CompressorArgs | None, scratch: Tensor | None = None,
 ) -> Tensor:
     """One launch: the step's window entries, and every compressor's accumulate + flush (see the module doc).
 
@@ -471,21 +483,26 @@ def write_before_attention(
         batch: the ``StepBatch`` (its fixed-shape device tensors only: graph-safe).
         m, overlap: compression ratio; CSA-style overlap (then ``index`` is the indexer's compressor, or ``None``).
         eps: RMSNorm epsilon.
+        scratch: fp32 ``[≥ scratch_rows(...), 512]`` RMSNorm scratch (contents undefined; a workspace buffer so
+            that steps do not allocate), else allocated here.
     Returns:
         bf16 ``[T, 512]`` the window entries as stored.
     """
     kv = kv.contiguous()
     out = torch.empty_like(kv)
     T, B = kv.shape[0], batch.num_requests
-    L = 2 if overlap else 1
-    # entry programs only when a request can emit more entries than its lead takes (host-known geometry)
-    n_entry = batch.emit_capacity[m] if -(-batch.max_new // m) > L else 0
+    n_entry = entry_program_count(batch, m, overlap)
     has_index = index is not None
     x = index if has_index else main
     c = main.norm.shape[0]
     grid = (B * (1 + has_index) + n_entry * (1 + has_index) + triton.cdiv(T, WINDOW_BT),)
-    # one RMSNorm scratch row per compressor program (like ``out``, from the caching allocator: capture-safe)
-    scratch = torch.empty(((B + n_entry) * (1 + has_index), 512), dtype=torch.float32, device=kv.device)
+    rows = scratch_rows(batch, m, overlap, has_index)
+    if scratch is None:
+        scratch = torch.empty((rows, 512), dtype=torch.float32, device=kv.device)
+    elif scratch.dtype != torch.float32 or scratch.dim() != 2 or scratch.shape[0] < rows or scratch.shape[1] != 512 \
+            or not scratch.is_contiguous():
+        raise ValueError(f"scratch must be a contiguous float32 [>= {rows}, 512] tensor, got "
+                         f"{scratch.dtype} {list(scratch.shape)}")
     dummy = main.tail_kv
     _write_before_attention_kernel[grid](
         kv, positions, inv_freq, out, T,

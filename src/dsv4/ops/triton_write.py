@@ -29,7 +29,7 @@ from torch import Tensor
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
 from ..kernels import swa_write
-from ..kernels.compressor import CompressorArgs, write_before_attention
+from ..kernels.compressor import CompressorArgs, scratch_rows, write_before_attention
 from ..numerics import Numerics
 from ..weights import CompressorWeights
 from . import torch_ops
@@ -108,9 +108,11 @@ def compress(
             prev_gate=st.get(f"{prefix}prev_gate"),
             pages=layer.kv_pages if role == "kv" else layer.index_pages,
         )
+    rows = scratch_rows(batch, m, overlap, "index" in args)
+    scratch = layer.workspace.get("compressor.rms_scratch", (rows, 512), torch.float32)
     return write_before_attention(
         window_kv, batch.positions, inv_freq.float().contiguous(), batch, m, overlap, float(eps),
-        args["kv"], args.get("index"),
+        args["kv"], args.get("index"), scratch=scratch,
     )
 
 
