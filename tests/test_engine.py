@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -144,6 +145,8 @@ def test_engine_run_spot_check_and_figures() -> None:
     assert s["dense_bf16_bytes_at_peak"] == s["tokens_cached_at_peak"] * 4 * 1024
     assert max(r.num_requests for r in stats.steps) <= 3
     assert all(r.prefill_tokens + r.decode_tokens <= 64 for r in stats.steps)
+    assert s["jit_kernels"] == 0 and s["jit_s"] == 0.0  # the torch backend compiles nothing
+    assert s["prefill_tok_s_without_jit"] == s["prefill_tok_s"] and s["decode_tok_s_without_jit"] == s["decode_tok_s"]
     assert eng.cache.active_requests == []
     rows = spot_check(eng)
     assert len(rows) == 2 * TINY.num_layers
@@ -235,3 +238,44 @@ def test_engine_on_cuda_default_backend_and_graphs() -> None:
         assert stats.summary()["graph_steps"] > 0
     rows = spot_check(eng)
     assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+
+
+def test_run_stats_take_jit_compile_time_out() -> None:
+    """Steps that compiled Triton kernels: ``jit_s`` sums their compile seconds and the ``*_without_jit`` throughputs
+    divide by the remaining time."""
+    from dsv4.engine.runner import RunStats, StepRecord
+
+    steps = [StepRecord(0, 1, 100, 0, 2.0, False, 100, 1, jit_seconds=1.5, jit_kernels=3),
+             StepRecord(1, 1, 100, 0, 0.5, False, 200, 1),
+             StepRecord(2, 1, 0, 1, 0.2, True, 201, 1, jit_seconds=0.1, jit_kernels=1),
+             StepRecord(3, 1, 0, 1, 0.1, True, 202, 1)]
+    s = RunStats(steps, [], wall_s=2.8, setup_s=0.0, graph_capture_s=0.0, cache_bytes_allocated=1,
+                 num_layers=1).summary()
+    assert s["jit_s"] == pytest.approx(1.6) and s["jit_kernels"] == 4
+    assert s["prefill_tok_s"] == pytest.approx(200 / 2.5) and s["prefill_tok_s_without_jit"] == pytest.approx(200 / 1.0)
+    assert s["decode_tok_s"] == pytest.approx(2 / 0.3) and s["decode_tok_s_without_jit"] == pytest.approx(2 / 0.2)
+
+
+def test_jit_clock_times_compiles_between_the_hooks_and_restores_them() -> None:
+    """``JitClock`` counts a compile from Triton's pre-compile hook to its post-compile hook, calls hooks that were
+    installed before it, and puts them back on exit (the hooks are driven by hand: no GPU here)."""
+    knobs = pytest.importorskip("triton").knobs
+    from dsv4.engine.jit_clock import JitClock
+
+    rt = knobs.runtime
+    seen = []
+    before, after = (lambda **kw: seen.append("before")), (lambda **kw: seen.append("after"))
+    saved = (rt.jit_cache_hook, rt.jit_post_compile_hook)
+    rt.jit_cache_hook, rt.jit_post_compile_hook = before, after
+    try:
+        with JitClock() as clock:
+            assert clock.active
+            for _ in range(2):
+                assert not rt.jit_cache_hook(key="k")  # a falsy answer: the compile goes ahead
+                time.sleep(0.01)
+                rt.jit_post_compile_hook(key="k")
+        assert clock.kernels == 2 and clock.seconds >= 0.02
+        assert seen == ["before", "after"] * 2
+        assert (rt.jit_cache_hook, rt.jit_post_compile_hook) == (before, after)
+    finally:
+        rt.jit_cache_hook, rt.jit_post_compile_hook = saved

@@ -261,6 +261,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     say(f"{'decode':<10}{dec_tok:>12,}{dec_s:>10.2f}{s['decode_tok_s']:>12,.0f}   "
         f"({s['decode_steps']} decode-only steps, mean batch {s['decode_batch_mean']:.1f}, {s['graph_steps']} graph replays)")
     say(f"{'total':<10}{s['prefill_tokens'] + s['decode_tokens']:>12,}{s['wall_s']:>10.2f}{s['total_tok_s']:>12,.0f}")
+    if s["jit_kernels"]:
+        say(f"Triton JIT compiles inside the timed steps: {s['jit_s']:.1f} s ({s['jit_kernels']} kernels, first use of "
+            f"each specialisation); without them prefill {s['prefill_tok_s_without_jit']:,.0f} tokens/s, decode "
+            f"{s['decode_tok_s_without_jit']:,.0f} tokens/s")
     say(f"{'step ms':<16}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
     for k in ("decode", "prefill"):
         q = s["step_ms"][k]

@@ -39,6 +39,7 @@ from ..numerics import Numerics, resolve_numerics
 from ..reference.primitives import rms_norm
 from ..weights import AttentionWeights
 from .hidden import HashHidden
+from .jit_clock import JitClock
 from .requests import Request
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -109,7 +110,8 @@ class EngineConfig:
 
 @dataclass
 class StepRecord:
-    """One engine step: tokens by phase, requests, wall seconds, whether it replayed a CUDA graph."""
+    """One engine step: tokens by phase, requests, wall seconds (``jit_seconds`` of them compiling Triton kernels,
+    measured inside ``Engine.run``), whether it replayed a CUDA graph."""
 
     step: int
     num_requests: int
@@ -119,6 +121,8 @@ class StepRecord:
     graph: bool
     tokens_cached: int
     cache_bytes_in_use: int
+    jit_seconds: float = 0.0
+    jit_kernels: int = 0
 
     @property
     def kind(self) -> str:
@@ -155,6 +159,9 @@ class RunStats:
         * ``decode_tok_s``: decode tokens of decode-only steps / their seconds;
         * ``step_ms``: latency percentiles of decode-only steps (``decode``) and of steps with prefill
           (``prefill``);
+        * ``jit_s`` / ``jit_kernels``: Triton JIT compilation inside the timed steps (first use of each kernel
+          specialisation; seconds on a fresh machine), and ``prefill_tok_s_without_jit`` /
+          ``decode_tok_s_without_jit``: the throughputs with that time taken out;
         * ``ttft_s`` / ``e2e_s``: time to first token (end of prefill) and to finish, from the run's start;
         * cache: peak bytes in use, tokens cached at that moment, and what a dense BF16 cache of those tokens
           would need (``DENSE_BF16_BYTES_PER_TOKEN_LAYER`` per token and layer).
@@ -166,6 +173,8 @@ class RunStats:
         pre_s = sum(s.seconds for s in pre)
         dec_tok = sum(s.decode_tokens for s in dec)
         dec_s = sum(s.seconds for s in dec)
+        pre_jit = sum(s.jit_seconds for s in pre)
+        dec_jit = sum(s.jit_seconds for s in dec)
         peak = max(self.steps, key=lambda s: s.cache_bytes_in_use, default=None)
         tokens_peak = peak.tokens_cached if peak else 0
         done = [r for r in self.requests if r.finished_s is not None]
@@ -182,6 +191,10 @@ class RunStats:
             "graph_capture_s": self.graph_capture_s,
             "prefill_tok_s": pre_tok / pre_s if pre_s else math.nan,
             "decode_tok_s": dec_tok / dec_s if dec_s else math.nan,
+            "jit_s": sum(s.jit_seconds for s in self.steps),
+            "jit_kernels": sum(s.jit_kernels for s in self.steps),
+            "prefill_tok_s_without_jit": pre_tok / (pre_s - pre_jit) if pre_s > pre_jit else math.nan,
+            "decode_tok_s_without_jit": dec_tok / (dec_s - dec_jit) if dec_s > dec_jit else math.nan,
             "total_tok_s": (pre_tok + dec_tok_all) / self.wall_s if self.wall_s else math.nan,
             "step_ms": {
                 "decode": {k: v * 1e3 for k, v in percentiles([s.seconds for s in dec]).items()},
@@ -317,6 +330,7 @@ class Engine:
         self._records: list[StepRecord] = []
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self.graph_capture_s = 0.0
+        self._jit_clock: JitClock | None = None  # set while run() runs
 
     # ------------------------------------------------------------------ construction
     @property
@@ -495,6 +509,8 @@ class Engine:
         assert self.cache is not None and self.scheduler is not None, "call submit() first"
         sched = self.scheduler
         t0 = time.perf_counter()
+        clock = self._jit_clock
+        jit0, kernels0 = (clock.seconds, clock.kernels) if clock is not None else (0.0, 0)
         plan = sched.schedule()
         if plan is None:
             sched.skip_step()
@@ -523,6 +539,8 @@ class Engine:
             step=plan.step, num_requests=len(plan.plan), prefill_tokens=plan.num_prefill_tokens,
             decode_tokens=plan.num_decode_tokens, seconds=t1 - t0, graph=used_graph,
             tokens_cached=tokens_cached, cache_bytes_in_use=in_use,
+            jit_seconds=(clock.seconds - jit0) if clock is not None else 0.0,
+            jit_kernels=(clock.kernels - kernels0) if clock is not None else 0,
         )
         self._records.append(rec)
         return rec
@@ -554,6 +572,7 @@ class Engine:
             bar = tqdm(total=total, unit="tok", desc="run", leave=False, dynamic_ncols=True)
         t_start = time.perf_counter()
         idle = 0
+        self._jit_clock = JitClock().__enter__()
         try:
             while self.scheduler.has_work:
                 rec = self.step(t_start)
@@ -569,6 +588,8 @@ class Engine:
                 if on_step is not None:
                     on_step(rec)
         finally:
+            self._jit_clock.__exit__(None, None, None)
+            self._jit_clock = None
             if bar is not None:
                 bar.close()
         wall = time.perf_counter() - t_start
