@@ -5,10 +5,16 @@ For each traced request and layer, the reference runs the layer over the request
 compared with the engine's, token by token. Layers are checked one at a time, so a difference cannot propagate
 from one layer into the next one's check.
 
-CSA top-k: the reference and the engine may break near-ties in the BF16 index scores differently (``torch.topk``
-order, or a kernel's accumulation order moving a score by one BF16 ulp). Tokens whose selected sets differ are
-classified with ``reference.topk_differences`` (selected scores equal up to ``TIE_REL``): near-ties are excluded
-from the output comparison and counted; any other difference fails the check.
+CSA top-k: the engine selects from its own index scores, which differ from the reference's by more than BF16
+score rounding: its GEMMs round differently (other row blocks: a prefill chunk or a decode step against the
+whole sequence), and a one-ulp change of an index query before its FP4 quantization can flip an E2M1 code.
+Measured with the torch backend on the CPU (V4-Flash CSA layer, 4,096-token prompt + 64 decode steps): 321 of
+4,160 rows select another set than the reference, 5 of them (decode rows) taking an entry whose reference score
+is up to 1.7% of the row's largest |score| below one left out. A row therefore passes when its selection is a
+causal top-k of the reference scores up to ``TOPK_SLACK`` of the row's largest |score|
+(``reference.topk_within``: distinct, visible, ``min(k, visible)`` entries, nothing left out scoring more than the
+slack above the lowest taken); such near-ties are excluded from the output comparison and counted. Anything else
+— a wrong count, a future entry, a clearly better entry left out — fails the check.
 """
 
 from __future__ import annotations
@@ -19,26 +25,29 @@ from typing import Any
 import torch
 
 from ..config import LayerKind
-from ..reference import forward, topk_differences
+from ..reference import forward, topk_differences, topk_within
 from .runner import Engine
 
-__all__ = ["TIE_REL", "SpotCheckRow", "spot_check", "tolerance"]
+__all__ = ["TOPK_SLACK", "SpotCheckRow", "spot_check", "tolerance"]
 
-#: Selected index scores that agree to this relative tolerance count as a tie (≈ 2 BF16 ulps).
-TIE_REL = 2.0**-7
+#: A CSA row's selection may leave out entries scoring up to this fraction of the row's largest |index score|
+#: above the lowest entry it takes (a near-tie; measured need on the CPU: ≤ 1.7%, see the module doc).
+TOPK_SLACK = 2.0**-5
 
 
 def tolerance(numerics: str, backend: str, device_type: str = "cpu") -> float:
     """Relative (Frobenius) tolerance of a layer's output against the reference.
 
     ``official``: BF16 activations, so the engine and the reference agree to BF16 rounding of GEMMs over
-    different row blocks and of differently ordered kernel reductions: torch backend on the CPU 1e-3 (observed
-    ≤ 3e-4); on CUDA, where cuBLAS picks its blocking by the number of rows, 1e-2 for either backend (observed on
-    an H200: torch backend 1.9e-3 on CSA layers, Triton ≤ 4e-3). ``exact``: FP32 throughout (1e-4).
+    different row blocks and of differently ordered kernel reductions: torch backend on the CPU 5e-3 (observed:
+    ≤ 3e-4 on the tiny preset, 1.7e-3–1.8e-3 on a V4-Flash CSA layer with 2–4K-token prompts, where d = 4096
+    GEMMs of a prefill chunk or a decode step round differently from the whole sequence's); on CUDA, where cuBLAS
+    picks its blocking by the number of rows, 1e-2 for either backend (observed on an H200: torch backend 1.9e-3
+    on CSA layers, Triton ≤ 4e-3). ``exact``: FP32 throughout (1e-4).
     """
     if numerics == "exact":
         return 1e-4
-    return 1e-3 if backend == "torch" and device_type == "cpu" else 1e-2
+    return 5e-3 if backend == "torch" and device_type == "cpu" else 1e-2
 
 
 @dataclass
@@ -99,11 +108,12 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
             keep = torch.ones(tr.length, dtype=torch.bool, device=dev)
             ties = mismatch = 0
             if kind is LayerKind.CSA and li in tr.entry_idx and ref.index_scores is not None:
-                differs, tie_only = topk_differences(
-                    ref.index_scores.float().cpu(), ref.entry_idx.cpu(), tr.entry_idx[li].cpu(), rel=TIE_REL
-                )
-                ties = int(tie_only.sum())
-                mismatch = int((differs & ~tie_only).sum())
+                scores, got = ref.index_scores.float().cpu(), tr.entry_idx[li].cpu()
+                differs, _ = topk_differences(scores, ref.entry_idx.cpu(), got)
+                visible = (torch.arange(1, tr.length + 1) // engine.cfg.ratio(li)).clamp(max=scores.shape[1])
+                ok, _ = topk_within(scores, visible, got, engine.cfg.index_topk, TOPK_SLACK)
+                ties = int((differs & ok).sum())
+                mismatch = int((~ok).sum())
                 keep = ~differs.to(dev)
             diff = (y_eng - y_ref)[keep]
             denom = y_ref[keep].norm().clamp_min(1e-30)

@@ -7,7 +7,7 @@ torch backend so that both compute the same thing the same way.
 
 from .compressor import compress, finish_entries, overlap_slots, pool_windows, project
 from .core import attend_with_sink, window_indices
-from .indexer import index_scores, indexer_head_weights, indexer_queries, select_topk, topk_differences
+from .indexer import index_scores, indexer_head_weights, indexer_queries, select_topk, topk_differences, topk_within
 from .layer import ReferenceResult, attention, compressed_entry_indices, forward, output_projection, query_path, window_kv
 from .primitives import linear, rms_norm
 from .rope import apply_rope, rope_inv_freq
@@ -15,6 +15,6 @@ from .rope import apply_rope, rope_inv_freq
 __all__ = [
     "ReferenceResult", "attention", "forward", "query_path", "window_kv", "output_projection", "compressed_entry_indices",
     "compress", "finish_entries", "overlap_slots", "pool_windows", "project",
-    "attend_with_sink", "window_indices", "index_scores", "indexer_head_weights", "indexer_queries", "select_topk", "topk_differences",
+    "attend_with_sink", "window_indices", "index_scores", "indexer_head_weights", "indexer_queries", "select_topk", "topk_differences", "topk_within",
     "linear", "rms_norm", "apply_rope", "rope_inv_freq",
 ]

@@ -10,7 +10,7 @@ from ..weights import IndexerWeights
 from .primitives import linear
 from .rope import apply_rope
 
-__all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "select_topk", "topk_differences"]
+__all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "select_topk", "topk_differences", "topk_within"]
 
 
 def indexer_queries(
@@ -89,3 +89,39 @@ def topk_differences(scores: torch.Tensor, want: torch.Tensor, got: torch.Tensor
             sb = torch.sort(scores[t, b].double()).values
             ties_only[t] = bool(torch.allclose(sa, sb, rtol=rel, atol=1e-6))
     return differs, ties_only
+
+
+def topk_within(scores: torch.Tensor, visible: torch.Tensor, got: torch.Tensor, k: int, rel: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each row of ``got`` is a causal top-k of ``scores`` up to a slack: the test for a selection made
+    from *other* scores than these (an engine's, whose GEMMs round differently and whose FP4-quantized index
+    queries can flip a code on a one-ulp change).
+
+    A row passes when its valid entries (≥ 0) are distinct, all visible (``< visible[t]``), ``min(k, visible[t])``
+    of them, and no visible entry left out scores more than ``rel · max|scores[t, :visible[t]]|`` above the
+    lowest entry taken — i.e. ``got`` is an exact top-k of some scores within half that slack of these.
+
+    Args:
+        scores: ``[T, n]`` the reference's index scores (unmasked). visible: int ``[T]`` entries each row sees.
+        got: int64 ``[T, k']`` selected entry indices, −1 = none. k: ``index_topk``. rel: slack, relative to the
+            row's largest score magnitude.
+    Returns:
+        ``(ok bool [T], gap float [T])``: ``gap`` = (best left-out − lowest taken) / row scale (≤ 0: an exact top-k;
+        −inf when nothing visible was left out).
+    """
+    T, n = scores.shape
+    s = scores.float()
+    vis = torch.arange(n, device=s.device)[None, :] < visible.to(s.device)[:, None]
+    valid = got >= 0
+    causal = (~valid | (got < visible.to(got.device)[:, None])).all(dim=1)
+    taken = torch.zeros((T, n + 1), dtype=torch.int32, device=s.device)
+    taken.scatter_add_(1, torch.where(valid & (got < n), got, n), torch.ones_like(got, dtype=torch.int32))
+    distinct = (taken[:, :n] <= 1).all(dim=1)
+    count_ok = valid.sum(dim=1) == torch.clamp(visible.to(got.device), max=k)
+    sel = (taken[:, :n] > 0) & vis
+    scale = torch.where(vis, s.abs(), torch.zeros_like(s)).amax(dim=1).clamp_min(1e-30)
+    lowest_taken = torch.where(sel, s, torch.full_like(s, float("inf"))).amin(dim=1)
+    best_left = torch.where(vis & ~sel, s, torch.full_like(s, float("-inf"))).amax(dim=1)
+    gap = torch.where(sel.any(dim=1), (best_left - lowest_taken) / scale, torch.full_like(scale, float("-inf")))
+    ok = causal & distinct & count_ok & (gap <= rel)
+    return ok, gap
