@@ -60,7 +60,8 @@ class SpotCheckRow:
         rel_err: ``‖y_engine − y_ref‖ / ‖y_ref‖`` over the tokens without a top-k tie.
         max_abs_err: largest absolute difference over those tokens.
         tie_rows: tokens excluded because the top-k sets differ by a near-tie only.
-        topk_mismatch_rows: tokens whose top-k sets differ by more than a tie (a failure).
+        topk_mismatch_rows: tokens whose selection is not a causal top-k of the reference scores within
+            ``TOPK_SLACK`` (a failure).
         tol: the tolerance ``rel_err`` was held to.
         passed: ``rel_err <= tol`` and no top-k mismatch.
     """
@@ -111,9 +112,9 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
                 scores, got = ref.index_scores.float().cpu(), tr.entry_idx[li].cpu()
                 differs, _ = topk_differences(scores, ref.entry_idx.cpu(), got)
                 visible = (torch.arange(1, tr.length + 1) // engine.cfg.ratio(li)).clamp(max=scores.shape[1])
-                ok, _ = topk_within(scores, visible, got, engine.cfg.index_topk, TOPK_SLACK)
-                ties = int((differs & ok).sum())
-                mismatch = int((~ok).sum())
+                within, _ = topk_within(scores, visible, got, engine.cfg.index_topk, TOPK_SLACK)
+                ties = int((differs & within).sum())
+                mismatch = int((~within).sum())
                 keep = ~differs.to(dev)
             diff = (y_eng - y_ref)[keep]
             denom = y_ref[keep].norm().clamp_min(1e-30)
