@@ -572,23 +572,23 @@ class Engine:
             bar = tqdm(total=total, unit="tok", desc="run", leave=False, dynamic_ncols=True)
         t_start = time.perf_counter()
         idle = 0
-        self._jit_clock = JitClock().__enter__()
         try:
-            while self.scheduler.has_work:
-                rec = self.step(t_start)
-                if rec is None:
-                    idle += 1
-                    if idle > 1_000_000:
-                        raise RuntimeError("scheduler made no progress for 1e6 steps")
-                    continue
-                idle = 0
-                if bar is not None:
-                    bar.update(rec.prefill_tokens + rec.decode_tokens)
-                    bar.set_postfix(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), refresh=False)
-                if on_step is not None:
-                    on_step(rec)
+            with JitClock() as self._jit_clock:
+                while self.scheduler.has_work:
+                    rec = self.step(t_start)
+                    if rec is None:
+                        idle += 1
+                        if idle > 1_000_000:
+                            raise RuntimeError("scheduler made no progress for 1e6 steps")
+                        continue
+                    idle = 0
+                    if bar is not None:
+                        bar.update(rec.prefill_tokens + rec.decode_tokens)
+                        bar.set_postfix(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                                        refresh=False)
+                    if on_step is not None:
+                        on_step(rec)
         finally:
-            self._jit_clock.__exit__(None, None, None)
             self._jit_clock = None
             if bar is not None:
                 bar.close()

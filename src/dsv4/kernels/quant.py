@@ -193,11 +193,18 @@ def split_halves(x, N: tl.constexpr):
 
 
 @triton.jit
-def seq_sum4_last(t):
-    """``((t[..., 0] + t[..., 1]) + t[..., 2]) + t[..., 3]`` over a last axis of length 4, in exactly that order."""
+def columns4(t):
+    """``(t[..., 0], t[..., 1], t[..., 2], t[..., 3])`` of a last axis of length 4 (pure data movement)."""
     ev, od = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # ev = t[..., 0::2], od = t[..., 1::2]
     t0, t2 = tl.split(ev)
     t1, t3 = tl.split(od)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def seq_sum4_last(t):
+    """``((t[..., 0] + t[..., 1]) + t[..., 2]) + t[..., 3]`` over a last axis of length 4, in exactly that order."""
+    t0, t1, t2, t3 = columns4(t)
     return ((t0 + t1) + t2) + t3
 
 
@@ -212,9 +219,7 @@ def halves_last(t):
 @triton.jit
 def seq_add4_last(acc, t):
     """``(((acc + t[:, 0]) + t[:, 1]) + t[:, 2]) + t[:, 3]`` for ``t`` ``[R, 4]``, ``acc`` ``[R]``."""
-    ev, od = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # ev = t[:, 0::2], od = t[:, 1::2]
-    t0, t2 = tl.split(ev)
-    t1, t3 = tl.split(od)
+    t0, t1, t2, t3 = columns4(t)
     return (((acc + t0) + t1) + t2) + t3
 
 
