@@ -10,8 +10,8 @@ queries; FLOPs = the FP8 MMA work ``2 · Σ_t visible_t · 64 · 128``. Top-k: b
 written; no FLOPs.
 
 ``--quick`` also times every top-k variant (``dsv4.kernels.topk.VARIANTS`` and a few launch shapes,
-``TOPK_LAUNCHES``) at B=64 × 128K decode and B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each checked
-against torch.topk (``check`` in the JSON rows).
+``TOPK_LAUNCHES``) at B=8 / 64 / 128 × 128K decode and B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each
+checked against torch.topk (``check`` in the JSON rows).
 
 Usage: ``python benchmarks/bench_indexer.py [--quick] [--no-sweep] [--json out.json]``.
 """
@@ -86,30 +86,31 @@ def _measure(name, fn, bytes_, flops, bw, rate, iters, graph: bool = False, **ex
 
 
 #: top-k launches timed in --quick at every shape: (label, radix_topk keyword arguments); the named variants with
-#: their defaults, then a few launch shapes of the split variants
+#: their defaults, then a few launch shapes of the filter variant
 TOPK_LAUNCHES = [
     *((name, dict(opts)) for name, opts in VARIANTS.items()),
-    ("split8 block=1024 w=4", dict(algorithm="split", radix_bits=8, block=1024, num_warps=4)),
-    ("split8 pps=8", dict(algorithm="split", radix_bits=8, programs_per_sm=8)),
-    ("split4 block=1024 w=4", dict(algorithm="split", radix_bits=4, block=1024, num_warps=4)),
-    ("split4 block=4096 w=16", dict(algorithm="split", radix_bits=4, block=4096, num_warps=16)),
+    ("filter4 block=32768 w=32", dict(algorithm="filter", radix_bits=4, block=32768, num_warps=32)),
+    ("filter4 w=8", dict(algorithm="filter", radix_bits=4, num_warps=8)),
 ]
 
 
 def _topk_variants(s, tag, tk_bytes, bw, rate, iters, common) -> list[dict]:
     """Every ``TOPK_LAUNCHES`` entry on the scores of ``s``: checked against torch.topk (values, once), then timed
     eagerly and as a CUDA-graph replay."""
-    from dsv4.kernels.topk import radix_topk, topk_workspace_shape
+    from dsv4.kernels.topk import filter_header_shape, radix_topk, topk_workspace_shape
 
     sc, vis = s["scores"], s["visible"]
     ws = torch.empty(topk_workspace_shape(sc.shape[0], sc.dtype), dtype=torch.int32, device=sc.device)
+    scratch = dict(header=torch.zeros(filter_header_shape(sc.shape[0]), dtype=torch.int32, device=sc.device),
+                   candidates=torch.empty(sc.shape, dtype=torch.int32, device=sc.device))
     out = torch.empty((sc.shape[0], K_TOP), dtype=torch.int64, device=sc.device)
     ke = vis.clamp(max=K_TOP)
     ref = None
     rows = []
     for label, kw in TOPK_LAUNCHES:
         def fn(kw=kw):
-            radix_topk(sc, vis, K_TOP, out=out, workspace=ws, **kw)
+            extra = scratch if kw.get("algorithm") == "filter" else {}
+            radix_topk(sc, vis, K_TOP, out=out, workspace=ws, **extra, **kw)
         try:
             fn()
             # check: same multiset of values as torch.topk over each row's visible prefix (rows of equal length)
@@ -135,8 +136,9 @@ def _topk_variants(s, tag, tk_bytes, bw, rate, iters, common) -> list[dict]:
 
 
 def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None = None) -> list[dict]:
-    """Measure; returns the rows (see ``roofline_row``). ``quick``: acceptance shapes only (batch 64 × 128K decode,
-    plus a 4K prefill chunk at 128K), with a small config sweep of the scores kernel."""
+    """Measure; returns the rows (see ``roofline_row``). ``quick``: the acceptance shape (batch 64 × 128K decode,
+    with a small config sweep of the scores kernel), batch 8 and 128 decode at 128K, and 4K prefill chunks (8 × 32K,
+    1 × 128K)."""
     from dsv4.kernels.topk import radix_topk
 
     bw = measure_copy_bandwidth()
@@ -144,7 +146,7 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
     rows = [] if rows is None else rows  # a caller's list keeps the rows measured so far if the run is cut short
     CEILINGS.update(copy_bw_GBps=bw / 1e9, fp8_mm_TFLOPs=rate / 1e12)
     if quick:
-        shapes = [(64, 131072, 1), (8, 32768, 4096), (1, 131072, 4096)]
+        shapes = [(64, 131072, 1), (8, 131072, 1), (128, 131072, 1), (8, 32768, 4096), (1, 131072, 4096)]
     else:
         shapes = [(b, c, t) for t in (1, 4096) for c in (8192, 32768, 131072, 1 << 20) for b in (1, 8, 64, 128)]
     free = torch.cuda.mem_get_info()[0]
@@ -174,7 +176,7 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
                              bw, rate, iters, op="topk", **common))
         if quick and batch > 1:
             rows += _topk_variants(s, tag, tk_bytes, bw, rate, max(iters, 20), common)
-        if quick and tokens == 1:
+        if quick and tokens == 1 and batch == 64:
             # at the acceptance shape: the default config as CUDA-graph replays, then the config sweep
             rows.append(_measure(f"scores mxfp4 {tag} [default graph]", _scores_fn(s, batch, tokens), sc_bytes, flops,
                                  bw, rate, iters, graph=True, op="scores", fmt="mxfp4", **common))

@@ -45,6 +45,24 @@ KERNELS = {
         "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8", "eps": "fp32"},
         dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, num_warps=8),
         {"mpage_bytes", "xpage_bytes"}),
+    "scores": ("dsv4.kernels.indexer:_scores_kernel", {
+        "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",
+        "out_ptr": "*bf16"},
+        dict(M_RATIO=4, BLOCK_SIZE=256, ENTRIES=64, HP=64, QT=1, BLOCK_N=64, FORMAT=0, USE_ASM=True, NUM_STAGES=2,
+             HOST_BOUND=False, TPS_HINT=0, num_warps=4),
+        {"bt_stride", "out_stride", "PAGE_BYTES"}),
+    "topk_hist": ("dsv4.kernels.topk:_split_hist_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "ws_ptr": "*i32"},
+        dict(K=512, KEY_BITS=16, RADIX=8, PASS=1, BLOCK=1024, HOST_BOUND=False, CHUNK_HINT=0, num_warps=4),
+        {"s_stride", "ws_stride", "chunk"}),
+    "topk_select": ("dsv4.kernels.topk:_split_select_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "ws_ptr": "*i32",
+                                                               "out_ptr": "*i64"},
+        dict(K=512, KEY_BITS=16, RADIX=8, BLOCK=1024, FILL=512, HOST_BOUND=False, CHUNK_HINT=0, num_warps=4),
+        {"s_stride", "ws_stride", "out_stride", "chunk"}),
+    "topk_filter": ("dsv4.kernels.topk:_filter_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "hdr_ptr": "*i32",
+                                                              "cand_ptr": "*i32", "out_ptr": "*i64"},
+        dict(K=512, KEY_BITS=16, RADIX=4, BLOCK=16384, C=64, CBLOCK=8192, CC=64, FILL=512, SPLIT=True,
+             HOST_BOUND=False, CHUNK_HINT=0, num_warps=16),
+        {"s_stride", "hdr_stride", "cand_stride", "out_stride", "chunk"}),
 }
 
 

@@ -28,7 +28,7 @@ from dsv4.numerics import Numerics  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.ops import triton_indexer as ti  # noqa: E402
 from dsv4.kernels import topk as topk_mod  # noqa: E402
-from dsv4.kernels.topk import VARIANTS, radix_topk  # noqa: E402
+from dsv4.kernels.topk import VARIANTS, filter_header_shape, radix_topk  # noqa: E402
 from dsv4.reference.indexer import index_scores as ref_scores  # noqa: E402
 
 TINY = dsv4.ModelConfig.preset("tiny")
@@ -214,6 +214,9 @@ def test_interpreter_radix_topk(variant: str) -> None:
         s, counts = _topk_rows(g, dt)
         if opts["algorithm"] == "row":
             launches = [dict(block=256, num_warps=4), dict(block=512)]
+        elif opts["algorithm"] == "filter":  # the interpreter runs one program per row (no barriers)
+            # blocks looped / columns in registers; candidates selected in blocks (cblock=16) / in registers
+            launches = [dict(block=64, num_warps=2, cblock=16), dict(block=1024)]
         else:  # several programs per row (small blocks), and one program per row
             launches = [dict(block=64, num_warps=2), dict(block=1024, programs_per_sm=1)]
         for kw in launches:
@@ -221,6 +224,14 @@ def test_interpreter_radix_topk(variant: str) -> None:
         # k larger than every row; a reused workspace with garbage in it
         ws = torch.full((16384,), 12345, dtype=torch.int32)
         _check_topk(s, counts, 1000, radix_topk(s, counts, 1000, **opts, block=128, workspace=ws))
+        if opts["algorithm"] == "filter":  # the bound over blocks that are looped over (k=2: enough groups)
+            _check_topk(s, counts, 2, radix_topk(s, counts, 2, **opts, block=256))
+        if opts["algorithm"] == "filter":  # the header is zero again after each call; candidates are scratch
+            header = torch.zeros(filter_header_shape(s.shape[0]), dtype=torch.int32)
+            cand = torch.full((s.numel(),), 777, dtype=torch.int32)
+            for _ in range(2):
+                _check_topk(s, counts, 64, radix_topk(s, counts, 64, **opts, block=64, header=header, candidates=cand))
+                assert not header.any()
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -325,9 +336,14 @@ def test_gpu_radix_topk_large(n: int, variant: str) -> None:
         s[8] = 0.25  # all equal
         s[9, :] = s[9, :1024].repeat(n // 1024)  # every value repeated: ties spread over all programs
         counts = torch.tensor([n, n - 1, n // 3, 7, 0, 512, 513, n, n, n], device="cuda")
+        scratch = {}
+        if VARIANTS[variant]["algorithm"] == "filter":  # reused: the header must be left zero by every call
+            scratch = dict(header=torch.zeros(filter_header_shape(T), dtype=torch.int32, device="cuda"),
+                           candidates=torch.full((T * n,), 99, dtype=torch.int32, device="cuda"))
         for _ in range(3):  # the atomics' order varies between runs; each run must be right
             out = torch.full((T, 512), -7, dtype=torch.int64, device="cuda")
-            _check_topk(s, counts, 512, radix_topk(s, counts, 512, out=out, **VARIANTS[variant]))
+            _check_topk(s, counts, 512, radix_topk(s, counts, 512, out=out, **VARIANTS[variant], **scratch))
+            assert not scratch or not scratch["header"].any()
 
 
 @pytest.mark.gpu
@@ -341,6 +357,8 @@ def test_gpu_indexer_topk_variants(variant: str, monkeypatch) -> None:
         nm = _numerics(fmt)
         n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
         layer.workspace.get("indexer_topk", (4096,), torch.int32).fill_(999)  # garbage from an earlier step
-        got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype)
-        buf = layer.workspace.get("indexer_scores", (batch.num_tokens, n_max), nm.score_dtype)
-        _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)
+        for _ in range(2):  # the second call reuses the workspace the first one left (filter: a zero header)
+            got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype)
+            buf = ti.score_buffer(layer, batch, M, nm.score_dtype)  # the matrix indexer_topk wrote
+            assert buf.shape[1] >= n_max
+            _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)

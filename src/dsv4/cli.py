@@ -295,7 +295,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         for r in rows:
             say(f"  {r.request_id:<10}{r.layer:>6} {r.kind:<5}{r.tokens:>8}{r.rel_err:>11.2e}{r.tol:>9.0e}"
                 f"{r.tie_rows:>6}  {'PASS' if r.passed else 'FAIL'}"
-                + (f" ({r.topk_mismatch_rows} top-k rows differ beyond a tie)" if r.topk_mismatch_rows else ""))
+                + (f" ({r.topk_mismatch_rows} top-k rows differ beyond a tie: tokens {r.topk_mismatch_tokens}, "
+                   f"worst gap {r.topk_worst_gap:.3g} of max|score|)" if r.topk_mismatch_rows else ""))
             failures += not r.passed
             check_rows.append(r.as_dict())
         say(f"spot check: {'PASS' if not failures else 'FAIL'}"

@@ -18,15 +18,20 @@ __all__ = ["Workspace"]
 class Workspace:
     """Named, growable scratch buffers on one device (one per ``HybridCache``, shared by its layers).
 
-    Buffers of different names never alias; a buffer's contents are undefined when it is handed out.
+    Buffers of different names never alias; a buffer's contents are undefined when it is handed out, except for
+    buffers requested with ``zero=True`` (zero on allocation, and kept zero by their users).
     """
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._buffers: dict[str, Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> Tensor:
-        """A contiguous ``shape`` tensor of ``dtype`` backed by buffer ``name`` (grown if too small)."""
+    def get(self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype, *, zero: bool = False) -> Tensor:
+        """A contiguous ``shape`` tensor of ``dtype`` backed by buffer ``name`` (grown if too small).
+
+        ``zero=True``: the buffer is zero-filled when it is (re)allocated, for kernels that expect zeros on entry and
+        leave zeros on exit (e.g. the top-k's barrier counters); every user of that name must keep that contract.
+        """
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < nbytes:
@@ -35,7 +40,7 @@ class Workspace:
                     f"workspace buffer {name!r} must grow to {nbytes} B during CUDA graph capture; run the same step "
                     "shape once eagerly before capturing"
                 )
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            buf = (torch.zeros if zero else torch.empty)(max(nbytes, 1), dtype=torch.uint8, device=self.device)
             self._buffers[name] = buf
         return buf[:nbytes].view(dtype).view(tuple(shape))
 

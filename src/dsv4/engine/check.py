@@ -19,7 +19,7 @@ slack above the lowest taken); such near-ties are excluded from the output compa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,10 @@ class SpotCheckRow:
         tie_rows: tokens excluded because the top-k sets differ by a near-tie only.
         topk_mismatch_rows: tokens whose selection is not a causal top-k of the reference scores within
             ``TOPK_SLACK`` (a failure).
+        topk_mismatch_tokens: positions of the first (up to 8) of those tokens (prompt tokens come from prefill
+            steps, later ones from decode steps).
+        topk_worst_gap: the largest ``topk_within`` gap among them (best left-out minus lowest taken reference score,
+            over the row's largest |score|; NaN for a structural failure alone: duplicate, non-causal or missing).
         tol: the tolerance ``rel_err`` was held to.
         passed: ``rel_err <= tol`` and no top-k mismatch.
     """
@@ -76,6 +80,8 @@ class SpotCheckRow:
     topk_mismatch_rows: int
     tol: float
     passed: bool
+    topk_mismatch_tokens: list[int] = field(default_factory=list)
+    topk_worst_gap: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -108,13 +114,18 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
             y_ref = ref.y.double()
             keep = torch.ones(tr.length, dtype=torch.bool, device=dev)
             ties = mismatch = 0
+            where: list[int] = []
+            worst = 0.0
             if kind is LayerKind.CSA and li in tr.entry_idx and ref.index_scores is not None:
                 scores, got = ref.index_scores.float().cpu(), tr.entry_idx[li].cpu()
                 differs, _ = topk_differences(scores, ref.entry_idx.cpu(), got)
                 visible = (torch.arange(1, tr.length + 1) // engine.cfg.ratio(li)).clamp(max=scores.shape[1])
-                within, _ = topk_within(scores, visible, got, engine.cfg.index_topk, TOPK_SLACK)
+                within, gap = topk_within(scores, visible, got, engine.cfg.index_topk, TOPK_SLACK)
                 ties = int((differs & within).sum())
                 mismatch = int((~within).sum())
+                where = torch.nonzero(~within).flatten()[:8].tolist()
+                bad_gaps = gap[(~within) & (gap > TOPK_SLACK)]
+                worst = float(bad_gaps.max()) if bad_gaps.numel() else (float("nan") if mismatch else 0.0)
                 keep = ~differs.to(dev)
             diff = (y_eng - y_ref)[keep]
             denom = y_ref[keep].norm().clamp_min(1e-30)
@@ -123,6 +134,6 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
             finite = bool(torch.isfinite(y_eng).all())
             ok = finite and rel <= tol and mismatch == 0
             rows.append(SpotCheckRow(rid, li, kind.name, tr.length, rel if finite else float("nan"), max_abs, ties,
-                                     mismatch, tol, ok))
+                                     mismatch, tol, ok, where, worst))
             del ref, x, w
     return rows

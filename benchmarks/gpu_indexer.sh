@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One GPU session for the lightning indexer: its GPU tests (scores + every top-k variant), the --quick benchmark
+# (top-k variants eager and as graph replays) and an ncu profile (per-SASS stall samples) of the "filter" top-k at
+# 64 rows × 32K (benchmarks/profile_topk.py).
+# Usage (repo root, GPU machine): bash benchmarks/gpu_indexer.sh — outputs under $OUT (default ./out).
+export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
+O=${OUT:-out}; mkdir -p "$O"
+nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git rev-parse --short HEAD 2>/dev/null
+I=tests/test_gpu_indexer.py
+timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu "$I" --tb=short > "$O/idx_tests.log" 2>&1
+echo "== indexer tests rc=$?"; grep -E "^E |passed|failed|Error" "$O/idx_tests.log" | head -20
+timeout ${BENCH_S:-200} python3 benchmarks/bench_indexer.py --quick --no-sweep --json "$O/indexer.json" > "$O/idx_bench.log" 2>&1
+echo "== indexer bench rc=$?"; grep -v '^ *$' "$O/idx_bench.log" | tail -45
+NCU="ncu --clock-control none --section SourceCounters --section WarpStateStats --section Occupancy --section SpeedOfLight --import-source no"
+timeout 100 $NCU -k "regex:_filter_topk" --launch-skip 1 --launch-count 1 -f -o "$O/topk" \
+  python3 benchmarks/profile_topk.py --variant filter4 --calls 2 > "$O/topk.run.log" 2>&1
+echo "== topk profile rc=$?"; grep -E "^scores" "$O/topk.run.log"
+ncu --import "$O/topk.ncu-rep" --print-details all > "$O/topk.txt" 2>&1
+grep -E "Duration|Issued Warp|Achieved Occupancy" "$O/topk.txt" | head -4
+ncu --import "$O/topk.ncu-rep" --page source --print-source sass --csv > "$O/topk.sass.csv" 2>&1
+rm -f "$O"/*.ncu-rep
