@@ -356,7 +356,7 @@ def test_gpu_indexer_topk_variants(variant: str, monkeypatch) -> None:
         q, w = _queries(cfg, fmt, batch.num_tokens, "cuda", seed=8)
         nm = _numerics(fmt)
         n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
-        layer.workspace.get("indexer_topk", (4096,), torch.int32).fill_(999)  # garbage from an earlier step
+        layer.workspace.get("indexer_topk.workspace", (4096,), torch.int32).fill_(999)  # garbage from an earlier step
         for _ in range(2):  # the second call reuses the workspace the first one left (filter: a zero header)
             got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype)
             buf = ti.score_buffer(layer, batch, M, nm.score_dtype)  # the matrix indexer_topk wrote

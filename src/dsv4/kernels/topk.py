@@ -53,8 +53,8 @@ from torch import Tensor
 
 from .indexer import interpreting
 
-__all__ = ["radix_topk", "ALGORITHMS", "VARIANTS", "DEFAULT_VARIANT", "default_variant", "topk_workspace_shape",
-           "filter_header_shape", "filter_rows_fit", "sm_count"]
+__all__ = ["radix_topk", "ALGORITHMS", "VARIANTS", "DEFAULT_VARIANT", "default_variant", "scratch_shapes",
+           "topk_workspace_shape", "filter_header_shape", "filter_rows_fit", "sm_count"]
 
 ALGORITHMS = ("row", "split", "filter")
 #: named launch options (tests and the benchmark run each)
@@ -528,15 +528,20 @@ def topk_workspace_shape(rows: int, score_dtype: torch.dtype, radix_bits: int = 
     return rows, (key_bits // radix_bits) * (1 << radix_bits) + 3
 
 
+def _checked_view(t: Tensor | None, shape: tuple[int, int], what: str, device, zero: bool) -> Tensor:
+    """``shape`` int32 viewed from the caller's flat scratch ``t`` (checked), or allocated (zeroed if ``zero``)."""
+    if t is None:
+        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.int32, device=device)
+    if t.dtype != torch.int32 or t.numel() < shape[0] * shape[1]:
+        raise ValueError(f"radix_topk: {what} must be int32 with >= {shape[0] * shape[1]} elements")
+    return t.view(-1)[: shape[0] * shape[1]].view(shape)
+
+
 def _zeroed_workspace(bits: Tensor, key_bits: int, workspace: Tensor | None, radix_bits: int) -> Tensor:
-    """The row workspace (histograms + counters) viewed from ``workspace`` (or allocated), zeroed."""
+    """The row workspace of ``"split"`` (histograms + counters) viewed from ``workspace`` (or allocated), zeroed."""
     shape = topk_workspace_shape(bits.shape[0], torch.bfloat16 if key_bits == 16 else torch.float32, radix_bits)
-    if workspace is None:
-        return torch.zeros(shape, dtype=torch.int32, device=bits.device)
-    if workspace.dtype != torch.int32 or workspace.numel() < shape[0] * shape[1]:
-        raise ValueError(f"radix_topk: workspace must be int32 with >= {shape[0] * shape[1]} elements")
-    ws = workspace.view(-1)[: shape[0] * shape[1]].view(shape)
-    return ws.zero_()
+    ws = _checked_view(workspace, shape, "workspace", bits.device, zero=True)
+    return ws if workspace is None else ws.zero_()
 
 
 def sm_count(t: Tensor, num_sms: int | None = None) -> int:
@@ -588,14 +593,6 @@ def default_variant(rows: int, num_sms: int) -> str:
     return "filter4" if FILTER_MIN_ROWS <= rows <= num_sms else "split8"
 
 
-def _checked_view(t: Tensor | None, shape: tuple[int, int], what: str, device, zero: bool) -> Tensor:
-    if t is None:
-        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.int32, device=device)
-    if t.dtype != torch.int32 or t.numel() < shape[0] * shape[1]:
-        raise ValueError(f"radix_topk: {what} must be int32 with >= {shape[0] * shape[1]} elements")
-    return t.view(-1)[: shape[0] * shape[1]].view(shape)
-
-
 def _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bits, block, cblock, num_warps,
                    num_sms):
     T, N = bits.shape
@@ -618,6 +615,18 @@ def _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bit
         CC=64, FILL=min(triton.next_power_of_2(k), 4096), SPLIT=splits > 1,
         HOST_BOUND=interpreting(), CHUNK_HINT=chunk if interpreting() else 0, num_warps=num_warps)
     return out
+
+
+def scratch_shapes(rows: int, columns: int, score_dtype: torch.dtype, num_sms: int
+                   ) -> dict[str, tuple[tuple[int, int], bool]]:
+    """The int32 scratch ``radix_topk`` uses without a named algorithm, by keyword argument: ``{name: (shape,
+    zero_kept)}`` (``zero_kept``: must be zero when passed, and is left zero — allocate it zeroed once)."""
+    algorithm = VARIANTS[default_variant(rows, num_sms)]["algorithm"]
+    if algorithm == "filter" and filter_rows_fit(rows, num_sms):
+        return {"header": (filter_header_shape(rows), True), "candidates": ((rows, columns), False)}
+    if algorithm in ("split", "filter"):  # "filter" beyond one row per SM falls back to "split"
+        return {"workspace": (topk_workspace_shape(rows, score_dtype), False)}
+    return {}
 
 
 def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None, block: int | None = None,

@@ -5,7 +5,7 @@ operand of the scores kernel plus one fp32 scale per (token, head). ``indexer_to
 (``dsv4.kernels.indexer``) into the workspace buffer ``"indexer_scores"``, then the top-k (``dsv4.kernels.topk``,
 its default variant for the step's rows: ``"filter4"`` for decode steps, with the zero-kept header
 ``"indexer_topk.header"`` and the scratch ``"indexer_topk.candidates"``; ``"split8"`` for prefill, scratch
-``"indexer_topk"``), and returns a fixed-width ``[T, k]`` (−1 padded), which keeps the step graph-safe.
+``"indexer_topk.workspace"``), and returns a fixed-width ``[T, k]`` (−1 padded), which keeps the step graph-safe.
 
 Key formats: ``mxfp4`` (official, 68 B), ``fp8`` (vLLM 132 B) and ``fp32`` (exact) run on the kernels. ``nvfp4``
 (the prototype's format) falls back to the torch backend's scores (then the same radix top-k): not graph-safe.
@@ -168,18 +168,12 @@ def indexer_topk(
         values = q_idx.values
         for rows, keys in torch_ops.request_index_keys(layer, batch, m):
             scores[rows, : keys.shape[0]] = _reference_scores(values[rows], head_weights[rows], keys, score_dtype)
-    return topk.radix_topk(scores, visible, k, **topk_scratch(layer, scores, k))
+    return topk.radix_topk(scores, visible, k, **topk_scratch(layer, scores))
 
 
-def topk_scratch(layer: LayerCache, scores: Tensor, k: int) -> dict[str, Tensor]:
-    """Workspace buffers of the default top-k variant for this score matrix (keyword arguments of ``radix_topk``)."""
-    T = scores.shape[0]
-    algorithm = topk.VARIANTS[topk.default_variant(T, topk.sm_count(scores))]["algorithm"]
-    if algorithm == "filter" and topk.filter_rows_fit(T, topk.sm_count(scores)):
-        return dict(
-            header=layer.workspace.get("indexer_topk.header", topk.filter_header_shape(T), torch.int32, zero=True),
-            candidates=layer.workspace.get("indexer_topk.candidates", tuple(scores.shape), torch.int32),
-        )
-    if algorithm in ("split", "filter"):  # histograms + counters per row ("filter" falls back to "split")
-        return dict(workspace=layer.workspace.get("indexer_topk", topk.topk_workspace_shape(T, scores.dtype), torch.int32))
-    return {}
+def topk_scratch(layer: LayerCache, scores: Tensor) -> dict[str, Tensor]:
+    """The workspace buffers ``"indexer_topk.<name>"`` of the default top-k for this score matrix, as keyword
+    arguments of ``radix_topk`` (``topk.scratch_shapes``)."""
+    shapes = topk.scratch_shapes(scores.shape[0], scores.shape[1], scores.dtype, topk.sm_count(scores))
+    return {name: layer.workspace.get(f"indexer_topk.{name}", shape, torch.int32, zero=zero_kept)
+            for name, (shape, zero_kept) in shapes.items()}
