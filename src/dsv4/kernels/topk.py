@@ -90,6 +90,24 @@ def _load_keys(row_ptr, offs, mask, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
+def _empty_prefix(KEY_BITS: tl.constexpr):
+    """A key prefix of no digits yet (uint32 for 32-bit keys, int32 for 16-bit ones)."""
+    if KEY_BITS == 32:
+        return tl.zeros((), tl.int32).to(tl.uint32)
+    else:
+        return tl.zeros((), tl.int32)
+
+
+@triton.jit
+def _push_digit(prefix, b, RADIX: tl.constexpr, KEY_BITS: tl.constexpr):
+    """``prefix`` with the ``RADIX``-bit digit ``b`` (int32) appended."""
+    if KEY_BITS == 32:
+        return (prefix << RADIX) | b.to(tl.uint32)
+    else:
+        return (prefix << RADIX) | b
+
+
+@triton.jit
 def _radix_topk_kernel(
     s_ptr, s_stride,            # int16 / int32 [T, s_stride]: score bits (BF16 / FP32)
     n_ptr,                      # int64 [T]: candidates of each row (the first n_t columns)
@@ -106,7 +124,7 @@ def _radix_topk_kernel(
     lanes = tl.arange(0, BLOCK)
 
     remaining = k_eff  # elements still to choose among those matching `prefix`
-    prefix = tl.zeros((), tl.int32).to(tl.uint32) if KEY_BITS == 32 else tl.zeros((), tl.int32)
+    prefix = _empty_prefix(KEY_BITS)
     for p in tl.static_range(KEY_BITS // 8):
         shift = KEY_BITS - 8 * (p + 1)
         hist = tl.zeros((256,), tl.int32)
@@ -121,10 +139,7 @@ def _radix_topk_kernel(
         suffix = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # elements in bins >= i
         b = tl.max(tl.where(suffix >= remaining, bins, 0))
         remaining -= tl.sum(tl.where(bins > b, hist, 0))
-        if KEY_BITS == 32:
-            prefix = (prefix << 8) | b.to(tl.uint32)
-        else:
-            prefix = (prefix << 8) | b
+        prefix = _push_digit(prefix, b, 8, KEY_BITS)
     thr = prefix
     n_gt = k_eff - remaining  # elements strictly above the threshold; `remaining` ties are taken
 
@@ -168,14 +183,11 @@ def _prefix_from_hists(ws_row, k_eff, PASSES: tl.constexpr, RADIX: tl.constexpr,
     NB: tl.constexpr = 1 << RADIX
     bins = tl.arange(0, NB)
     remaining = k_eff
-    prefix = tl.zeros((), tl.int32).to(tl.uint32) if KEY_BITS == 32 else tl.zeros((), tl.int32)
+    prefix = _empty_prefix(KEY_BITS)
     for p in tl.static_range(PASSES):
         hist = tl.load(ws_row + p * NB + bins)
         b, remaining = _pick_bin(hist, remaining, bins)
-        if KEY_BITS == 32:
-            prefix = (prefix << RADIX) | b.to(tl.uint32)
-        else:
-            prefix = (prefix << RADIX) | b
+        prefix = _push_digit(prefix, b, RADIX, KEY_BITS)
     return prefix, remaining
 
 
@@ -490,7 +502,7 @@ def _filter_topk_kernel(
                 NB: tl.constexpr = 1 << RADIX
                 bins = tl.arange(0, NB)
                 remaining = k_eff
-                thr = tl.zeros((), tl.int32).to(tl.uint32) if KEY_BITS == 32 else tl.zeros((), tl.int32)
+                thr = _empty_prefix(KEY_BITS)
                 for p in tl.static_range(KEY_BITS // RADIX):
                     shift = KEY_BITS - RADIX * (p + 1)
                     hist = tl.zeros((NB,), tl.int32)
@@ -503,10 +515,7 @@ def _filter_topk_kernel(
                             live = live & ((ckey >> (shift + RADIX)) == thr)
                         hist += _block_histogram(((ckey >> shift) & (NB - 1)).to(tl.int32), live, NB)
                     b, remaining = _pick_bin(hist, remaining, bins)
-                    if KEY_BITS == 32:
-                        thr = (thr << RADIX) | b.to(tl.uint32)
-                    else:
-                        thr = (thr << RADIX) | b
+                    thr = _push_digit(thr, b, RADIX, KEY_BITS)
                 taken_above = 0
                 tied = 0
                 for start in range(0, CHUNK_HINT if HOST_BOUND else nc, CBLOCK):
@@ -522,10 +531,10 @@ def _filter_topk_kernel(
 
 
 def topk_workspace_shape(rows: int, score_dtype: torch.dtype, radix_bits: int = 8) -> tuple[int, int]:
-    """Shape of the int32 workspace of ``algorithm="split"``: per-pass histograms and counters per row (the
+    """Shape of the int32 workspace of ``algorithm="split"``: per-pass histograms and two counters per row (the
     ``radix_bits=8`` shape is also large enough for 4)."""
     key_bits = 16 if score_dtype == torch.bfloat16 else 32
-    return rows, (key_bits // radix_bits) * (1 << radix_bits) + 3
+    return rows, (key_bits // radix_bits) * (1 << radix_bits) + 2
 
 
 def _checked_view(t: Tensor | None, shape: tuple[int, int], what: str, device, zero: bool) -> Tensor:
