@@ -21,6 +21,11 @@ from write_path_util import differences, make_cache, write_step
 
 pytestmark = pytest.mark.gpu
 triton_write = pytest.importorskip("dsv4.ops.triton_write")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from dsv4.kernels import compressor as kc  # noqa: E402  (needs triton)
+from dsv4.reference.compressor import overlap_slots, pool_windows  # noqa: E402
+from dsv4.reference.primitives import rms_norm  # noqa: E402
 CFG = dsv4.ModelConfig.preset("v4-flash")
 LAYERS = {"swa": 0, "csa": 2, "hca": 3}
 
@@ -121,3 +126,60 @@ def test_cuda_graph_replay_matches_eager(kind: str) -> None:
         torch.cuda.synchronize()
         diffs = differences(ce, cg, li)
         assert not diffs, f"{kind} replay step {step} (emit {be.num_emit}): {diffs}"
+
+
+# ------------------------------------------------------------------------------------------ reduction orders
+# The byte comparisons above see a wrong summation order only when a 1-ulp change flips a stored rounding (a few
+# bytes in 10^5 entries). These compare the order-sensitive fp32 intermediates themselves, row by row: a wrong
+# order differs in about a third of the rows.
+@triton.jit
+def _rms_rows_kernel(x_ptr, w_ptr, y_ptr, scratch_ptr, num_emit, eps, C: tl.constexpr, MAXT: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, C)
+    y = kc.rms_norm_bf16(tl.load(x_ptr + e * C + cols), tl.load(w_ptr + cols), eps, num_emit, scratch_ptr + e * C,
+                         C, MAXT)
+    tl.store(y_ptr + e * C + cols, y)
+
+
+@triton.jit
+def _pool_rows_kernel(a_ptr, z_ptr, ape_ptr, out_ptr, C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr,
+                      NW: tl.constexpr):
+    i = tl.program_id(0) + 1  # entries 1 … n−1 of a sequence starting at 0: every slot comes from the step's rows
+    pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW)
+    tl.store(out_ptr + (i - 1).to(tl.int64) * C + tl.arange(0, C), pooled)
+
+
+@pytest.mark.parametrize("C", [512, 128])
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 59, 300, 9438])
+def test_rms_norm_order_matches_torch(C: int, rows: int) -> None:
+    """``rms_norm_bf16`` (told the step emits ``rows`` entries) == ``reference.rms_norm`` of all rows at once."""
+    g = torch.Generator(device="cuda").manual_seed(rows * C)
+    x = torch.randn(rows, C, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))
+    w = 1 + 0.1 * torch.randn(C, generator=g, device="cuda")
+    y = torch.empty_like(x)
+    _rms_rows_kernel[(rows,)](x, w, y, torch.empty_like(x), rows, CFG.norm_eps, C=C,
+                              MAXT=kc.TORCH_REDUCE_MAX_THREADS, num_warps=4, enable_fp_fusion=False)
+    ref = rms_norm(x.bfloat16(), w, CFG.norm_eps).float()
+    bad = (y != ref).any(1)
+    assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
+
+
+@pytest.mark.parametrize("m, c, overlap", [(4, 512, True), (4, 128, True), (128, 512, False)],
+                         ids=["csa", "csa-index", "hca"])
+def test_pooling_order_matches_torch(m: int, c: int, overlap: bool) -> None:
+    """``pool_entry`` == ``reference.pool_windows`` (torch's softmax + reduce kernels) for every channel of 63
+    entries, bit for bit."""
+    n, width = 64, 2 * c if overlap else c
+    g = torch.Generator(device="cuda").manual_seed(m + c)
+    a = torch.randn(n * m, width, generator=g, device="cuda") * 3
+    z = torch.randn(n * m, width, generator=g, device="cuda") * 2
+    ape = torch.randn(m, width, generator=g, device="cuda")
+    zb = z + ape[torch.arange(n * m, device="cuda") % m]
+    kv, gate = overlap_slots(a, zb, m) if overlap else (a.unflatten(0, (n, m)), zb.unflatten(0, (n, m)))
+    ref = pool_windows(kv, gate)[1:]
+    out = torch.empty(n - 1, c, device="cuda")
+    nw = kc.pool_warps(2 * m if overlap else m, kc.TORCH_REDUCE_MAX_THREADS)
+    _pool_rows_kernel[(n - 1,)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw,
+                                num_warps=kc.pool_program_warps(m), enable_fp_fusion=False)
+    bad = (out != ref).any(1)
+    assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"

@@ -47,8 +47,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import (bf16_round, expf, fp8_block_qdq, hadamard128, mxfp4_block_qdq, pack_nibbles, pair_tree_last, rsqrtf,
-                    seq_accumulate_rows, seq_sum4_last, split_halves)
+from .quant import (
+    bf16_round,
+    expf,
+    fp8_block_qdq,
+    hadamard128,
+    mxfp4_block_qdq,
+    pack_nibbles,
+    rsqrtf,
+    seq_accumulate_rows,
+    seq_sum4_last,
+    shuffle_down_sum,
+    split_halves,
+)
 from .swa_write import rope_pairs, window_entries_block
 
 __all__ = ["CompressorArgs", "scratch_rows", "write_before_attention"]
@@ -187,32 +198,25 @@ def thread_partials(x_ptr, l0, C: tl.constexpr, BW: tl.constexpr):
     """Per-thread partial sums of squares of threads ``l0 … l0+31`` of torch's block reduction of
     ``x.pow(2).mean(-1)`` over a row of ``C`` fp32 (``x_ptr``) with ``BW`` threads per row: ``[32]``.
 
-    C = 512: thread l reads the float4 vectors ``l, l+BW, …`` into 4 accumulators (one per vector lane, in
-    vector order), then adds them ``((a0 + a1) + a2) + a3``; C = 128: one accumulator over ``x[l], x[l+BW], …``.
-    The values are read back from memory in this arrangement (cheap, L1-resident) instead of being reshaped in
-    registers: the reshape/permute/split chains cost ~50 µs per entry on an H200.
+    Thread l reads the float4 vectors ``l, l+BW, …`` into 4 accumulators (one per vector lane, in vector order),
+    then adds them ``((a0 + a1) + a2) + a3``. The values are read back from memory in this arrangement (cheap,
+    L1-resident) instead of being reshaped in registers: the reshape/permute/split chains cost ~50 µs per entry
+    on an H200.
     """
-    K: tl.constexpr = 128 // BW  # elements (C = 128) or float4 vectors (C = 512) per thread
+    K: tl.constexpr = C // (4 * BW)  # float4 vectors per thread
     lane = l0 + tl.arange(0, 32)
-    if C == 512:
-        acc = tl.zeros([32, 4], tl.float32)
-        for k in tl.static_range(K):
-            v = tl.load(x_ptr + 4 * (lane[:, None] + k * BW) + tl.arange(0, 4)[None, :])
-            acc = acc + v * v
-        p = seq_sum4_last(acc)
-    else:
-        p = tl.zeros([32], tl.float32)
-        for k in tl.static_range(K):
-            v = tl.load(x_ptr + lane + k * BW)
-            p = p + v * v
-    return p
+    acc = tl.zeros([32, 4], tl.float32)
+    for k in tl.static_range(K):
+        v = tl.load(x_ptr + 4 * (lane[:, None] + k * BW) + tl.arange(0, 4)[None, :])
+        acc = acc + v * v
+    return seq_sum4_last(acc)
 
 
 @triton.jit
 def torch_sum_sq(x_ptr, C: tl.constexpr, BW: tl.constexpr):
     """``Σ x²`` over the ``[C]`` fp32 at ``x_ptr`` in the order of torch's block reduction with ``BW`` threads per
     row: per-thread partials (``thread_partials``), shared-memory halving down to 32 lanes (offsets BW/2 … 32),
-    then the warp's shuffle-down tree. Returns ``[1]``."""
+    then the warp's shuffle-down tree (offsets 16 … 1). Returns ``[1]``."""
     if BW == 32:
         p = thread_partials(x_ptr, 0, C, 32)
     elif BW == 64:
@@ -220,23 +224,28 @@ def torch_sum_sq(x_ptr, C: tl.constexpr, BW: tl.constexpr):
     else:
         p = ((thread_partials(x_ptr, 0, C, 128) + thread_partials(x_ptr, 64, C, 128))
              + (thread_partials(x_ptr, 32, C, 128) + thread_partials(x_ptr, 96, C, 128)))
-    return pair_tree_last(p, 32, 5)
+    return shuffle_down_sum(p, 32, 5)
 
 
 @triton.jit
 def rms_norm_bf16(x, w, eps, num_emit, scratch_ptr, C: tl.constexpr, MAXT: tl.constexpr):
     """``reference.rms_norm(x.bf16(), w, eps)`` of one entry: x fp32 ``[C]`` → BF16-valued fp32 ``[C]``.
 
-    torch picks its reduction's threads per row from the number of rows ``num_emit``: ``min(128, MAXT / h)`` with
-    ``h = min(pow2floor(num_emit), MAXT / 32)`` (MAXT = 512: 128 below 8 rows, 64 below 16, else 32); all three
-    sums are formed and the matching one chosen, on the device. ``scratch_ptr``: this program's fp32 ``[C]``
-    scratch row (the BF16-rounded entry is stored there and read back in the reduction's arrangement).
+    torch's reduction reads float4 vectors, ``C/4`` per row, with ``min(C/4, MAXT/h)`` threads per row where
+    ``h = min(pow2floor(num_emit), MAXT/32)`` rows share a block: for C = 512 (MAXT = 512) 128 threads below 8
+    rows, 64 below 16, else 32 — all three sums are formed and the matching one chosen, on the device; for
+    C = 128 always 32. ``scratch_ptr``: this program's fp32 ``[C]`` scratch row (the BF16-rounded entry is stored
+    there and read back in the reduction's arrangement).
     """
     xb = bf16_round(x)
     tl.store(scratch_ptr + tl.arange(0, C), xb)
     tl.debug_barrier()  # the row is read back by other threads of the program
-    s = tl.where(num_emit >= MAXT // 32, torch_sum_sq(scratch_ptr, C, 32),
-                 tl.where(num_emit >= MAXT // 64, torch_sum_sq(scratch_ptr, C, 64), torch_sum_sq(scratch_ptr, C, 128)))
+    if C == 512:
+        s = tl.where(num_emit >= MAXT // 32, torch_sum_sq(scratch_ptr, C, 32),
+                     tl.where(num_emit >= MAXT // 64, torch_sum_sq(scratch_ptr, C, 64),
+                              torch_sum_sq(scratch_ptr, C, 128)))
+    else:
+        s = torch_sum_sq(scratch_ptr, C, 32)
     tl.debug_barrier()  # all reads done before the program's next entry overwrites the row
     r = rsqrtf(s * (1.0 / C) + eps)
     return bf16_round(w * (xb * r))

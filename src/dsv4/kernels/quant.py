@@ -31,7 +31,7 @@ from triton.language.extra import libdevice
 __all__ = [
     "expf", "cosf", "sinf", "rsqrtf", "bf16_round", "with_sign_of",
     "ue8m0_exponent", "exp2i", "e4m3_round", "fp8_block_qdq", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
-    "pack_nibbles", "split_halves", "seq_sum4_last", "pair_tree_last",
+    "pack_nibbles", "split_halves", "seq_sum4_last", "shuffle_down_sum",
 ]
 
 
@@ -243,12 +243,13 @@ def seq_accumulate_rows(acc, t, N: tl.constexpr):
 
 
 @triton.jit
-def pair_tree_last(t, N: tl.constexpr, LOG2N: tl.constexpr):
-    """Pairwise sum of a 1-D ``[N]`` (N a power of two ≥ 2) in the order of a CUDA warp's shuffle-down tree with
-    offsets 1, 2, 4, …: adjacent pairs first, then adjacent pairs of pair sums, … Returns a ``[1]`` tensor."""
+def shuffle_down_sum(t, N: tl.constexpr, LOG2N: tl.constexpr):
+    """Sum of a 1-D ``[N]`` (N a power of two ≥ 2) in the order of a CUDA warp's shuffle-down reduction with
+    offsets N/2, …, 2, 1 (torch's ``block_x_reduce``): each level adds the upper half onto the lower half, and lane
+    0 ends with ``(…((t0 + t16) + (t8 + t24)) + …)``. Returns a ``[1]`` tensor."""
     for lvl in tl.static_range(LOG2N):
-        a, b = tl.split(tl.reshape(t, (N >> (lvl + 1), 2)))
-        t = a + b
+        lo, hi = split_halves(t, N >> lvl)
+        t = lo + hi
     return t
 
 
