@@ -233,17 +233,19 @@ def rms_norm_bf16(x, w, eps, num_emit, scratch_ptr, C: tl.constexpr, MAXT: tl.co
 
     torch's reduction reads float4 vectors, ``C/4`` per row, with ``min(C/4, MAXT/h)`` threads per row where
     ``h = min(pow2floor(num_emit), MAXT/32)`` rows share a block: for C = 512 (MAXT = 512) 128 threads below 8
-    rows, 64 below 16, else 32 — all three sums are formed and the matching one chosen, on the device; for
-    C = 128 always 32. ``scratch_ptr``: this program's fp32 ``[C]`` scratch row (the BF16-rounded entry is stored
+    rows, 64 below 16, else 32 (chosen on the device); for C = 128 always 32. ``scratch_ptr``: this program's fp32 ``[C]`` scratch row (the BF16-rounded entry is stored
     there and read back in the reduction's arrangement).
     """
     xb = bf16_round(x)
     tl.store(scratch_ptr + tl.arange(0, C), xb)
     tl.debug_barrier()  # the row is read back by other threads of the program
-    if C == 512:
-        s = tl.where(num_emit >= MAXT // 32, torch_sum_sq(scratch_ptr, C, 32),
-                     tl.where(num_emit >= MAXT // 64, torch_sum_sq(scratch_ptr, C, 64),
-                              torch_sum_sq(scratch_ptr, C, 128)))
+    if C == 512:  # a branch on the device (uniform over the program), not on the host
+        if num_emit >= MAXT // 32:
+            s = torch_sum_sq(scratch_ptr, C, 32)
+        elif num_emit >= MAXT // 64:
+            s = torch_sum_sq(scratch_ptr, C, 64)
+        else:
+            s = torch_sum_sq(scratch_ptr, C, 128)
     else:
         s = torch_sum_sq(scratch_ptr, C, 32)
     tl.debug_barrier()  # all reads done before the program's next entry overwrites the row
