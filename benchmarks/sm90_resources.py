@@ -7,8 +7,8 @@ spending GPU time::
 
     python benchmarks/sm90_resources.py attention                       # Flash CSA decode, split partials
     python benchmarks/sm90_resources.py attention '{"BLOCK_N": 32}'     # constexpr / num_warps / num_stages overrides
-    python benchmarks/sm90_resources.py write                           # HCA write path (8 warps)
-    python benchmarks/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "num_warps": 4}'
+    python benchmarks/sm90_resources.py write                           # HCA write path (entries in 8 parts)
+    python benchmarks/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1}'
 
 ``--sass PATH`` also writes the disassembly (count ``STL``/``LDL`` for spills in loops, ``LDG.E.128`` for
 vectorised loads).
@@ -42,8 +42,9 @@ KERNELS = {
     "write": ("dsv4.kernels.compressor:_write_before_attention_kernel", {
         "kv_ptr": "*bf16", "pos_ptr": "*i64", "kv_out_ptr": "*bf16", "start_ptr": "*i64", "end_ptr": "*i64",
         "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",
-        "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8", "eps": "fp32"},
-        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, num_warps=8),
+        "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "count_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8",
+        "eps": "fp32"},
+        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8, num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
     "scores": ("dsv4.kernels.indexer:_scores_kernel", {
         "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",

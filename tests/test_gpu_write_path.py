@@ -143,10 +143,12 @@ def _rms_rows_kernel(x_ptr, w_ptr, y_ptr, scratch_ptr, num_emit, eps, C: tl.cons
 
 @triton.jit
 def _pool_rows_kernel(a_ptr, z_ptr, ape_ptr, out_ptr, C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr,
-                      NW: tl.constexpr):
+                      NW: tl.constexpr, PARTS: tl.constexpr):
     i = tl.program_id(0) + 1  # entries 1 … n−1 of a sequence starting at 0: every slot comes from the step's rows
-    pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW)
-    tl.store(out_ptr + (i - 1).to(tl.int64) * C + tl.arange(0, C), pooled)
+    CS: tl.constexpr = C // PARTS  # channel slice of this program (axis 1)
+    c0 = tl.program_id(1) * CS
+    pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0, CS)
+    tl.store(out_ptr + (i - 1).to(tl.int64) * C + c0 + tl.arange(0, CS), pooled)
 
 
 @pytest.mark.parametrize("C", [512, 128])
@@ -164,11 +166,12 @@ def test_rms_norm_order_matches_torch(C: int, rows: int) -> None:
     assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
 
 
-@pytest.mark.parametrize("m, c, overlap", [(4, 512, True), (4, 128, True), (128, 512, False)],
-                         ids=["csa", "csa-index", "hca"])
-def test_pooling_order_matches_torch(m: int, c: int, overlap: bool) -> None:
+@pytest.mark.parametrize("m, c, overlap, parts", [(4, 512, True, 1), (4, 128, True, 1), (128, 512, False, 1),
+                                                  (128, 512, False, kc.pool_parts(128, False))],
+                         ids=["csa", "csa-index", "hca", "hca-parts"])
+def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int) -> None:
     """``pool_entry`` == ``reference.pool_windows`` (torch's softmax + reduce kernels) for every channel of 63
-    entries, bit for bit."""
+    entries, bit for bit; ``parts``: each entry pooled in that many channel slices, one program each."""
     n, width = 64, 2 * c if overlap else c
     g = torch.Generator(device="cuda").manual_seed(m + c)
     a = torch.randn(n * m, width, generator=g, device="cuda") * 3
@@ -179,7 +182,7 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool) -> None:
     ref = pool_windows(kv, gate)[1:]
     out = torch.empty(n - 1, c, device="cuda")
     nw = kc.pool_warps(2 * m if overlap else m, kc.TORCH_REDUCE_MAX_THREADS)
-    _pool_rows_kernel[(n - 1,)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw,
-                                num_warps=kc.pool_program_warps(m), enable_fp_fusion=False)
+    _pool_rows_kernel[(n - 1, parts)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw, PARTS=parts,
+                                      num_warps=kc.pool_program_warps(m), enable_fp_fusion=False)
     bad = (out != ref).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"

@@ -24,6 +24,9 @@ from dsv4.ops import torch_ops, triton_write
 from write_path_util import differences, make_cache, write_step
 cfg = dsv4.ModelConfig.preset("tiny")
 li = int(sys.argv[1])
+if len(sys.argv) > 2:  # split HCA entries over this many programs (on the GPU only from m = 64)
+    import dsv4.kernels.compressor as kc
+    kc.pool_parts = lambda m, overlap, n=int(sys.argv[2]): 1 if overlap else n
 lay = Attention(dsv4.AttentionWeights.random(cfg, li, seed=1), cfg, li, backend="torch")
 ca, cb = make_cache(cfg, [li], "cpu", 4), make_cache(cfg, [li], "cpu", 4)
 for r in "abc":
@@ -41,12 +44,15 @@ print("OK")
 """
 
 
-@pytest.mark.parametrize("li", [0, 1, 2], ids=["swa", "csa", "hca16"])
-def test_interpreted_write_path_matches_torch(li: int) -> None:
+@pytest.mark.parametrize("li,parts", [(0, None), (1, None), (2, None), (2, 4)],
+                         ids=["swa", "csa", "hca16", "hca16-split4"])
+def test_interpreted_write_path_matches_torch(li: int, parts: int | None) -> None:
+    """``hca16-split4``: every HCA entry pooled by 4 programs (channel slices), the last to arrive finishing it."""
     here = os.path.dirname(__file__)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(li)], env=env, capture_output=True, text=True, timeout=600)
+    args = [str(li)] + ([] if parts is None else [str(parts)])
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 

@@ -85,9 +85,10 @@ def load_slots(
     k0, NR: tl.constexpr, LOAD_A: tl.constexpr,
     a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
     i, start, cu, slot,
-    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, c0, CS: tl.constexpr,
 ):
-    """Gate logits (biased) and features of pooling slots ``k0 … k0+NR−1`` of entry ``i``: ``(z, a)`` fp32 ``[NR, C]``.
+    """Gate logits (biased) and features of pooling slots ``k0 … k0+NR−1`` of entry ``i``, channels ``c0 … c0+CS−1``:
+    ``(z, a)`` fp32 ``[NR, CS]``.
 
     Slot d < m of a CSA entry is token ``(i−1)·m + d`` with first-half columns ``[:C]``; the others are token
     ``i·m + r`` (``r`` = offset in the window) with the second half ``[C:]`` (CSA) or all columns (HCA). A token
@@ -97,7 +98,7 @@ def load_slots(
     """
     W: tl.constexpr = 2 * C if OVERLAP else C
     d = k0 + tl.arange(0, NR)
-    cols = tl.arange(0, C)[None, :]
+    cols = c0 + tl.arange(0, CS)[None, :]
     if OVERLAP:
         is_prev = d < M
         r = tl.where(is_prev, d, d - M)
@@ -144,9 +145,10 @@ def halve_rows(part, N: tl.constexpr, C: tl.constexpr):
 def pool_entry(
     a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
     i, start, cu, slot,
-    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, NW: tl.constexpr,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, NW: tl.constexpr, c0, CS: tl.constexpr,
 ):
-    """``Σ_slot softmax_slot(z)·a`` of entry ``i`` as torch computes ``(gate.softmax(1) * kv).sum(1)``: fp32 ``[C]``.
+    """``Σ_slot softmax_slot(z)·a`` of entry ``i`` as torch computes ``(gate.softmax(1) * kv).sum(1)``, channels
+    ``c0 … c0+CS−1`` of its ``C``: fp32 ``[CS]`` (every channel is pooled on its own: a slice is exact).
 
     ``NW``: 0 when torch's reduce kernel sums a channel's ``S`` slots in one thread (4 accumulators, slot d into
     accumulator d mod 4), else the number of warps it splits them over (warp y, accumulator i takes slots
@@ -156,39 +158,39 @@ def pool_entry(
     S: tl.constexpr = 2 * M if OVERLAP else M
     CH: tl.constexpr = 4 if NW == 0 else 4 * NW
     # softmax max (order-free)
-    mx = tl.full([C], FLT_LOWEST, tl.float32)
+    mx = tl.full([CS], FLT_LOWEST, tl.float32)
     for k in range(0, S // CH):
         z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
+                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
         mx = tl.maximum(mx, tl.max(z, axis=0))
     # softmax denominator: a sequential sum over the slots, slot 0 first (a tile of CH slots per iteration,
     # added row by row in order)
-    den = tl.zeros([C], dtype=tl.float32)
+    den = tl.zeros([CS], dtype=tl.float32)
     for k in range(0, S // CH):
         z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
+                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
         den = seq_accumulate_rows(den, expf(z - mx[None, :]), CH)
     # weighted sum: accumulator row j collects slots j, j + CH, j + 2·CH, … in order
-    acc = tl.zeros([CH, C], dtype=tl.float32)
+    acc = tl.zeros([CH, CS], dtype=tl.float32)
     for k in range(0, S // CH):
         z, a = load_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP)
+                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
         acc = acc + tl.math.div_rn(expf(z - mx[None, :]), den[None, :]) * a
     if NW == 0:
         # one thread per channel, 4 accumulators: ((acc0 + acc1) + acc2) + acc3
-        pooled = tl.reshape(seq_sum4_last(tl.trans(acc)), (C,))
+        pooled = tl.reshape(seq_sum4_last(tl.trans(acc)), (CS,))
     else:
         # warp y: ((acc[y] + acc[NW + y]) + acc[2NW + y]) + acc[3NW + y]; then halve over y
-        part = seq_sum4_last(tl.permute(tl.reshape(acc, (4, NW, C)), (1, 2, 0)))  # [NW, C]
+        part = seq_sum4_last(tl.permute(tl.reshape(acc, (4, NW, CS)), (1, 2, 0)))  # [NW, CS]
         if NW >= 16:
-            part = halve_rows(part, 16, C)
+            part = halve_rows(part, 16, CS)
         if NW >= 8:
-            part = halve_rows(part, 8, C)
+            part = halve_rows(part, 8, CS)
         if NW >= 4:
-            part = halve_rows(part, 4, C)
+            part = halve_rows(part, 4, CS)
         if NW >= 2:
-            part = halve_rows(part, 2, C)
-        pooled = tl.reshape(part, (C,))
+            part = halve_rows(part, 2, CS)
+        pooled = tl.reshape(part, (CS,))
     return pooled
 
 
@@ -285,7 +287,17 @@ def compress_entry(
     Hadamard rotation.
     """
     pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
-                        i, start, cu, slot, C, M, OVERLAP, NW)
+                        i, start, cu, slot, C, M, OVERLAP, NW, 0, C)
+    finish_entry(pooled, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                 num_emit, scratch_ptr, b, i, C, M, KIND, MAXT)
+
+
+@triton.jit
+def finish_entry(
+    pooled, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit,
+    scratch_ptr, b, i, C: tl.constexpr, M: tl.constexpr, KIND: tl.constexpr, MAXT: tl.constexpr,
+):
+    """Entry ``i`` of request ``b`` from its pooled channels (fp32 ``[C]``): RMSNorm, RoPE, quantize, write."""
     y = rms_norm_bf16(pooled, tl.load(norm_ptr + tl.arange(0, C)), eps, num_emit, scratch_ptr, C, MAXT)
     head, rot = rope_last64(y, (i * M).to(tl.float32), inv_freq_ptr, C)
     first = i * M
@@ -347,7 +359,7 @@ def lead_program(
         # The last closed window's first half becomes the next entry's previous window: the "previous" slots of
         # entry i_end (read here, before any write below).
         pz, pa = load_slots(0, M, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                            prev_gate_ptr, i_end, start, cu, slot, C, M, OVERLAP)
+                            prev_gate_ptr, i_end, start, cu, slot, C, M, OVERLAP, 0, C)
     tl.debug_barrier()
     if OVERLAP:
         emitted = i_end > i0
@@ -355,8 +367,15 @@ def lead_program(
         pm = emitted & (r[:, None] >= 0)
         tl.store(prev_kv_ptr + prev_off, pa, mask=pm)
         tl.store(prev_gate_ptr + prev_off, pz, mask=pm)
-    # Tail: tokens of the final, still open window (positions ≥ i_end·m), all columns, gate biased.
-    first_open = tl.maximum(start, i_end * M)
+    write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, W, M)
+
+
+@triton.jit
+def write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, W: tl.constexpr,
+                      M: tl.constexpr):
+    """The tail of a request: its step tokens of the final, still open window (positions ≥ ⌊end/m⌋·m), all
+    ``W`` columns, gate biased, at rows ``p mod m``."""
+    first_open = tl.maximum(start, (end // M) * M)
     wcols = tl.arange(0, W)[None, :]
     RB: tl.constexpr = 4
     for k in range(0, (M - 1 + RB - 1) // RB):  # at most m − 1 open-window tokens
@@ -397,46 +416,147 @@ def entry_program(
                            tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
 
 
+# =========================================================================================== split entries
+@triton.jit
+def last_arrival(count_ptr, parts):
+    """Arrive at the int32 counter ``count_ptr`` after this program's writes; True for the ``parts``-th (last)
+    arrival, which also resets the counter to zero for the next launch. Nobody waits: the last arriver reads what
+    the others wrote (release / acquire through the counter)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == parts - 1
+    if last:
+        tl.store(count_ptr, 0)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def pool_slice(
+    part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start, cu, slot,
+    C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr,
+):
+    """Pool channel slice ``part`` of ``PARTS`` of HCA entry ``i`` into its place in the entry's scratch row."""
+    CS: tl.constexpr = C // PARTS
+    c0 = part * CS
+    pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, tail_kv_ptr, tail_gate_ptr,
+                        i, start, cu, slot, C, M, False, NW, c0, CS)
+    tl.store(scratch_ptr + c0 + tl.arange(0, CS), pooled)
+
+
+@triton.jit
+def finish_from_scratch(
+    scratch_ptr, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
+    num_emit, b, i, C: tl.constexpr, M: tl.constexpr, MAXT: tl.constexpr,
+):
+    """The last part's work: ``finish_entry`` of the pooled row the parts wrote (read past L1)."""
+    full = tl.load(scratch_ptr + tl.arange(0, C), cache_modifier=".cg")
+    tl.debug_barrier()  # every thread has read the row before the RMSNorm reuses it
+    finish_entry(full, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                 num_emit, scratch_ptr, b, i, C, M, 0, MAXT)
+
+
+@triton.jit
+def lead_part_program(
+    b, part,
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, norm_ptr, inv_freq_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr, count_ptr,
+    start_ptr, end_ptr, cu_ptr, slots_ptr,
+    C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr, MAXT: tl.constexpr,
+):
+    """``lead_program`` of an HCA request split over ``PARTS`` programs: each pools a channel slice of the first
+    emitted entry; the last to arrive finishes it, then writes the tail (after every part has read it)."""
+    start = tl.load(start_ptr + b)
+    end = tl.load(end_ptr + b)
+    cu = tl.load(cu_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b)
+    i0 = start // M
+    emits = i0 < end // M
+    if emits:
+        pool_slice(part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i0, start, cu, slot, C, M,
+                   NW, PARTS)
+    if last_arrival(count_ptr, PARTS):
+        if emits:
+            finish_from_scratch(scratch_ptr, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr,
+                                bt_stride, block_size, eps, tl.load(num_emit_ptr), b, i0, C, M, MAXT)
+        write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, C, M)
+
+
+@triton.jit
+def entry_part_program(
+    e, part,
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, norm_ptr, inv_freq_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr, count_ptr,
+    start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
+    C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr, MAXT: tl.constexpr,
+):
+    """``entry_program`` of an HCA entry split over ``PARTS`` programs (padding and the leads' entries: none)."""
+    b = tl.load(emit_req_ptr + e)
+    if b >= 0:
+        i = tl.load(emit_entry_ptr + e)
+        start = tl.load(start_ptr + b)
+        if i >= start // M + 1:
+            pool_slice(part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start,
+                       tl.load(cu_ptr + b).to(tl.int64), tl.load(slots_ptr + b), C, M, NW, PARTS)
+            if last_arrival(count_ptr, PARTS):
+                finish_from_scratch(scratch_ptr, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr,
+                                    bt_stride, block_size, eps, tl.load(num_emit_ptr), b, i, C, M, MAXT)
+
+
 # =========================================================================================== the fused launch
 @triton.jit
 def _write_before_attention_kernel(
     kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, T,
     start_ptr, end_ptr, cu_ptr, slots_ptr, block_tables_ptr, bt_stride, block_size, B,
-    emit_req_ptr, emit_entry_ptr, num_emit_ptr, n_entry, eps, scratch_ptr,
+    emit_req_ptr, emit_entry_ptr, num_emit_ptr, n_entry, eps, scratch_ptr, count_ptr,
     ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
-    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr,
+    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_win = tl.cdiv(T, BT)
-    # each compressor program's fp32 [512] scratch row (RMSNorm): main programs 0 … B+n_entry−1, then the index's
-    main_scratch = scratch_ptr + pid.to(tl.int64) * 512
-    index_scratch = scratch_ptr + (pid - n_win).to(tl.int64) * 512
-    if pid < B:
-        lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
-                     mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
-                     main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT)
-    elif pid < B + n_entry:
-        entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
-                      inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                      num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
-                      OVERLAP, 0, NW, MAXT)
-    elif pid < B + n_entry + n_win:
-        window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
+    if PARTS > 1:  # HCA, every entry split over PARTS programs; scratch row and counter per entry slot
+        q = pid // PARTS
+        row = scratch_ptr + q.to(tl.int64) * 512
+        if q < B:
+            lead_part_program(q, pid % PARTS, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr, inv_freq_ptr,
+                              mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
+                              row, count_ptr + q, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, NW, PARTS, MAXT)
+        elif q < B + n_entry:
+            entry_part_program(q - B, pid % PARTS, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr,
+                               inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                               num_emit_ptr, row, count_ptr + q, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
+                               emit_entry_ptr, C, M, NW, PARTS, MAXT)
+        else:
+            window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - (B + n_entry) * PARTS) * BT, T, BT)
     else:
-        if HAS_INDEX:  # the CSA indexer's compressor: leads, then entries
-            q = pid - B - n_entry - n_win
-            if q < B:
-                lead_program(q, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
-                             inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                             num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
-                             NW_INDEX, MAXT)
-            else:
-                entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
-                              inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                              num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
-                              emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT)
+        # each compressor program's fp32 [512] scratch row (RMSNorm): main programs 0 … B+n_entry−1, then the index's
+        main_scratch = scratch_ptr + pid.to(tl.int64) * 512
+        index_scratch = scratch_ptr + (pid - n_win).to(tl.int64) * 512
+        if pid < B:
+            lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
+                         mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
+                         main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT)
+        elif pid < B + n_entry:
+            entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
+                          inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                          num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
+                          OVERLAP, 0, NW, MAXT)
+        elif pid < B + n_entry + n_win:
+            window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
+        else:
+            if HAS_INDEX:  # the CSA indexer's compressor: leads, then entries
+                q = pid - B - n_entry - n_win
+                if q < B:
+                    lead_program(q, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
+                                 inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                                 num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
+                                 NW_INDEX, MAXT)
+                else:
+                    entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
+                                  inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                                  num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
+                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT)
 
 
 @dataclass
@@ -464,11 +584,17 @@ class CompressorArgs:
 WINDOW_BT = 4
 
 
+def pool_parts(m: int, overlap: bool) -> int:
+    """Programs an entry of the fused launch is split over, by channel slices: 8 for HCA-like ratios (``m`` ≥ 64
+    slots × 512 channels, two ``exp`` and a division each: one program took 85 µs per entry on an H200, and a
+    decode step waits for it), else 1. The last slice to finish normalises, quantizes and writes the entry."""
+    return 8 if m >= 64 and not overlap else 1
+
+
 def pool_program_warps(m: int) -> int:
-    """Warps per program of the fused launch: 8 for HCA-like ratios (an entry pools ``m`` ≥ 64 slots × 512
-    channels, two ``exp`` and a division each, in one program: measured instruction-bound at 4 warps, 136 µs for
-    one entry on an H200), else 4. The results do not depend on it: every order-sensitive sum is spelled out."""
-    return 8 if m >= 64 else 4
+    """Warps per program of the fused launch (4). The results do not depend on it: every order-sensitive sum is
+    spelled out."""
+    return 4
 
 
 def entry_program_count(batch, m: int, overlap: bool) -> int:
@@ -478,14 +604,15 @@ def entry_program_count(batch, m: int, overlap: bool) -> int:
 
 
 def scratch_rows(batch, m: int, overlap: bool, has_index: bool) -> int:
-    """Rows of the fp32 ``[rows, 512]`` RMSNorm scratch ``write_before_attention`` needs: one per compressor
-    program (leads and entry programs of the main and, CSA, the indexer's compressor)."""
+    """Rows of the fp32 ``[rows, 512]`` RMSNorm scratch ``write_before_attention`` needs: one per lead and entry
+    slot of the main and, CSA, the indexer's compressor. Also the length of the int32 arrival counters."""
     return (batch.num_requests + entry_program_count(batch, m, overlap)) * (1 + has_index)
 
 
 def write_before_attention(
     kv: Tensor, positions: Tensor, inv_freq: Tensor, batch, m: int, overlap: bool, eps: float,
     main: CompressorArgs, index: CompressorArgs | None, scratch: Tensor | None = None,
+    arrivals: Tensor | None = None,
 ) -> Tensor:
     """One launch: the step's window entries, and every compressor's accumulate + flush (see the module doc).
 
@@ -496,6 +623,8 @@ def write_before_attention(
         eps: RMSNorm epsilon.
         scratch: fp32 ``[≥ scratch_rows(...), 512]`` RMSNorm scratch (contents undefined; a workspace buffer so
             that steps do not allocate), else allocated here.
+        arrivals: int32 ``[≥ scratch_rows(...)]``, zero, left zero: the counters of entries split over programs
+            (``pool_parts``); allocated zeroed here when omitted (reuse one across steps to save the fill).
     Returns:
         bf16 ``[T, 512]`` the window entries as stored.
     """
@@ -506,8 +635,13 @@ def write_before_attention(
     has_index = index is not None
     x = index if has_index else main
     c = main.norm.shape[0]
-    grid = (B * (1 + has_index) + n_entry * (1 + has_index) + triton.cdiv(T, WINDOW_BT),)
+    parts = pool_parts(m, overlap)
+    grid = ((B + n_entry) * (1 + has_index) * parts + triton.cdiv(T, WINDOW_BT),)
     rows = scratch_rows(batch, m, overlap, has_index)
+    if arrivals is None:
+        arrivals = torch.zeros(rows, dtype=torch.int32, device=kv.device)
+    elif arrivals.dtype != torch.int32 or arrivals.dim() != 1 or arrivals.shape[0] < rows:
+        raise ValueError(f"arrivals must be an int32 [>= {rows}] tensor, got {arrivals.dtype} {list(arrivals.shape)}")
     if scratch is None:
         scratch = torch.empty((rows, 512), dtype=torch.float32, device=kv.device)
     elif scratch.dtype != torch.float32 or scratch.dim() != 2 or scratch.shape[0] < rows or scratch.shape[1] != 512 \
@@ -519,7 +653,7 @@ def write_before_attention(
         kv, positions, inv_freq, out, T,
         batch.start_pos, batch.end_pos, batch.cu_seqlens, batch.slots, batch.block_tables,
         batch.block_tables.stride(0), batch.block_size, B,
-        batch.emit_pad_request[m], batch.emit_pad_entry[m], batch.num_emit_device[m], n_entry, eps, scratch,
+        batch.emit_pad_request[m], batch.emit_pad_entry[m], batch.num_emit_device[m], n_entry, eps, scratch, arrivals,
         main.a, main.z_raw, main.ape, main.tail_kv, main.tail_gate,
         main.prev_kv if overlap else dummy, main.prev_gate if overlap else dummy, main.norm, main.pages,
         main.pages.shape[1],
@@ -527,6 +661,6 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, num_warps=pool_program_warps(m), enable_fp_fusion=False,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, num_warps=pool_program_warps(m), enable_fp_fusion=False,
     )
     return out

@@ -110,9 +110,10 @@ def compress(
         )
     rows = scratch_rows(batch, m, overlap, "index" in args)
     scratch = layer.workspace.get("compressor.rms_scratch", (rows, 512), torch.float32)
+    arrivals = layer.workspace.get("compressor.arrivals", (rows,), torch.int32, zero=True)  # zero-kept counters
     return write_before_attention(
         window_kv, batch.positions, inv_freq.float().contiguous(), batch, m, overlap, float(eps),
-        args["kv"], args.get("index"), scratch=scratch,
+        args["kv"], args.get("index"), scratch=scratch, arrivals=arrivals,
     )
 
 
