@@ -10,8 +10,13 @@ score rounding: its GEMMs round differently (other row blocks: a prefill chunk o
 whole sequence), and a one-ulp change of an index query before its FP4 quantization can flip an E2M1 code.
 Measured with the torch backend on the CPU (V4-Flash CSA layer, 4,096-token prompt + 64 decode steps): 321 of
 4,160 rows select another set than the reference, 5 of them (decode rows) taking an entry whose reference score
-is up to 1.7% of the row's largest |score| below one left out. A row therefore passes when its selection is a
-causal top-k of the reference scores up to ``TOPK_SLACK`` of the row's largest |score|
+is up to 1.7% of the row's largest |score| below one left out. On an H200 (V4-Flash layers 0, 2, 3, 4 requests ×
+8,192-token prompts + 256 decode steps, 2026-11-24) the torch backend — the oracle of the Triton kernels — leaves
+out entries up to 4.8% better on 7 of 16,896 rows and the Triton backend up to 5.1% on 4, every one a decode
+token: a prefill chunk's GEMMs round the index queries as the reference's full-sequence GEMMs do, a decode step's
+(a few rows) do not, and one flipped E2M1 code moves a query element by a whole quantization step. A row
+therefore passes when its selection is a causal top-k of the reference scores up to ``TOPK_SLACK`` of the row's
+largest |score|
 (``reference.topk_within``: distinct, visible, ``min(k, visible)`` entries, nothing left out scoring more than the
 slack above the lowest taken); such near-ties are excluded from the output comparison and counted. Anything else
 — a wrong count, a future entry, a clearly better entry left out — fails the check.
@@ -31,8 +36,9 @@ from .runner import Engine
 __all__ = ["TOPK_SLACK", "SpotCheckRow", "spot_check", "tolerance"]
 
 #: A CSA row's selection may leave out entries scoring up to this fraction of the row's largest |index score|
-#: above the lowest entry it takes (a near-tie; measured need on the CPU: ≤ 1.7%, see the module doc).
-TOPK_SLACK = 2.0**-5
+#: above the lowest entry it takes (a near-tie; measured need: ≤ 1.7% on the CPU, ≤ 5.1% on an H200 with either
+#: backend at 8K context, see the module doc).
+TOPK_SLACK = 2.0**-4
 
 
 def tolerance(numerics: str, backend: str, device_type: str = "cpu") -> float:
