@@ -54,9 +54,11 @@ def _numerics(fmt: str) -> Numerics:
 
 
 def _scenario(device: str, fmt: str, heads: int, k: int, steps: list[dict[str, int]], block_size: int = 32,
-              seed: int = 0):
+              seed: int = 0, block_spread: int = 0):
     """A cache whose CSA layer's indexer pool is filled with random keys (on the format's grid), after ``steps``.
 
+    ``block_spread``: each 32-value block of a key is scaled by ``2**u``, ``u`` uniform in ``[−spread, spread]``
+    (MXFP4 keys whose block exponents differ by up to ``2·spread`` binades; 0: one scale per key).
     Returns ``(cfg, cache, layer, batch)`` with ``batch`` the last step's ``StepBatch``.
     """
     cfg = dataclasses.replace(TINY, index_n_heads=heads, index_topk=k)
@@ -78,6 +80,9 @@ def _scenario(device: str, fmt: str, heads: int, k: int, steps: list[dict[str, i
     epp = layer.schema.entries_per_block
     n = blocks * epp
     vals = torch.randn(n, 128, generator=g) * torch.exp2(torch.randint(-3, 4, (n, 1), generator=g).float())
+    if block_spread:
+        u = torch.randint(-block_spread, block_spread + 1, (n, 4, 1), generator=g).float()
+        vals = (vals.view(n, 4, 32) * torch.exp2(u)).view(n, 128)
     vals = _numerics(fmt).qdq_index(vals).to(device)
     ids = torch.arange(n, device=device)
     layer.schema.index_storage.write(layer.index_pages, ids // epp, ids % epp, vals)
@@ -177,6 +182,30 @@ def test_interpreter_scores_and_topk(fmt: str, variant: str, monkeypatch) -> Non
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
 
 
+STEPS_PAGED = [{"a": 600, "b": 300}, {"a": 1, "b": 1, "c": 5}]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_interpreter_scores_page_tiles(fmt: str, monkeypatch) -> None:
+    """Pages of 64 entries (block size 256): the decode step's key tiles each lie in one page (one block-table
+    load per tile, taken a tile ahead) and cross pages from tile to tile within one program (one program per
+    request and query chunk); MXFP4 keys whose four block exponents differ by up to 10 binades (every block shift
+    of the conversion tables)."""
+    if ON_GPU or not INTERPRETED:
+        pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
+    from dsv4.kernels import indexer as kidx
+
+    pick = kidx.pick_scores_config
+    monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "PROGRAMS_PER_SM": 1})
+    cfg, cache, layer, batch = _scenario("cpu", fmt, heads=4, k=8, steps=STEPS_PAGED, block_size=256, block_spread=5)
+    q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
+    nm = _numerics(fmt)
+    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype)
+    buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
+    assert int(batch.visible_entries[M].max()) > 128  # three tiles of 64, over three pages
+    _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
+
+
 def _check_topk(s: torch.Tensor, counts: torch.Tensor, k: int, out: torch.Tensor) -> None:
     """Exactly ``min(k, n_t)`` distinct valid indices whose values are the row's top-k (up to ties), then −1."""
     assert out.shape == (s.shape[0], k) and out.dtype == torch.int64
@@ -258,10 +287,12 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
 
 @pytest.mark.gpu
 def test_gpu_scores_exact_per_block_vs_asm() -> None:
-    """The inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores (bitwise)."""
+    """The inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores (bitwise), on keys
+    whose block exponents differ by up to 10 binades (every table shift)."""
     from dsv4.kernels.indexer import FMT_MXFP4, index_scores
 
-    cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=64, k=512, steps=FLASH_STEPS, block_size=256)
+    cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=64, k=512, steps=FLASH_STEPS, block_size=256,
+                                         block_spread=5)
     q, w = _queries(cfg, "mxfp4", batch.num_tokens, "cuda")
     qq = ti.queries_from_float(q, "mxfp4")
     wq = torch.zeros_like(qq.scale)

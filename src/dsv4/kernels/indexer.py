@@ -80,71 +80,88 @@ def _e4m3_from_e2m1(mag, d):
     return tl.where((mag == 0) | (d < 0), 0, base + d * 8)
 
 
+#: E4M3 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (``_E4M3_LO``) and 2, 3, 4, 6 (``_E4M3_HI``) times 2**-5, one per
+#: byte (magnitude code 0 in the lowest byte of ``_E4M3_LO``): the lookup table of the key conversion at shift 0.
+_E4M3_LO: tl.constexpr = tl.constexpr(0x14100800)
+_E4M3_HI: tl.constexpr = tl.constexpr(0x24201C18)
+
+
 @triton.jit
-def _unpack_keys_int(x, dd):
+def _block_tables(e, e_max):
+    """Per-block lookup tables of the key conversion: the E4M3 bytes of ``e2m1 · 2**(e − e_max + 6)``.
+
+    ``e``: int32 ``[..., 4]`` UE8M0 block exponents of a key; ``e_max``: int32 ``[...]`` their maximum. Returns
+    int32 ``(lo, hi)``, ``[..., 4]``: byte ``j`` of ``lo`` / ``hi`` is the E4M3 byte of magnitude code ``j`` /
+    ``j + 4``. The block's shift ``d = e − e_max + 11`` (0…11) is added to every nonzero entry's exponent field
+    (``+ 8·d`` per byte; the largest, 0x24 + 88 = 0x7C = 384, stays normal); a block more than 11 binades below the
+    key's largest (``d < 0``) gets all-zero tables (flushed).
+    """
+    d = e - e_max[:, None] + 11
+    lo = tl.where(d < 0, 0, _E4M3_LO + (d * 8) * 0x01010100)  # byte 0 (magnitude 0) stays 0
+    hi = tl.where(d < 0, 0, _E4M3_HI + (d * 8) * 0x01010101)
+    return lo, hi
+
+
+@triton.jit
+def _e4m3_from_table(c, lo, hi):
+    """E4M3 byte of the E2M1 code ``c`` (int32 0…15, sign in bit 3) by the block's tables ``lo`` / ``hi``."""
+    mag = c & 7
+    table = tl.where(mag < 4, lo, hi)
+    return (((table >> ((mag & 3) * 8)) & 0xFF) | ((c & 8) << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _unpack_keys_int(x, lo, hi):
     """Plain-integer twin of ``_unpack_keys_asm`` (interpreter path): same arguments, same bytes."""
     xi = x.to(tl.int32)
-    ddi = dd.to(tl.int32)
-    d = tl.where(ddi >= 128, -1, ddi >> 3)
-    lo = xi & 15
-    hi = xi >> 4
-    e_lo = _e4m3_from_e2m1(lo & 7, d) | ((lo & 8) << 4)
-    e_hi = _e4m3_from_e2m1(hi & 7, d) | ((hi & 8) << 4)
-    return e_lo.to(tl.uint8), e_hi.to(tl.uint8)
+    return _e4m3_from_table(xi & 15, lo, hi), _e4m3_from_table(xi >> 4, lo, hi)
 
 
-@triton.jit
-def _unpack_keys_asm(x, dd):
-    """Packed E2M1 bytes → two E4M3 byte tensors (low nibbles, high nibbles), block shift applied.
-
-    Args:
-        x: uint8 packed E2M1 byte (element 2i low nibble, 2i+1 high nibble).
-        dd: uint8, the block's exponent shift times 8 (0…88), or 0x80 to flush the block to zero.
-    Returns:
-        ``(lo, hi)`` uint8 E4M3 bytes of ``e2m1(nibble) · 2**(dd/8 − 5)`` with the nibble's sign.
-
-    Four bytes per call: ``prmt`` compacts the four 3-bit magnitudes into a selector, looks them up in the 8-entry
-    E4M3 table (and in a nonzero mask), adds the shift to the exponent fields, clears flushed bytes and ORs the signs.
-    """
-    return tl.inline_asm_elementwise(
-        asm="""
+#: PTX of ``_unpack_keys_asm``: ``$0`` / ``$1`` out (E4M3 bytes of the low / high nibbles), ``$2`` the four packed
+#: bytes, ``$3`` / ``$7`` the block's tables (first of the four registers each int32 operand packs). Kept as a
+#: module constant so that ``tests/test_indexer_ptx.py`` can execute it on the CPU.
+UNPACK_KEYS_PTX: tl.constexpr = tl.constexpr("""
         {
-        .reg .b32 t, s, sel, v, m, f, sg, la, lb, na, nb;
-        mov.b32 la, 0x14100800;
-        mov.b32 lb, 0x24201C18;
-        mov.b32 na, 0xFFFFFF00;
-        mov.b32 nb, 0xFFFFFFFF;
-        prmt.b32 f, $3, 0, 0xBA98;
+        .reg .b32 t, s, v;
         and.b32 t, $2, 0x07070707;
         shr.b32 s, t, 4;
         or.b32 s, s, t;
-        prmt.b32 sel, s, 0, 0x0020;
-        prmt.b32 v, la, lb, sel;
-        prmt.b32 m, na, nb, sel;
-        and.b32 m, m, $3;
-        add.u32 v, v, m;
-        shl.b32 sg, $2, 4;
-        and.b32 sg, sg, 0x80808080;
-        not.b32 m, f;
-        and.b32 v, v, m;
-        or.b32 $0, v, sg;
+        prmt.b32 s, s, 0, 0x0020;
+        prmt.b32 v, $3, $7, s;
+        shl.b32 t, $2, 4;
+        and.b32 t, t, 0x80808080;
+        or.b32 $0, v, t;
         shr.b32 t, $2, 4;
         and.b32 t, t, 0x07070707;
         shr.b32 s, t, 4;
         or.b32 s, s, t;
-        prmt.b32 sel, s, 0, 0x0020;
-        prmt.b32 v, la, lb, sel;
-        prmt.b32 m, na, nb, sel;
-        and.b32 m, m, $3;
-        add.u32 v, v, m;
-        and.b32 sg, $2, 0x80808080;
-        not.b32 m, f;
-        and.b32 v, v, m;
-        or.b32 $1, v, sg;
+        prmt.b32 s, s, 0, 0x0020;
+        prmt.b32 v, $3, $7, s;
+        and.b32 t, $2, 0x80808080;
+        or.b32 $1, v, t;
         }
-        """,
-        constraints="=r,=r,r,r",
-        args=[x, dd],
+        """)
+
+
+@triton.jit
+def _unpack_keys_asm(x, lo, hi):
+    """Packed E2M1 bytes → two E4M3 byte tensors (low nibbles, high nibbles), the block's shift applied.
+
+    Args:
+        x: uint8 packed E2M1 byte (element 2i low nibble, 2i+1 high nibble).
+        lo, hi: int32, the block's lookup tables (``_block_tables``), broadcast over its bytes.
+    Returns:
+        ``(lo_bytes, hi_bytes)`` uint8 E4M3 bytes of the low / high nibbles, their signs kept.
+
+    Four bytes per call, 14 instructions: for each nibble half, the four 3-bit magnitudes are compacted into one
+    16-bit ``prmt`` selector (and, shift, or, ``prmt``), looked up in the block's 8-byte table (``prmt``), and the
+    nibbles' sign bits are moved to bit 7 of their bytes (shift, and-or). ``$3`` / ``$7`` are the first of the four
+    registers each table operand packs (the same value: the tables are constant over a block's bytes).
+    """
+    return tl.inline_asm_elementwise(
+        asm=UNPACK_KEYS_PTX,
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[x, lo, hi],
         dtype=(tl.uint8, tl.uint8),
         is_pure=True,
         pack=4,
@@ -276,6 +293,16 @@ def _head_sum(ka, kb, qa, qb, w, BLOCK_N: tl.constexpr, QT: tl.constexpr, HP: tl
 
 
 @triton.jit
+def _mxfp4_scales(page, slot, live, ENTRIES: tl.constexpr):
+    """int32 ``[BLOCK_N, 4]`` biased UE8M0 block exponents of MXFP4 keys: ``page`` ``[BLOCK_N]`` pointers to each
+    row's page (``ENTRIES × 64`` packed E2M1 bytes, then ``ENTRIES × 4`` scale bytes), ``slot`` ``[BLOCK_N]`` the
+    rows' entry slots, ``live`` ``[BLOCK_N]`` rows to read (the others read as 1)."""
+    e = tl.load(page[:, None] + ENTRIES * 64 + slot[:, None] * 4 + tl.arange(0, 4)[None, :], mask=live[:, None],
+                other=1)
+    return e.to(tl.int32)
+
+
+@triton.jit
 def _scores_kernel(
     pages_ptr,                  # uint8 [num_blocks, PAGE_BYTES]: the layer's indexer key pages
     bt_ptr, bt_stride,          # int32 [B, max_blocks]: block tables
@@ -288,6 +315,7 @@ def _scores_kernel(
     M_RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, ENTRIES: tl.constexpr,
     HP: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr,
     FORMAT: tl.constexpr, USE_ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PAGE_VECTOR: tl.constexpr, MAX_TPS: tl.constexpr,
     HOST_BOUND: tl.constexpr,
     TPS_HINT: tl.constexpr,  # interpreter: tiles per split as a loop bound (no data-dependent loops there)
 ):
@@ -326,28 +354,50 @@ def _scores_kernel(
     vis_q = tl.load(vis_ptr + t0 + tl.arange(0, QT), mask=tl.arange(0, QT) < nq, other=0).to(tl.int32)
 
     rows = tl.arange(0, BLOCK_N)
+    zero_rows = tl.zeros([BLOCK_N], dtype=tl.int64)  # a tile's page pointer broadcast over its rows
+    bt_row = bt_ptr + b * bt_stride
+    if PAGE_VECTOR:
+        # Every tile lies in one page (pages hold a multiple of BLOCK_N entries): the split's block-table entries are
+        # read once, before the loop, and a tile's page is picked from registers — no load feeds the address of the
+        # tile's keys, so the pipeliner can issue them NUM_STAGES − 1 tiles ahead. MXFP4 scales (2 bytes per thread,
+        # too small for an asynchronous copy) are loaded into registers a tile ahead.
+        tiles = tl.arange(0, MAX_TPS)
+        tile_pages = tl.load(bt_row + ((tile_lo + tiles) * BLOCK_N) // ENTRIES, mask=tile_lo + tiles < tile_hi,
+                             other=0)
+        if FORMAT == 0:
+            blk0 = tl.sum(tl.where(tiles == 0, tile_pages, 0)).to(tl.int64)
+            e_next = _mxfp4_scales(pages_ptr + blk0 * PAGE_BYTES + zero_rows, (tile_lo * BLOCK_N) % ENTRIES + rows,
+                                   tile_lo * BLOCK_N + rows < n_keys, ENTRIES)
     for it in tl.range(0, TPS_HINT if HOST_BOUND else tile_hi - tile_lo, num_stages=NUM_STAGES):
         tile = tile_lo + it
         idx = tile * BLOCK_N + rows
         kl = idx < n_keys
-        pos = idx * M_RATIO
-        blk = tl.load(bt_ptr + b * bt_stride + pos // BLOCK_SIZE, mask=kl, other=0).to(tl.int64)
-        slot = (pos % BLOCK_SIZE) // M_RATIO
-        page = pages_ptr + blk * PAGE_BYTES
+        if PAGE_VECTOR:
+            blk = tl.sum(tl.where(tiles == it, tile_pages, 0)).to(tl.int64)
+            slot = (tile * BLOCK_N) % ENTRIES + rows
+            page = pages_ptr + blk * PAGE_BYTES + zero_rows
+        else:
+            pos = idx * M_RATIO
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kl, other=0).to(tl.int64)
+            slot = (pos % BLOCK_SIZE) // M_RATIO
+            page = pages_ptr + blk * PAGE_BYTES
         if FORMAT == 0:
-            # values: ENTRIES * 64 bytes, then ENTRIES * 4 UE8M0 bytes
-            xb = tl.load(page[:, None, None] + (slot * 64)[:, None, None]
-                         + (tl.arange(0, 4) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
-                         mask=kl[:, None, None], other=0)  # [BLOCK_N, 4, 16] uint8
-            e = tl.load(page[:, None] + ENTRIES * 64 + slot[:, None] * 4 + tl.arange(0, 4)[None, :],
-                        mask=kl[:, None], other=1).to(tl.int32)  # [BLOCK_N, 4]
-            e_max = tl.max(e, axis=1)
-            d = e - e_max[:, None] + 11
-            dd = tl.where(d < 0, 128, d * 8).to(tl.uint8)[:, :, None]
-            if USE_ASM:
-                klo, khi = _unpack_keys_asm(xb, dd)
+            xb = tl.load(page[:, None, None] + (slot * 64)[:, None, None] + (tl.arange(0, 4) * 16)[None, :, None]
+                         + tl.arange(0, 16)[None, None, :], mask=kl[:, None, None], other=0)  # [BLOCK_N, 4, 16]
+            if PAGE_VECTOR:
+                e = e_next
+                nt = tile + 1
+                blk_n = tl.sum(tl.where(tiles == it + 1, tile_pages, 0)).to(tl.int64)
+                e_next = _mxfp4_scales(pages_ptr + blk_n * PAGE_BYTES + zero_rows, (nt * BLOCK_N) % ENTRIES + rows,
+                                       (nt * BLOCK_N + rows < n_keys) & (nt < tile_hi), ENTRIES)
             else:
-                klo, khi = _unpack_keys_int(xb, dd)
+                e = _mxfp4_scales(page, slot, kl, ENTRIES)
+            e_max = tl.max(e, axis=1)
+            t_lo, t_hi = _block_tables(e, e_max)
+            if USE_ASM:
+                klo, khi = _unpack_keys_asm(xb, t_lo[:, :, None], t_hi[:, :, None])
+            else:
+                klo, khi = _unpack_keys_int(xb, t_lo[:, :, None], t_hi[:, :, None])
             ka = tl.reshape(klo, (BLOCK_N, 64)).to(tl.float8e4nv, bitcast=True)
             kb = tl.reshape(khi, (BLOCK_N, 64)).to(tl.float8e4nv, bitcast=True)
             ks = _pow2_from_byte(e_max - 6)
@@ -371,6 +421,10 @@ def _scores_kernel(
         tl.store(dst, sc.to(out_ptr.dtype.element_ty), mask=idx[:, None] < vis_q[None, :])
 
 
+#: Most key tiles one program of the scores kernel takes when its pages are held in registers (``PAGE_VECTOR``).
+MAX_TILES_PER_SPLIT = 32
+
+
 def pick_scores_config(fmt: int, head_pad: int, max_new: int) -> dict:
     """Launch parameters of the scores kernel: ``QT`` queries per program (keys read once for all of them),
     ``BLOCK_N`` keys per tile, warps and pipeline depth."""
@@ -381,7 +435,9 @@ def pick_scores_config(fmt: int, head_pad: int, max_new: int) -> dict:
         return dict(QT=max(1, min(qt, 128 // head_pad)), BLOCK_N=64, num_warps=4, NUM_STAGES=2)
     if qt * head_pad >= 256:
         return dict(QT=qt, BLOCK_N=128, num_warps=8, NUM_STAGES=3)
-    return dict(QT=qt, BLOCK_N=64, num_warps=4, NUM_STAGES=2)
+    # 3 stages: a tile's keys are read two tiles ahead (with 2 the copy is issued after a tile's compute and
+    # awaited before the next one's, with nothing in between)
+    return dict(QT=qt, BLOCK_N=64, num_warps=4, NUM_STAGES=3)
 
 
 def index_scores(
@@ -416,7 +472,8 @@ def index_scores(
         num_requests, max_new, max_entries: host facts of the step (grid sizing; no device sync).
         num_sms: multiprocessors to fill (default: the current device's).
         config: override of ``pick_scores_config`` (keys ``QT``, ``BLOCK_N``, ``num_warps``, ``NUM_STAGES``,
-            ``PROGRAMS_PER_SM``, ``USE_ASM``).
+            ``PROGRAMS_PER_SM``, ``USE_ASM``, ``PAGE_VECTOR``: a split's block-table entries held in registers, the
+            default where tiles lie within a page).
     Returns:
         ``out``.
     """
@@ -428,6 +485,10 @@ def index_scores(
     if config:
         cfg.update(config)
     QT, BLOCK_N = cfg["QT"], cfg["BLOCK_N"]
+    page_vector = cfg.get("PAGE_VECTOR", entries_per_page % BLOCK_N == 0)
+    if page_vector and entries_per_page % BLOCK_N:
+        raise ValueError(f"PAGE_VECTOR needs tiles within a page: BLOCK_N={BLOCK_N} must divide the "
+                         f"{entries_per_page} entries per page")
     chunks = triton.cdiv(max_new, QT)
     tiles = triton.cdiv(max_entries, BLOCK_N)
     if num_sms is None:
@@ -435,6 +496,8 @@ def index_scores(
     # many short programs: the last wave's tail stays small
     splits = max(1, min(tiles, triton.cdiv(cfg.get("PROGRAMS_PER_SM", 16) * num_sms, num_requests * chunks)))
     per_split = triton.cdiv(tiles, splits)
+    if page_vector:  # a split's pages are held in registers: at most MAX_TILES_PER_SPLIT of them
+        per_split = min(per_split, MAX_TILES_PER_SPLIT)
     splits = triton.cdiv(tiles, per_split)
     grid = (splits, chunks, num_requests)
     _scores_kernel[grid](
@@ -442,6 +505,7 @@ def index_scores(
         pages.stride(0), per_split,
         M_RATIO=m, BLOCK_SIZE=block_size, ENTRIES=entries_per_page, HP=HP, QT=QT, BLOCK_N=BLOCK_N,
         FORMAT=fmt, USE_ASM=cfg.get("USE_ASM", not interpreting()), NUM_STAGES=cfg["NUM_STAGES"],
+        PAGE_VECTOR=page_vector, MAX_TPS=MAX_TILES_PER_SPLIT,
         HOST_BOUND=interpreting(),
         TPS_HINT=per_split if interpreting() else 0,
         num_warps=cfg["num_warps"],

@@ -1,0 +1,111 @@
+"""The indexer's inline PTX, executed on the CPU by a small interpreter of the instructions it uses.
+
+``dsv4.kernels.indexer.UNPACK_KEYS_PTX`` turns four packed E2M1 bytes into eight E4M3 bytes on the GPU; the
+Triton interpreter cannot run PTX, so the CPU tests of the scores kernel take its plain-integer twin. Here the PTX
+text itself runs, instruction by instruction, on every byte value and every block shift, against E4M3 bytes
+formed by torch's own float8 cast of the exact values ``±e2m1 · 2**(d − 5)``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from dsv4.kernels.indexer import UNPACK_KEYS_PTX
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MASK32 = 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX ``prmt.b32`` in its default mode: byte i of the result is byte ``c[4i+2:4i]`` of ``{b, a}``, or that
+    byte's sign replicated when ``c[4i+3]`` is set."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = pool[sel & 7]
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
+    """Execute the ``.b32`` instructions ``and or shl shr prmt mov`` of ``text`` over 32-bit registers."""
+    regs = dict(operands)
+
+    def value(tok: str) -> int:
+        tok = tok.strip()
+        if re.fullmatch(r"0x[0-9a-fA-F]+|\d+", tok):
+            return int(tok, 0) & MASK32
+        return regs[tok]
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        v = [value(t) for t in src]
+        if op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "or.b32":
+            r = v[0] | v[1]
+        elif op == "shl.b32":
+            r = (v[0] << v[1]) & MASK32
+        elif op == "shr.b32":
+            r = v[0] >> v[1]
+        elif op == "prmt.b32":
+            r = _prmt(*v)
+        elif op == "mov.b32":
+            r = v[0]
+        else:
+            raise NotImplementedError(f"PTX instruction {op!r} is not modelled here")
+        regs[dst] = r
+    return regs
+
+
+def _e4m3_byte(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)[0])
+
+
+def _oracle(nibble: int, d: int) -> int:
+    """E4M3 byte of E2M1 code ``nibble`` times ``2**(d − 5)`` (zero, keeping the sign, for a flushed block)."""
+    mag = 0.0 if d < 0 else E2M1_MAGNITUDES[nibble & 7] * 2.0 ** (d - 5)
+    return _e4m3_byte(-mag if nibble & 8 else mag)
+
+
+def _tables(d: int) -> tuple[int, int]:
+    """The lookup tables as ``_block_tables`` specifies them, built from the oracle: byte j = magnitude code j
+    (``lo``) / j + 4 (``hi``)."""
+    lo = sum(_oracle(j, d) << (8 * j) for j in range(4))
+    hi = sum(_oracle(j + 4, d) << (8 * j) for j in range(4))
+    return lo, hi
+
+
+@pytest.mark.parametrize("d", list(range(-1, 12)))
+def test_unpack_keys_ptx_every_byte(d: int) -> None:
+    """Every packed byte value in every byte position, every block shift (and a flushed block)."""
+    lo, hi = _tables(d)
+    for base in range(0, 256, 4):
+        word = sum(((base + i) & 0xFF) << (8 * i) for i in range(4))
+        words = [word, ((word << 8) | (word >> 24)) & MASK32]  # each value also in the next byte position
+        for w in words:
+            regs = run_ptx(UNPACK_KEYS_PTX.value, {"$2": w, "$3": lo, "$7": hi})
+            for i in range(4):
+                byte = (w >> (8 * i)) & 0xFF
+                assert (regs["$0"] >> (8 * i)) & 0xFF == _oracle(byte & 15, d), (hex(w), i, "low nibble")
+                assert (regs["$1"] >> (8 * i)) & 0xFF == _oracle(byte >> 4, d), (hex(w), i, "high nibble")
+
+
+def test_unpack_keys_ptx_tables_match_block_tables_formula() -> None:
+    """The tables ``_block_tables`` forms arithmetically (base table plus ``8·d`` per nonzero byte) are the
+    oracle's tables at every shift, so the kernel's tables and the PTX agree on their meaning."""
+    from dsv4.kernels.indexer import _E4M3_HI, _E4M3_LO
+
+    for d in range(12):
+        assert _tables(d) == (_E4M3_LO.value + d * 8 * 0x01010100, _E4M3_HI.value + d * 8 * 0x01010101)
+    assert _tables(-1) == (0, 0)
