@@ -10,7 +10,7 @@ Two kernels:
   rows (MMA ``M``), the heads of ``QT`` queries its columns (``N = QT · HP``), the 128 channels the reduction.
 
 A transposed layout — heads as MMA rows, keys as columns — measured slower on the H200 (154 µs vs 129 µs at B=64, 128K
-decode) and was removed.
+decode, before the changes below) and was removed.
 
 MXFP4 on FP8 tensor cores. An E2M1 value times a power of two is an E4M3 value (one mantissa bit fits into three),
 so every key is turned into E4M3 bytes *exactly* in registers and one FP8 MMA (K = 128) does the 64 heads. The four
@@ -20,8 +20,16 @@ block scales of a key are folded into its bytes relative to the key's largest bl
 folded the same way per head, their scale multiplying the head weight. This is exact whenever a vector's four
 block exponents span at most 11 binades (always, in practice: the Hadamard rotation evens the blocks out); a block
 more than 2**11 below its vector's largest is flushed to zero (its contribution is below 2**-11 of the largest
-block's). The E2M1 → E4M3 conversion of the packed key bytes is one inline-PTX function (``prmt`` table lookups,
-eight values per two registers); under the Triton interpreter the same bytes come from plain integer arithmetic.
+block's). The E2M1 → E4M3 conversion of the packed key bytes is one inline-PTX function (``UNPACK_KEYS_PTX``): each
+block's shift is added once to an 8-entry table of E4M3 bytes (``_block_tables``), and ``prmt`` looks four
+magnitudes up at a time (14 instructions per four packed bytes); under the Triton interpreter the same bytes come
+from plain integer arithmetic, and ``tests/test_indexer_ptx.py`` executes the PTX itself on the CPU.
+
+Memory pipeline. Where pages hold a multiple of the 64-key tile (block size 256: one page per tile), a program
+reads its split's block-table entries once, before its loop, and takes each tile's page from registers: no load
+feeds the address of a key tile, so Triton's pipeliner copies the tile's codes two tiles ahead (``NUM_STAGES=3``),
+and the tile's scales (2 bytes per thread, too small for an asynchronous copy) are loaded into registers one tile
+ahead (``PAGE_VECTOR``; H200, B=64 × 128K decode: 114 → 88 µs). Smaller pages take a per-row block-table gather.
 
 Packed E2M1 nibbles put element ``2i`` in the low and ``2i + 1`` in the high nibble of byte ``i``. The kernel
 converts the low nibbles of a key's 64 bytes into one ``[BLOCK_N, 64]`` operand (the even channels) and the high
@@ -473,7 +481,7 @@ def index_scores(
         num_sms: multiprocessors to fill (default: the current device's).
         config: override of ``pick_scores_config`` (keys ``QT``, ``BLOCK_N``, ``num_warps``, ``NUM_STAGES``,
             ``PROGRAMS_PER_SM``, ``USE_ASM``, ``PAGE_VECTOR``: a split's block-table entries held in registers, the
-            default where tiles lie within a page).
+            default where tiles lie within a page; ``maxnreg``: a register cap per thread).
     Returns:
         ``out``.
     """
@@ -509,5 +517,6 @@ def index_scores(
         HOST_BOUND=interpreting(),
         TPS_HINT=per_split if interpreting() else 0,
         num_warps=cfg["num_warps"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     return out
