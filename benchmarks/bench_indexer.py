@@ -169,11 +169,14 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
         key_bytes = batch * entries * 68
         sc_bytes = key_bytes + vis_sum * 2 + T * (2 * 64 * 64 + 64 * 4)
         common = dict(batch=batch, context=context, tokens=tokens, entries=entries)
-        rows.append(_measure(f"scores mxfp4 {tag}", _scores_fn(s, batch, tokens), sc_bytes, flops, bw, rate, iters,
-                             op="scores", fmt="mxfp4", **common))
+        # decode steps run as CUDA-graph replays in the engine: time them so (prefill chunks: eager, launch-bound never)
+        graph = tokens == 1
+        rows.append(_measure(f"scores mxfp4 {tag}{' graph' if graph else ''}", _scores_fn(s, batch, tokens), sc_bytes,
+                             flops, bw, rate, iters, graph=graph, op="scores", fmt="mxfp4", **common))
         tk_bytes = vis_sum * 2 + T * K_TOP * 8
-        rows.append(_measure(f"topk k=512 {tag}", lambda: radix_topk(s["scores"], s["visible"], K_TOP), tk_bytes, 0,
-                             bw, rate, iters, op="topk", **common))
+        rows.append(_measure(f"topk k=512 {tag}{' graph' if graph else ''}",
+                             lambda: radix_topk(s["scores"], s["visible"], K_TOP), tk_bytes, 0, bw, rate, iters,
+                             graph=graph, op="topk", **common))
         if quick and batch > 1:
             rows += _topk_variants(s, tag, tk_bytes, bw, rate, max(iters, 20), common)
         if quick and tokens == 1 and batch == 64:
