@@ -591,10 +591,19 @@ def pool_parts(m: int, overlap: bool) -> int:
     return 8 if m >= 64 and not overlap else 1
 
 
-def pool_program_warps(m: int) -> int:
-    """Warps per program of the fused launch (4). The results do not depend on it: every order-sensitive sum is
-    spelled out."""
-    return 4
+#: Longest step (tokens of one request) for which CSA-style writes keep 4 warps per program; longer chunks take 2.
+CSA_PREFILL_TOKENS = 256
+
+
+def pool_program_warps(m: int, overlap: bool = False, max_new: int = 1) -> int:
+    """Warps per program of the fused launch. The results do not depend on it: every order-sensitive sum is spelled
+    out. 2 for CSA-style (``overlap``) steps of more than ``CSA_PREFILL_TOKENS`` tokens per request — the programs
+    hold 191 registers per thread at 4 warps (2 programs per SM), 255 at 2 (4 per SM), and a prefill chunk's
+    latency-bound entry programs gain from the extra ones in flight (H200, V4-Flash CSA, write kernel: 8K chunk
+    141 → 123 µs, 3 × 2K 110 → 101 µs; decode B=64 17.4 → 26.8 µs, so decode steps keep 4), else 4 (HCA prefill:
+    4 warps measured faster, 47 vs 49 µs).
+    """
+    return 2 if overlap and max_new > CSA_PREFILL_TOKENS else 4
 
 
 def entry_program_count(batch, m: int, overlap: bool) -> int:
@@ -661,6 +670,6 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, num_warps=pool_program_warps(m), enable_fp_fusion=False,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, num_warps=pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
     )
     return out
