@@ -1,9 +1,10 @@
 """The indexer's inline PTX, executed on the CPU by a small interpreter of the instructions it uses.
 
-``dsv4.kernels.indexer.UNPACK_KEYS_PTX`` turns four packed E2M1 bytes into eight E4M3 bytes on the GPU; the
-Triton interpreter cannot run PTX, so the CPU tests of the scores kernel take its plain-integer twin. Here the PTX
-text itself runs, instruction by instruction, on every byte value and every block shift, against E4M3 bytes
-formed by torch's own float8 cast of the exact values ``±e2m1 · 2**(d − 5)``.
+``dsv4.kernels.ptx.UNPACK_KEYS`` (the PTX of ``dsv4.kernels.indexer._unpack_keys_asm``) turns four packed E2M1
+bytes into eight E4M3 bytes on the GPU; the Triton interpreter cannot run PTX, so the CPU tests of the scores kernel
+take its plain-integer twin. Here the PTX text itself runs, instruction by instruction (no triton needed), on every
+byte value and every block shift, against E4M3 bytes formed by torch's own float8 cast of the exact values
+``±e2m1 · 2**(d − 5)``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import pytest
 import torch
 
-from dsv4.kernels.indexer import UNPACK_KEYS_PTX
+from dsv4.kernels.ptx import E4M3_TABLE_HI, E4M3_TABLE_LO, UNPACK_KEYS
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MASK32 = 0xFFFFFFFF
@@ -94,7 +95,7 @@ def test_unpack_keys_ptx_every_byte(d: int) -> None:
         word = sum(((base + i) & 0xFF) << (8 * i) for i in range(4))
         words = [word, ((word << 8) | (word >> 24)) & MASK32]  # each value also in the next byte position
         for w in words:
-            regs = run_ptx(UNPACK_KEYS_PTX.value, {"$2": w, "$3": lo, "$7": hi})
+            regs = run_ptx(UNPACK_KEYS, {"$2": w, "$3": lo, "$7": hi})
             for i in range(4):
                 byte = (w >> (8 * i)) & 0xFF
                 assert (regs["$0"] >> (8 * i)) & 0xFF == _oracle(byte & 15, d), (hex(w), i, "low nibble")
@@ -104,8 +105,6 @@ def test_unpack_keys_ptx_every_byte(d: int) -> None:
 def test_unpack_keys_ptx_tables_match_block_tables_formula() -> None:
     """The tables ``_block_tables`` forms arithmetically (base table plus ``8·d`` per nonzero byte) are the
     oracle's tables at every shift, so the kernel's tables and the PTX agree on their meaning."""
-    from dsv4.kernels.indexer import _E4M3_HI, _E4M3_LO
-
     for d in range(12):
-        assert _tables(d) == (_E4M3_LO.value + d * 8 * 0x01010100, _E4M3_HI.value + d * 8 * 0x01010101)
+        assert _tables(d) == (E4M3_TABLE_LO + d * 8 * 0x01010100, E4M3_TABLE_HI + d * 8 * 0x01010101)
     assert _tables(-1) == (0, 0)

@@ -55,6 +55,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import ptx
+
 __all__ = [
     "FMT_MXFP4", "FMT_FP8", "FMT_FP32",
     "mxfp4_queries", "index_scores", "interpreting", "pick_scores_config",
@@ -88,10 +90,9 @@ def _e4m3_from_e2m1(mag, d):
     return tl.where((mag == 0) | (d < 0), 0, base + d * 8)
 
 
-#: E4M3 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (``_E4M3_LO``) and 2, 3, 4, 6 (``_E4M3_HI``) times 2**-5, one per
-#: byte (magnitude code 0 in the lowest byte of ``_E4M3_LO``): the lookup table of the key conversion at shift 0.
-_E4M3_LO: tl.constexpr = tl.constexpr(0x14100800)
-_E4M3_HI: tl.constexpr = tl.constexpr(0x24201C18)
+#: The key conversion's lookup table at shift 0 (see ``dsv4.kernels.ptx``).
+_E4M3_LO: tl.constexpr = tl.constexpr(ptx.E4M3_TABLE_LO)
+_E4M3_HI: tl.constexpr = tl.constexpr(ptx.E4M3_TABLE_HI)
 
 
 @triton.jit
@@ -125,30 +126,9 @@ def _unpack_keys_int(x, lo, hi):
     return _e4m3_from_table(xi & 15, lo, hi), _e4m3_from_table(xi >> 4, lo, hi)
 
 
-#: PTX of ``_unpack_keys_asm``: ``$0`` / ``$1`` out (E4M3 bytes of the low / high nibbles), ``$2`` the four packed
-#: bytes, ``$3`` / ``$7`` the block's tables (first of the four registers each int32 operand packs). Kept as a
-#: module constant so that ``tests/test_indexer_ptx.py`` can execute it on the CPU.
-UNPACK_KEYS_PTX: tl.constexpr = tl.constexpr("""
-        {
-        .reg .b32 t, s, v;
-        and.b32 t, $2, 0x07070707;
-        shr.b32 s, t, 4;
-        or.b32 s, s, t;
-        prmt.b32 s, s, 0, 0x0020;
-        prmt.b32 v, $3, $7, s;
-        shl.b32 t, $2, 4;
-        and.b32 t, t, 0x80808080;
-        or.b32 $0, v, t;
-        shr.b32 t, $2, 4;
-        and.b32 t, t, 0x07070707;
-        shr.b32 s, t, 4;
-        or.b32 s, s, t;
-        prmt.b32 s, s, 0, 0x0020;
-        prmt.b32 v, $3, $7, s;
-        and.b32 t, $2, 0x80808080;
-        or.b32 $1, v, t;
-        }
-        """)
+#: PTX of ``_unpack_keys_asm`` (``dsv4.kernels.ptx.UNPACK_KEYS``, a triton-free module so that
+#: ``tests/test_indexer_ptx.py`` can execute it on any CPU install).
+UNPACK_KEYS_PTX: tl.constexpr = tl.constexpr(ptx.UNPACK_KEYS)
 
 
 @triton.jit
