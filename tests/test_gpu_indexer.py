@@ -285,6 +285,50 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
 
 
+DECODE_STEPS = [
+    {"a": 3000, "b": 700, "c": 5},
+    {"a": 1, "b": 2, "c": 1},  # decode steps of 1–2 tokens: 64-key tiles, one page each (the page vector)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "fp32"])
+def test_gpu_scores_page_vector(fmt: str) -> None:
+    """Decode steps whose key tiles lie in one page each (``PAGE_VECTOR``: block-table entries held in registers,
+    MXFP4 scales a tile ahead, tiles copied two ahead); MXFP4 keys with block exponents up to 10 binades apart.
+    Scores and top-k vs the reference; then, one program per request (tiles cross pages within a program), the PTX
+    conversion and its integer twin, and the per-row block-table gather, all bitwise equal."""
+    from dsv4.kernels import indexer as kidx
+
+    cfg, cache, layer, batch = _scenario("cuda", fmt, heads=64, k=512, steps=DECODE_STEPS, block_size=256,
+                                         block_spread=5 if fmt == "mxfp4" else 0)
+    assert kidx.pick_scores_config(kidx.FMT_MXFP4, 64, batch.max_new)["BLOCK_N"] == 64
+    q, w = _queries(cfg, fmt, batch.num_tokens, "cuda")
+    nm = _numerics(fmt)
+    ti.score_buffer(layer, batch, M, nm.score_dtype).fill_(float("nan"))
+    got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype)
+    buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
+    _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)
+    if fmt != "mxfp4":
+        return
+    qq = ti.queries_from_float(q, "mxfp4")
+    wq = torch.zeros_like(qq.scale)
+    wq[:, :64] = w
+    wq *= qq.scale
+    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+    outs = []
+    # one program per request (num_sms=1): its tiles cross pages; vs the per-row block-table gather, bitwise
+    for sms, cfg_over in ((1, {"USE_ASM": True, "PROGRAMS_PER_SM": 1}), (1, {"USE_ASM": False, "PROGRAMS_PER_SM": 1}),
+                          (None, {"USE_ASM": True, "PAGE_VECTOR": False})):
+        out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kidx.index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq,
+                          out, fmt=kidx.FMT_MXFP4, m=M, block_size=256, entries_per_page=64,
+                          num_requests=batch.num_requests, max_new=batch.max_new, max_entries=n_max,
+                          num_sms=sms, config=cfg_over)
+        outs.append(out.view(torch.int16))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.gpu
 def test_gpu_scores_exact_per_block_vs_asm() -> None:
     """The inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores (bitwise), on keys
