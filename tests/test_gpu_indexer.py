@@ -285,6 +285,23 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
 
 
+def _mxfp4_score_bits(layer, batch, q, w, num_sms=None, config=None) -> torch.Tensor:
+    """The scores kernel's BF16 scores (as int16 bits; unwritten elements stay NaN) of MXFP4 queries ``q`` with head
+    weights ``w`` (64 heads) over ``layer``'s pool (block size 256), called directly with ``num_sms`` / ``config``."""
+    from dsv4.kernels.indexer import FMT_MXFP4, index_scores
+
+    qq = ti.queries_from_float(q, "mxfp4")
+    wq = torch.zeros_like(qq.scale)
+    wq[:, :64] = w
+    wq *= qq.scale
+    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+    out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=torch.bfloat16, device="cuda")
+    index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq, out,
+                 fmt=FMT_MXFP4, m=M, block_size=256, entries_per_page=64, num_requests=batch.num_requests,
+                 max_new=batch.max_new, max_entries=n_max, num_sms=num_sms, config=config)
+    return out.view(torch.int16)
+
+
 DECODE_STEPS = [
     {"a": 3000, "b": 700, "c": 5},
     {"a": 1, "b": 2, "c": 1},  # decode steps of 1–2 tokens: 64-key tiles, one page each (the page vector)
@@ -311,21 +328,11 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
     _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)
     if fmt != "mxfp4":
         return
-    qq = ti.queries_from_float(q, "mxfp4")
-    wq = torch.zeros_like(qq.scale)
-    wq[:, :64] = w
-    wq *= qq.scale
-    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
-    outs = []
     # one program per request (num_sms=1): its tiles cross pages; vs the per-row block-table gather, bitwise
-    for sms, cfg_over in ((1, {"USE_ASM": True, "PROGRAMS_PER_SM": 1}), (1, {"USE_ASM": False, "PROGRAMS_PER_SM": 1}),
-                          (None, {"USE_ASM": True, "PAGE_VECTOR": False})):
-        out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=torch.bfloat16, device="cuda")
-        kidx.index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq,
-                          out, fmt=kidx.FMT_MXFP4, m=M, block_size=256, entries_per_page=64,
-                          num_requests=batch.num_requests, max_new=batch.max_new, max_entries=n_max,
-                          num_sms=sms, config=cfg_over)
-        outs.append(out.view(torch.int16))
+    outs = [_mxfp4_score_bits(layer, batch, q, w, num_sms=sms, config=cfg_over)
+            for sms, cfg_over in ((1, {"USE_ASM": True, "PROGRAMS_PER_SM": 1}),
+                                  (1, {"USE_ASM": False, "PROGRAMS_PER_SM": 1}),
+                                  (None, {"USE_ASM": True, "PAGE_VECTOR": False}))]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
@@ -333,23 +340,10 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
 def test_gpu_scores_exact_per_block_vs_asm() -> None:
     """The inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores (bitwise), on keys
     whose block exponents differ by up to 10 binades (every table shift)."""
-    from dsv4.kernels.indexer import FMT_MXFP4, index_scores
-
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=64, k=512, steps=FLASH_STEPS, block_size=256,
                                          block_spread=5)
     q, w = _queries(cfg, "mxfp4", batch.num_tokens, "cuda")
-    qq = ti.queries_from_float(q, "mxfp4")
-    wq = torch.zeros_like(qq.scale)
-    wq[:, :64] = w
-    wq *= qq.scale
-    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
-    outs = []
-    for use_asm in (True, False):
-        out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=torch.bfloat16, device="cuda")
-        index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq, out,
-                     fmt=FMT_MXFP4, m=M, block_size=256, entries_per_page=64, num_requests=batch.num_requests,
-                     max_new=batch.max_new, max_entries=n_max, config={"USE_ASM": use_asm})
-        outs.append(out.view(torch.int16))
+    outs = [_mxfp4_score_bits(layer, batch, q, w, config={"USE_ASM": use_asm}) for use_asm in (True, False)]
     assert torch.equal(outs[0], outs[1])
 
 
