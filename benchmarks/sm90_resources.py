@@ -26,6 +26,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 #: kernel → (import path, pointer dtypes by argument, default constexprs + num_warps / num_stages, int args ≡ 0 mod 16)
 KERNELS = {
@@ -37,6 +38,15 @@ KERNELS = {
         "plse_ptr": "*fp32", "qk_scale": "fp32"},
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, BLOCK_H=64, BLOCK_N=64,
              BF16_MATH=True, INTERPRET=False, num_warps=8, num_stages=1),
+        {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
+         "stride_ot", "stride_oh", "stride_lt"}),
+    "attention_sm90": ("dsv4.kernels.sparse_attention_sm90:_sparse_attention_sm90_kernel", {
+        "q_ptr": "*bf16", "kv_new_ptr": "*bf16", "ring_ptr": "*u8", "ring_pos_ptr": "*i32", "pool_ptr": "*u8",
+        "block_tables_ptr": "*i32", "idx_ptr": "*i32", "visible_ptr": "*i64", "token_request_ptr": "*i32",
+        "positions_ptr": "*i64", "cu_seqlens_ptr": "*i32", "start_pos_ptr": "*i64", "token_slots_ptr": "*i64",
+        "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
+        "plse_ptr": "*fp32", "qk_scale": "fp32"},
+        dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, num_warps=8),
         {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
          "stride_ot", "stride_oh", "stride_lt"}),
     "write": ("dsv4.kernels.compressor:_write_before_attention_kernel", {
@@ -81,7 +91,8 @@ def resources(kernel: str, overrides: dict | None = None, sass_path: str | None 
            for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if sig[a].startswith("*") or a in div16}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+    source_type = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    src = source_type(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -108,6 +108,7 @@ VARIANTS = {
     "fill": {"split_policy": "fill"},
     "prefetch": {"prefetch": True},
     "bits": {"dequant": "bits"},
+    "gluon": {"impl": "gluon"},
 }
 
 

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import sparse_attention_sm90
+
 __all__ = ["sparse_attention_fwd", "num_sms", "choose_splits"]
 
 HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
@@ -533,6 +535,7 @@ def sparse_attention_fwd(
     split_policy: str = "waves",
     prefetch: bool = False,
     dequant: str = "cvt",
+    impl: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``T`` query tokens over their window and compressed entries, sink, inverse RoPE.
 
@@ -564,6 +567,9 @@ def sparse_attention_fwd(
             HCA-1M B=64 504 vs 659) and equal on prefill (never split).
         prefetch: locate chunk ``c+1``'s compressed entries (index, block table, scales) during chunk ``c``.
         dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
+        impl: ``"triton"`` this module's kernel, or ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90``
+            (asynchronous copies of the raw keys one chunk ahead; needs compute capability 9.x; ``block_h``,
+            ``block_n``, ``num_warps``, ``num_stages``, ``prefetch`` and ``dequant`` do not apply to it).
     Returns:
         ``(o [T, H, 512], lse fp32 [T, H])``: ``o`` with the inverse RoPE applied, ``lse`` with the sink.
     """
@@ -590,6 +596,8 @@ def sparse_attention_fwd(
     if mode != MODE_WINDOW and pool is None:
         raise ValueError("compressed entries need the pool pages")
 
+    if impl == "gluon":
+        block_h, block_n = sparse_attention_sm90.BLOCK_H, sparse_attention_sm90.BLOCK_N
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
     max_chunks = triton.cdiv(window, block_n) + triton.cdiv(num_compressed, block_n)
@@ -617,26 +625,38 @@ def sparse_attention_fwd(
     stride_page = pool_t.stride(0)
     if dequant not in ("cvt", "bits"):
         raise ValueError(f"unknown dequant {dequant!r}")
-    _sparse_attention_kernel[(T * head_blocks, splits)](
-        q, q.stride(0), q.stride(1),
-        kv_new, kv_new.stride(0),
-        ring, ring.stride(0),
-        ring_positions, ring_positions.stride(0),
-        pool_t, stride_page,
-        block_tables, block_tables.stride(0) if block_tables.dim() == 2 else 0,
-        idx_t, idx_t.stride(0) if idx_t.dim() == 2 else 0,
-        vis_t,
-        token_request, positions, cu_seqlens, start_pos, token_slots,
-        sink, inv_freq,
-        out, out.stride(0), out.stride(1),
-        lse, lse.stride(0),
-        po, plse,
-        H, num_compressed, per, splits, float(scale) * LOG2E,
-        WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
-        MODE=mode, SPLIT=splits > 1, BLOCK_H=block_h, BLOCK_N=block_n, INTERPRET=interpret,
-        BF16_MATH=bf16_math and not interpret, PREFETCH=prefetch, DEQUANT_BITS=dequant == "bits",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    if impl == "gluon":
+        if not sparse_attention_sm90.available(q.device):
+            raise ValueError(f"impl='gluon' needs a CUDA device of compute capability 9.x, got {q.device}")
+        sparse_attention_sm90.launch(
+            (T * head_blocks, splits), q, kv_new, ring, ring_positions, pool_t, stride_page, block_tables, idx_t,
+            vis_t, token_request, positions, cu_seqlens, start_pos, token_slots, sink, inv_freq, out, lse, po, plse,
+            H, num_compressed, per, splits, float(scale) * LOG2E,
+            window=window, ratio=ratio, block_size=block_size, page_entries=page_entries, mode=int(mode),
+        )
+    elif impl != "triton":
+        raise ValueError(f"unknown impl {impl!r}")
+    else:
+        _sparse_attention_kernel[(T * head_blocks, splits)](
+            q, q.stride(0), q.stride(1),
+            kv_new, kv_new.stride(0),
+            ring, ring.stride(0),
+            ring_positions, ring_positions.stride(0),
+            pool_t, stride_page,
+            block_tables, block_tables.stride(0) if block_tables.dim() == 2 else 0,
+            idx_t, idx_t.stride(0) if idx_t.dim() == 2 else 0,
+            vis_t,
+            token_request, positions, cu_seqlens, start_pos, token_slots,
+            sink, inv_freq,
+            out, out.stride(0), out.stride(1),
+            lse, lse.stride(0),
+            po, plse,
+            H, num_compressed, per, splits, float(scale) * LOG2E,
+            WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
+            MODE=mode, SPLIT=splits > 1, BLOCK_H=block_h, BLOCK_N=block_n, INTERPRET=interpret,
+            BF16_MATH=bf16_math and not interpret, PREFETCH=prefetch, DEQUANT_BITS=dequant == "bits",
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if splits > 1:
         combine_h = min(16, block_h)
         _combine_kernel[(triton.cdiv(H, combine_h), T)](

@@ -1,0 +1,445 @@
+"""Sparse attention with sink over the paged 584-B KV entries, written in Gluon for Hopper (sm_90).
+
+Same semantics, arguments and key set as ``sparse_attention._sparse_attention_kernel`` (read its docstring for the
+key set of a query and the numerics); what differs is how the keys reach the tensor cores. The Triton kernel loads
+each chunk's codes into registers right before using them, so every 64-key chunk waits on a dependent chain of
+global loads (index → block table → codes). Here the chunk's raw bytes are streamed into shared memory with
+asynchronous copies one chunk ahead, and the index and block-table loads run two and three chunks ahead, so a
+chunk's math only waits for data that was requested an iteration earlier:
+
+    iteration c:  copy chunk c+1 (cp.async)  |  block tables of c+2  |  entry indices of c+3
+                  wait for chunk c's copy → dequantize its codes into a BF16 key tile in shared memory
+                  S = Q·Kᵀ (wgmma, Q in shared memory) → online softmax → P (BF16, shared memory)
+                  O = O·α + P·K (wgmma)
+
+One program (8 warps = 2 warpgroups) holds one query token and 64 heads. The ``[64 heads, 512 dims]`` FP32 output
+accumulator is split by dims across the two warpgroups (each wgmma of ``P·K`` has N = 256), the ``[64, 64]``
+scores by keys. Shared memory: Q and the BF16 key tile (64 KB each), P (8 KB) and two copy stages of raw bytes
+(7 × 4 KB codes + 8 KB rope values + scales + validity per stage).
+
+Dequantization is exact (E4M3 code × 2^(e−127) is a BF16), so the products are those of the Triton kernel; the
+softmax is the same online base-2 one with P rounded to BF16 for P·V. With several splits per token the program
+writes an FP32 partial and ``sparse_attention._combine_kernel`` merges them, else it applies the sink and the
+inverse RoPE itself.
+
+Needs a CUDA device of compute capability 9.x (``available()``); there is no interpreter path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Triton kernel serves
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    _HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HAVE_GLUON = False
+
+__all__ = ["available", "launch"]
+
+BLOCK_H = 64  # heads per program: the wgmma M of one warpgroup
+BLOCK_N = 64  # keys per chunk
+STAGES = 2  # copy stages of raw key bytes
+NUM_WARPS = 8
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Gluon kernel can run on ``device`` (a CUDA device of compute capability 9.x, Gluon present)."""
+    if not _HAVE_GLUON or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+if _HAVE_GLUON:
+    BH = gl.constexpr(BLOCK_H)
+    BN = gl.constexpr(BLOCK_N)
+    NSTAGE = gl.constexpr(STAGES)
+    NOPE_DIM = gl.constexpr(448)
+    DATA_BYTES = gl.constexpr(576)  # per entry: 448 E4M3 codes + 64 BF16 rope values
+    MODE_WINDOW = gl.constexpr(0)
+    MODE_LIST = gl.constexpr(1)
+    MODE_ALL = gl.constexpr(2)
+
+    # Key tiles as [64 keys, blocks, 64 bytes/values]: 16 consecutive elements per thread (one or two 16-B
+    # copies), every [64]-per-key vector in the slice layout of the same rows.
+    TILE3_L = gl.constexpr(gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0]))
+    BLK_L = gl.constexpr(gl.SliceLayout(2, TILE3_L))  # [64, blocks]
+    KEY_L = gl.constexpr(gl.SliceLayout(1, BLK_L))  # [64] one value per key
+    # The 512 dims in four groups, each its own shared-memory tile (a write to one tile never waits on a read of
+    # another): FP8 blocks 0-3, 4-5, 6, then the 64 BF16 rope dims.
+    G0 = gl.constexpr(0)  # (first block, blocks) = (0, 4)
+    G1 = gl.constexpr(4)  # (4, 2)
+    G2 = gl.constexpr(6)  # (6, 1)
+
+    @gluon.jit
+    def _chunk_entries(c, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
+                       WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr, MODE: gl.constexpr):
+        """First lookup of chunk ``c`` (issued three chunks ahead, consumed by ``_chunk_blocks``): int64 ``[64]``
+        the position each window slot holds (ring), or each compressed key's entry index (−1 = none)."""
+        n = gl.arange(0, BN, layout=KEY_L)
+        if c < WINDOW_CHUNKS:
+            j = c * BN + n
+            p = pos - (WINDOW - 1) + j
+            in_ring = (j < WINDOW) & (p >= 0) & (p < start)
+            held = gl.load(ring_pos_ptr + slot * stride_rpos + gl.maximum(p, 0) % WINDOW, mask=in_ring, other=-1)
+            raw = held.to(gl.int64)
+        else:
+            j = (c - WINDOW_CHUNKS) * BN + n
+            listed = j < n_comp
+            if MODE == MODE_LIST:
+                raw = gl.load(idx_ptr + t * stride_idx + j, mask=listed, other=-1).to(gl.int64)
+            else:
+                raw = gl.where(listed, j, -1).to(gl.int64)
+        return raw
+
+    @gluon.jit
+    def _chunk_blocks(c, raw, req, block_tables_ptr, stride_bt,
+                      RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
+        """Second lookup of chunk ``c`` (two chunks ahead): int32 ``[64]`` each compressed entry's physical block
+        (−1 = unmapped or no entry); window chunks need none (zeros)."""
+        if c < WINDOW_CHUNKS:
+            block = gl.zeros([BN], gl.int32, layout=KEY_L)
+        else:
+            first_pos = gl.maximum(raw, 0) * RATIO
+            block = gl.load(block_tables_ptr + req * stride_bt + first_pos // BLOCK_SIZE, mask=raw >= 0, other=-1)
+        return block
+
+    @gluon.jit
+    def _fresh_rows(c, pos, start, WINDOW: gl.constexpr):
+        """Window chunk ``c``: which keys are this step's tokens (read from ``kv_new``), and their rows there."""
+        j = c * BN + gl.arange(0, BN, layout=KEY_L)
+        p = pos - (WINDOW - 1) + j
+        fresh = (j < WINDOW) & (p >= start)
+        return fresh, gl.maximum(p - start, 0)
+
+    @gluon.jit
+    def _tile_offsets(rows, FIRST: gl.constexpr, NB: gl.constexpr):
+        """``[64, NB, 64]`` offsets ``rows[k] + (FIRST + blk)·64 + i`` (elements) of blocks ``FIRST … FIRST+NB−1``
+        of 64 key rows (``rows`` int64 ``[64]``); the 16 consecutive elements a thread holds are aligned."""
+        blk = gl.arange(0, NB, layout=gl.SliceLayout(0, BLK_L))
+        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, TILE3_L)))
+        off = gl.expand_dims(gl.expand_dims(rows, 1), 2) + gl.expand_dims(gl.expand_dims((FIRST + blk) * 64, 0), 2)
+        return off + gl.expand_dims(gl.expand_dims(col, 0), 1)
+
+    @gluon.jit
+    def _copy_tile(base, rows, ok3, dst, FIRST: gl.constexpr, NB: gl.constexpr):
+        """Asynchronous copy of blocks ``FIRST …`` of 64 key rows (``_tile_offsets``) into ``dst`` ``[64, NB, 64]``
+        (rows not ``ok3`` zero-filled, not read)."""
+        ptrs = gl.max_contiguous(base + _tile_offsets(rows, FIRST, NB), [1, 1, 16])
+        async_copy.async_copy_global_to_shared(dst, ptrs, mask=ok3)
+
+    @gluon.jit
+    def _issue_chunk(c, live, raw, block, stage, pos, start, slot,
+                     ring_ptr, stride_ring, pool_ptr, stride_page,
+                     codes0, codes1, codes2, rope_stage, scale_smem, valid_smem,
+                     WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                     PAGE_ENTRIES: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
+        """Start the asynchronous copies of chunk ``c``'s raw bytes into copy stage ``stage`` (nothing is read when
+        not ``live``; rows without a key are zero-filled) and record which keys are real in ``valid_smem``."""
+        n = gl.arange(0, BN, layout=KEY_L)
+        if c < WINDOW_CHUNKS:
+            j = c * BN + n
+            p = pos - (WINDOW - 1) + j
+            ring_slot = gl.maximum(p, 0) % WINDOW
+            ok = live & (raw == p) & (raw >= 0)
+            fresh = live & (j < WINDOW) & (p >= start) & (p >= 0)
+            base = ring_ptr
+            ring_page = slot * stride_ring
+            rows = ring_page + ring_slot * DATA_BYTES
+            scale_off = (ring_page + WINDOW * DATA_BYTES) // 8 + ring_slot
+            valid = ok | fresh
+        else:
+            ok = live & (raw >= 0) & (block >= 0)
+            base = pool_ptr
+            page = gl.maximum(block, 0).to(gl.int64) * stride_page
+            entry_slot = (gl.maximum(raw, 0) * RATIO % BLOCK_SIZE) // RATIO
+            rows = page + entry_slot * DATA_BYTES
+            scale_off = (page + PAGE_ENTRIES * DATA_BYTES) // 8 + entry_slot
+            valid = ok
+        rows = gl.multiple_of(rows, 16)
+        ok3 = gl.expand_dims(gl.expand_dims(ok, 1), 2)
+        _copy_tile(base, rows, ok3, codes0.index(stage), 0, 4)
+        _copy_tile(base, rows, ok3, codes1.index(stage), 4, 2)
+        _copy_tile(base, rows, ok3, codes2.index(stage), 6, 1)
+        # The rope values follow the 448 codes: BF16 element (row + 448) / 2, as group 0 of a BF16 row.
+        _copy_tile(base.to(gl.pointer_type(gl.bfloat16)), (rows + NOPE_DIM) // 2, ok3, rope_stage.index(stage), 0, 1)
+        async_copy.async_copy_global_to_shared(scale_smem.index(stage), base.to(gl.pointer_type(gl.int64)) + scale_off,
+                                               mask=ok)
+        valid_smem.index(stage).store(valid.to(gl.int32))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _dequantize_group(src, dst, scales, fresh, new_rows, kv_new_ptr, is_window,
+                          FIRST: gl.constexpr, NB: gl.constexpr, IS_ROPE: gl.constexpr):
+        """One group of chunk keys into its BF16 tile ``dst`` ``[64, NB·64]``: FP8 codes ``src`` ``[64, NB, 64]``
+        × 2^(e_b − 127) per block (exact in BF16), or the BF16 rope values as stored (``IS_ROPE``); the window keys
+        of this step (``fresh``) from ``kv_new`` rows ``new_rows`` (element offsets)."""
+        if IS_ROPE:
+            k = src.load(TILE3_L)
+        else:
+            blk = gl.arange(0, NB, layout=gl.SliceLayout(0, BLK_L))
+            e = (gl.expand_dims(scales, 1) >> gl.expand_dims((FIRST + blk) * 8, 0).to(gl.int64)) & 0xFF
+            # UE8M0 byte e → 2^(e−127): e << 7 is exactly that BF16 (its exponent field is bits 7…14).
+            scale = (e << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+            codes = src.load(TILE3_L)
+            k = codes.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16) * gl.expand_dims(scale, 2)
+        if is_window:
+            fresh3 = gl.expand_dims(gl.expand_dims(fresh, 1), 2)
+            k_new = gl.load(kv_new_ptr + _tile_offsets(new_rows, FIRST, NB), mask=fresh3, other=0.0)
+            k = gl.where(fresh3, k_new, k)
+        dst.store(gl.reshape(k, [BN, NB * 64]))
+
+    @gluon.jit
+    def _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt,
+                          codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3,
+                          WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
+        """Chunk ``c``'s keys (copy stage ``stage``) as the BF16 tiles ``k0 … k3`` (dims 0-255, 256-383, 384-447,
+        448-511); window keys of this step from ``kv_new``."""
+        scales = scale_smem.index(stage).load(KEY_L)
+        is_window = c < WINDOW_CHUNKS
+        fresh, new_row = _fresh_rows(c, pos, start, WINDOW)
+        fresh = fresh & is_window
+        new_rows = (first_row + new_row) * stride_kvt
+        _dequantize_group(codes0.index(stage), k0, scales, fresh, new_rows, kv_new_ptr, is_window, 0, 4, False)
+        _dequantize_group(codes1.index(stage), k1, scales, fresh, new_rows, kv_new_ptr, is_window, 4, 2, False)
+        _dequantize_group(codes2.index(stage), k2, scales, fresh, new_rows, kv_new_ptr, is_window, 6, 1, False)
+        _dequantize_group(rope_stage.index(stage), k3, scales, fresh, new_rows, kv_new_ptr, is_window, 7, 1, True)
+
+    @gluon.jit
+    def _load_q_group(q_ptr, row_off, head_ok, dst, FIRST: gl.constexpr, NB: gl.constexpr):
+        """Dims ``64·FIRST …`` of the 64 heads' queries (rows ``row_off``, absent heads zero) into ``dst``."""
+        ok3 = gl.expand_dims(gl.expand_dims(head_ok, 1), 2)
+        dst.store(gl.reshape(gl.load(q_ptr + _tile_offsets(row_off, FIRST, NB), mask=ok3, other=0.0), [BH, NB * 64]))
+
+    @gluon.jit
+    def _store_group(o, inv, dst_ptr, row_off, head_ok, FIRST: gl.constexpr):
+        """``o · inv`` (``[64, W]`` fp32 accumulator of dims ``64·FIRST …``, ``inv`` per head) at ``dst_ptr +
+        row_off[h] + 64·FIRST + i`` in ``dst_ptr``'s dtype."""
+        L: gl.constexpr = o.type.layout
+        rows = gl.convert_layout(row_off, gl.SliceLayout(1, L))
+        ok = gl.convert_layout(head_ok, gl.SliceLayout(1, L))
+        cols = FIRST * 64 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, L))
+        val = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, L)), 1)
+        gl.store(dst_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0), val.to(dst_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(ok, 1))
+
+    @gluon.jit
+    def _rescale(o, alpha):
+        """``o · alpha[:, None]`` (alpha per head, any row layout)."""
+        return o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)
+
+    @gluon.jit
+    def _sparse_attention_sm90_kernel(
+        q_ptr, stride_qt, stride_qh,  # [T, H, 512] bf16
+        kv_new_ptr, stride_kvt,  # [T, 512] bf16
+        ring_ptr, stride_ring,  # uint8 [slots, ring_page_bytes]
+        ring_pos_ptr, stride_rpos,  # int32 [slots, W]
+        pool_ptr, stride_page,  # uint8 [num_blocks, page_bytes]
+        block_tables_ptr, stride_bt,  # int32 [B, max_blocks]
+        idx_ptr, stride_idx,  # MODE_LIST: int [T, num_compressed] entry indices (−1 = none)
+        visible_ptr,  # MODE_ALL: int64 [T] entries visible to each token
+        token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr,
+        sink_ptr, inv_freq_ptr,  # fp32 [H], fp32 [32]
+        o_ptr, stride_ot, stride_oh,  # [T, H, 512] bf16
+        lse_ptr, stride_lt,  # fp32 [T, H]
+        po_ptr, plse_ptr,  # fp32 [T, S, H, 512], [T, S, H] (SPLIT only)
+        H, num_compressed, chunks_per_split, num_splits, qk_scale,
+        WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGE_ENTRIES: gl.constexpr,
+        MODE: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """Grid ``(T · ceil(H / 64), splits)``: token ``t``, head block and split of its key chunks."""
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+        O0_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
+        O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
+        O2_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+        TILE_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        RAW_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        WINDOW_CHUNKS: gl.constexpr = (WINDOW + BN - 1) // BN
+
+        head_blocks = gl.cdiv(H, BH)
+        t = (gl.program_id(0) // head_blocks).to(gl.int64)
+        hb = gl.program_id(0) % head_blocks
+        split = gl.program_id(1)
+        req = gl.load(token_request_ptr + t).to(gl.int64)
+        pos = gl.load(positions_ptr + t).to(gl.int64)
+        start = gl.load(start_pos_ptr + req).to(gl.int64)
+        first_row = gl.load(cu_seqlens_ptr + req).to(gl.int64)
+        slot = gl.load(token_slots_ptr + t).to(gl.int64)
+
+        # Dims in four groups (0-255, 256-383, 384-447, rope 448-511), each its own tile.
+        q0 = gl.allocate_shared_memory(gl.bfloat16, [BH, 256], TILE_SL)
+        q1 = gl.allocate_shared_memory(gl.bfloat16, [BH, 128], TILE_SL)
+        q2 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
+        q3 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
+        k0 = gl.allocate_shared_memory(gl.bfloat16, [BN, 256], TILE_SL)
+        k1 = gl.allocate_shared_memory(gl.bfloat16, [BN, 128], TILE_SL)
+        k2 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
+        k3 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], TILE_SL)
+        codes0 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 4, 64], RAW_SL)
+        codes1 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 2, 64], RAW_SL)
+        codes2 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 1, 64], RAW_SL)
+        rope_stage = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 1, 64], RAW_SL)
+        scale_smem = gl.allocate_shared_memory(gl.int64, [NSTAGE, BN], VEC_SL)
+        valid_smem = gl.allocate_shared_memory(gl.int32, [NSTAGE, BN], VEC_SL)
+
+        heads = hb * BH + gl.arange(0, BH, layout=KEY_L)
+        q_rows = t * stride_qt + heads * stride_qh
+        _load_q_group(q_ptr, q_rows, heads < H, q0, 0, 4)
+        _load_q_group(q_ptr, q_rows, heads < H, q1, 4, 2)
+        _load_q_group(q_ptr, q_rows, heads < H, q2, 6, 1)
+        _load_q_group(q_ptr, q_rows, heads < H, q3, 7, 1)
+
+        if MODE == MODE_ALL:
+            n_comp = gl.minimum(gl.load(visible_ptr + t).to(gl.int32), num_compressed)
+        elif MODE == MODE_LIST:
+            n_comp = num_compressed
+        else:
+            n_comp = 0
+        total = WINDOW_CHUNKS + gl.cdiv(n_comp, BN)
+        c_begin = split * chunks_per_split
+        c_end = gl.minimum(c_begin + chunks_per_split, total)
+
+        # Prologue: chunk c_begin in flight, the lookups of c_begin+1 done, the entries of c_begin+2 requested.
+        e0 = _chunk_entries(c_begin, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
+                            WINDOW, WINDOW_CHUNKS, MODE)
+        b0 = _chunk_blocks(c_begin, e0, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+        _issue_chunk(c_begin, c_begin < c_end, e0, b0, 0, pos, start, slot, ring_ptr, stride_ring, pool_ptr,
+                     stride_page, codes0, codes1, codes2, rope_stage, scale_smem, valid_smem,
+                     WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
+        e1 = _chunk_entries(c_begin + 1, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                            stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+        b1 = _chunk_blocks(c_begin + 1, e1, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+        e2 = _chunk_entries(c_begin + 2, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                            stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+
+        m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_L))
+        o0 = gl.zeros([BH, 256], gl.float32, layout=O0_L)
+        o1 = gl.zeros([BH, 128], gl.float32, layout=O1_L)
+        o2 = gl.zeros([BH, 64], gl.float32, layout=O2_L)
+        o3 = gl.zeros([BH, 64], gl.float32, layout=O2_L)
+        s_zero = gl.zeros([BH, BN], gl.float32, layout=S_L)
+
+        for c in range(c_begin, c_end):
+            stage = (c - c_begin) % NSTAGE
+            # Look ahead: copy chunk c+1, block tables of c+2, entries of c+3 (used next iteration: no stall).
+            _issue_chunk(c + 1, c + 1 < c_end, e1, b1, 1 - stage, pos, start, slot, ring_ptr, stride_ring,
+                         pool_ptr, stride_page, codes0, codes1, codes2, rope_stage, scale_smem, valid_smem,
+                         WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
+            b1 = _chunk_blocks(c + 2, e2, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+            e1 = e2
+            e2 = _chunk_entries(c + 3, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                                stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+
+            # Chunk c's bytes are in (every thread waited for its own copies; the barrier publishes them, and
+            # orders this chunk's writes of the key tiles / P after the previous chunk's wgmma reads).
+            async_copy.wait_group(1)
+            gl.thread_barrier()
+            _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt,
+                              codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3, WINDOW, WINDOW_CHUNKS)
+            fence_async_shared()
+            gl.thread_barrier()
+
+            s = warpgroup_mma(q0, k0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q1, k1.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q2, k2.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q3, k3.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            valid = valid_smem.index(stage).load(gl.SliceLayout(0, S_L)) != 0
+            s = gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            # The probabilities are rounded to BF16 for P·V; the denominator keeps the FP32 ones (SPEC §3 step 5).
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            o0 = warpgroup_mma(p_smem, k0, _rescale(o0, alpha), is_async=True)
+            o1 = warpgroup_mma(p_smem, k1, _rescale(o1, alpha), is_async=True)
+            o2 = warpgroup_mma(p_smem, k2, _rescale(o2, alpha), is_async=True)
+            o3 = warpgroup_mma(p_smem, k3, _rescale(o3, alpha), is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+        async_copy.wait_group(0)
+
+        head_ok = heads < H
+        if SPLIT:
+            # Partial: o/l and its log-sum-exp (base 2); an empty split has lse −inf and o 0.
+            has = l_i > 0
+            inv = 1.0 / gl.where(has, l_i, 1.0)
+            plse = gl.where(has, gl.where(m_i == float("-inf"), 0.0, m_i) + gl.log2(gl.where(has, l_i, 1.0)),
+                            float("-inf"))
+            row = (t * num_splits + split) * H + heads
+            _store_group(o0, inv, po_ptr, row * 512, head_ok, 0)
+            _store_group(o1, inv, po_ptr, row * 512, head_ok, 4)
+            _store_group(o2, inv, po_ptr, row * 512, head_ok, 6)
+            _store_group(o3, inv, po_ptr, row * 512, head_ok, 7)
+            gl.store(plse_ptr + row, gl.convert_layout(plse, KEY_L), mask=head_ok)
+        else:
+            sink = gl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+            m_use = gl.convert_layout(gl.where(m_i == float("-inf"), 0.0, m_i), KEY_L)
+            denom = gl.convert_layout(l_i, KEY_L) + gl.exp2(sink - m_use)
+            gl.store(lse_ptr + t * stride_lt + heads, (m_use + gl.log2(denom)) * 0.6931471805599453, mask=head_ok)
+            inv = 1.0 / denom
+            out_rows = t * stride_ot + heads * stride_oh
+            _store_group(o0, inv, o_ptr, out_rows, head_ok, 0)
+            _store_group(o1, inv, o_ptr, out_rows, head_ok, 4)
+            _store_group(o2, inv, o_ptr, out_rows, head_ok, 6)
+            _store_group(o3, inv, o_ptr, out_rows, head_ok, 7)
+            # Inverse RoPE of the last 64 dims, from the rounded values just stored (as the reference).
+            gl.thread_barrier()
+            _rotate_rope_in_place(o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos, inv_freq_ptr)
+
+    @gluon.jit
+    def _rotate_rope_in_place(rope_ptr, stride_oh, hb, H, pos, inv_freq_ptr):
+        """Rotate the rope dims of 64 heads' outputs (``rope_ptr + h·stride_oh + i``, BF16, 64 per head) by
+        ``−pos·ω_i`` per adjacent pair in FP32, rounding to BF16 again."""
+        PAIR_L: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
+        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
+        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIR_L)))
+        ptrs = rope_ptr + heads[:, None, None] * stride_oh + (2 * pair)[None, :, None] + half[None, None, :]
+        mask = (heads < H)[:, None, None] & (half >= 0)[None, None, :]
+        re, im = gl.split(gl.load(ptrs, mask=mask, other=0.0).to(gl.float32))
+        angle = pos.to(gl.float32) * gl.load(inv_freq_ptr + pair)
+        cos = gl.extra.libdevice.cos(angle)
+        sin = -gl.extra.libdevice.sin(angle)
+        out = gl.join(re * cos[None, :] - im * sin[None, :], re * sin[None, :] + im * cos[None, :])
+        gl.store(ptrs, out.to(gl.bfloat16), mask=mask)
+
+
+def launch(grid, q, kv_new, ring, ring_positions, pool_t, stride_page, block_tables, idx_t, vis_t,
+           token_request, positions, cu_seqlens, start_pos, token_slots, sink, inv_freq, out, lse, po, plse,
+           H, num_compressed, per, splits, qk_scale, *, window, ratio, block_size, page_entries, mode) -> None:
+    """Launch the Gluon kernel with ``sparse_attention_fwd``'s prepared arguments (see there)."""
+    _sparse_attention_sm90_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv_new, kv_new.stride(0),
+        ring, ring.stride(0),
+        ring_positions, ring_positions.stride(0),
+        pool_t, stride_page,
+        block_tables, block_tables.stride(0) if block_tables.dim() == 2 else 0,
+        idx_t, idx_t.stride(0) if idx_t.dim() == 2 else 0,
+        vis_t,
+        token_request, positions, cu_seqlens, start_pos, token_slots,
+        sink, inv_freq,
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0),
+        po, plse,
+        H, num_compressed, per, splits, qk_scale,
+        WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
+        MODE=mode, SPLIT=splits > 1,
+        num_warps=NUM_WARPS,
+    )
