@@ -142,9 +142,9 @@ def compile_in_parallel(quick: bool, variants: list[dict[str, Any]]) -> None:
 
 
 def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]] | None = None,
-        json_path: str | None = None, compile_only: bool = False) -> list[dict]:
-    """Time every shape (``quick``: the acceptance shapes only) and return roofline rows (``compile_only``: call
-    each variant once per shape, no timing)."""
+        json_path: str | None = None, compile_only: bool = False, only: list[str] | None = None) -> list[dict]:
+    """Time every shape (``quick``: the acceptance shapes only; ``only``: shapes named ``name:batch``) and return
+    roofline rows (``compile_only``: call each variant once per shape, no timing)."""
     from dsv4.kernels.sparse_attention import sparse_attention_fwd
 
     variants = variants or [{}]
@@ -157,6 +157,8 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
     batches = (1, 8, 64, 128)
     shapes = [(name, b, 1, False) for name in DECODE for b in batches if not (quick and name != "flash_csa" and b == 1)]
     shapes += [(name, 1, 4096, True) for name in PREFILL]
+    if only:
+        shapes = [sh for sh in shapes if f"{sh[0]}:{sh[1]}" in only or sh[0] in only]
     for name, batch, new, prefill in shapes:
         heads, ratio, topk, context = (PREFILL if prefill else DECODE)[name]
         args = build(heads, ratio, topk, context, batch, new, device)
@@ -223,6 +225,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write rows + environment here")
     ap.add_argument("--variants", default=None,
                     help="JSON list of keyword sets for sparse_attention_fwd, e.g. '[{\"block_n\": 32}]'")
+    ap.add_argument("--only", default=None, help="comma-separated shapes, 'name' or 'name:batch' (e.g. flash_csa:64)")
     ap.add_argument("--compile-only", action="store_true", help="call each variant once per shape, no timing")
     ap.add_argument("--parallel-compile", action="store_true",
                     help="first compile every variant in its own subprocess, side by side (warms the Triton cache); "
@@ -235,7 +238,8 @@ def main() -> None:
         print(f"# parallel compile: {time.time() - t0:.0f} s", flush=True)
         if a.compile_only:
             return
-    run(quick=a.quick, variants=variants, json_path=a.json, compile_only=a.compile_only)
+    run(quick=a.quick, variants=variants, json_path=a.json, compile_only=a.compile_only,
+        only=a.only.split(",") if a.only else None)
 
 
 if __name__ == "__main__":

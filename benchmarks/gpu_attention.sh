@@ -3,15 +3,17 @@
 # backend, then the --quick benchmark of the Triton kernel and the Gluon (sm_90) kernel side by side.
 # Usage (repo root, GPU machine): bash benchmarks/gpu_attention.sh — outputs under $OUT.
 #   VARIANTS=gluon,default  test variants (tests/test_gpu_attention.py VARIANTS names)
-#   BENCH='[{}, {"impl": "gluon"}]'  benchmark variants; PROFILE=1 adds ncu samples of the Gluon kernel
+#   BENCH='[{}, {"impl": "gluon"}]'  benchmark variants; ONLY=flash_csa:64,pro_csa  benchmark shapes
+#   TESTS=0 skips the tests
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u
 A=tests/test_gpu_attention.py
-DSV4_ATTN_VARIANTS=${VARIANTS:-gluon} timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu "$A" \
-  --tb=short -k "${TESTS_K:-not dequant_exact and not layer_triton}" > "$O/attn_tests.log" 2>&1
+[ "${TESTS:-1}" = 0 ] || DSV4_ATTN_VARIANTS=${VARIANTS:-gluon} timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu "$A" \
+  --tb=short -k "${TESTS_K:-not layer_triton}" > "$O/attn_tests.log" 2>&1
 echo "== attention tests rc=$?"; grep -E "^E |passed|failed|Error|FAILED" "$O/attn_tests.log" | head -30
 DEFAULT_BENCH='[{}, {"impl": "gluon"}]'
 timeout ${BENCH_S:-300} python3 benchmarks/bench_attention.py --quick --variants "${BENCH:-$DEFAULT_BENCH}" \
+  ${ONLY:+--only "$ONLY"} \
   --json "$O/attn_bench.json" > "$O/attn_bench.log" 2>&1
 echo "== attention bench rc=$?"; grep -v '^ *$' "$O/attn_bench.log" | tail -45

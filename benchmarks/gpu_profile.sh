@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # Hardware-counter profiles (ncu, Firecracker GPU machines) of the write-path kernel at HCA decode B=1 and of the
-# sparse-attention kernel at Flash CSA B=64: per-SASS-instruction stall samples as CSV, plus the summary sections.
+# sparse-attention kernels (Triton and Gluon) at Flash CSA B=64: per-SASS-instruction stall samples as CSV, plus the summary sections.
 # Usage (repo root, GPU machine): bash benchmarks/gpu_profile.sh — outputs under $OUT (default ./out).
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 NCU="ncu --clock-control none --section SourceCounters --section WarpStateStats --section LaunchStats --section Occupancy --section SpeedOfLight --import-source no"
 prof() {  # name, kernel regex, command...
   local name=$1 k=$2; shift 2
-  timeout 150 $NCU -k "regex:$k" --launch-skip 2 --launch-count 1 -f -o "$O/$name" "$@" > "$O/$name.run.log" 2>&1
+  timeout 150 $NCU -k "regex:$k" --launch-skip 2 --launch-count ${COUNT:-1} -f -o "$O/$name" "$@" > "$O/$name.run.log" 2>&1
   echo "== $name rc=$?"
   ncu --import "$O/$name.ncu-rep" --print-details all > "$O/$name.txt" 2>&1
   ncu --import "$O/$name.ncu-rep" --page source --print-source sass --csv > "$O/$name.sass.csv" 2>&1
   grep -E "Duration|Registers Per|Achieved Occupancy|No Eligible|Stall|Local" "$O/$name.txt" | head -30
   wc -c "$O/$name.sass.csv"
 }
-prof write_hca '_write_before' python3 benchmarks/bench_write.py --only "v4-flash hca decode B=1" --profile-calls 4
-prof attn_csa '_sparse_attention_kernel' python3 benchmarks/profile_attention.py --shape flash_csa --batch 64 --calls 4
+# TARGETS selects among: write_hca attn_csa attn_gluon (default: all); BATCH the attention batch (default 64);
+# VARIANT the Gluon kernel's sparse_attention_fwd keywords (JSON); KERNELS its kernel-name regex; COUNT launches.
+GLUON='{"impl": "gluon"}'
+for target in ${TARGETS:-write_hca attn_csa attn_gluon}; do
+  case $target in
+    write_hca) prof write_hca '_write_before' python3 benchmarks/bench_write.py --only "v4-flash hca decode B=1" \
+      --profile-calls 4 ;;
+    attn_csa) prof attn_csa '_sparse_attention_kernel' python3 benchmarks/profile_attention.py --shape flash_csa \
+      --batch ${BATCH:-64} --calls 4 ;;
+    attn_gluon) prof attn_gluon "${KERNELS:-_sparse_attention_sm90_kernel}" python3 benchmarks/profile_attention.py \
+      --shape flash_csa --batch ${BATCH:-64} --calls 4 --variant "${VARIANT:-$GLUON}" ;;
+  esac
+done
 rm -f "$O"/*.ncu-rep

@@ -49,6 +49,8 @@ KERNELS = {
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, num_warps=8),
         {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
          "stride_ot", "stride_oh", "stride_lt"}),
+    "dequant_sm90": ("dsv4.kernels.sparse_attention_sm90:_dequant_probe_kernel",
+        {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=8), set()),
     "write": ("dsv4.kernels.compressor:_write_before_attention_kernel", {
         "kv_ptr": "*bf16", "pos_ptr": "*i64", "kv_out_ptr": "*bf16", "start_ptr": "*i64", "end_ptr": "*i64",
         "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",

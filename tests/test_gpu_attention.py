@@ -104,11 +104,11 @@ def make_case(
 # Kernel variants under measurement (keywords of ``sparse_attention_fwd``; ``{}`` the default kernel). Each GPU
 # case below runs once per variant; the benchmark's ``--variants`` takes the same dicts.
 VARIANTS = {
-    "default": {},
+    "default": {},  # the Gluon kernel on Hopper, else the Triton one
+    "triton": {"impl": "triton"},
     "fill": {"split_policy": "fill"},
-    "prefetch": {"prefetch": True},
-    "bits": {"dequant": "bits"},
-    "gluon": {"impl": "gluon"},
+    "prefetch": {"impl": "triton", "prefetch": True},
+    "bits": {"impl": "triton", "dequant": "bits"},
 }
 
 
@@ -126,12 +126,13 @@ def variant(request, monkeypatch):
 
 
 def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's key dequantization (``_key_block`` × 8) of 64 entries holding every finite
-    E4M3 code, against ``code × 2^(e−127)`` rounded to BF16 once. Exponents 100–134, or 10–246 when ``wide``
+    """The kernel's key dequantization (Triton: ``_key_block`` × 8; Gluon on Hopper: ``_e4m3_to_bf16``) of 64
+    entries holding every finite E4M3 code, against ``code × 2^(e−127)`` rounded to BF16 once. Exponents 100–134, or 10–246 when ``wide``
     (``dequant="bits"`` then takes its two-multiply path). Returns ``(kernel, expected)`` as float32 ``[64, 512]``.
     """
     from dsv4.formats.fp8 import e4m3_decode
     from dsv4.kernels import sparse_attention as sa
+    from dsv4.kernels import sparse_attention_sm90
 
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randperm(64 * 448, generator=g) % 256).to(torch.uint8).view(64, 448)
@@ -147,6 +148,9 @@ def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tupl
     expected = torch.cat(((e4m3_decode(codes) * scale).to(torch.bfloat16), rope), 1).float()
     out = torch.empty(64, 512, dtype=torch.bfloat16, device=device)
     interpret = device != "cuda"
+    if options.get("impl", "auto") != "triton" and sparse_attention_sm90.available(torch.device(device)):
+        sparse_attention_sm90.dequant_probe(pages.to(device), out)
+        return out.float().cpu(), expected
     probe = sa._dequant_probe_kernel
     probe[(1,)](pages.to(device), out, BF16_MATH=options.get("bf16_math", True) and not interpret,
                 DEQUANT_BITS=options.get("dequant") == "bits", num_warps=8)

@@ -34,8 +34,19 @@ def _prmt(a: int, b: int, c: int) -> int:
     return out
 
 
+def _mul_bf16x2(a: int, b: int) -> int:
+    """PTX ``mul.rn.bf16x2``: each 16-bit half of ``a`` times that of ``b`` as BF16, rounded once to nearest even
+    (subnormals kept). The FP32 product of two BF16 values is exact (8-bit significands, exponents in range), so
+    torch's FP32 multiply and one cast model it."""
+    halves = torch.tensor([a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16], dtype=torch.int32).to(torch.int16)
+    x = halves.view(torch.bfloat16).float()
+    r = (x[:2] * x[2:]).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(r[0]) | int(r[1]) << 16
+
+
 def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
-    """Execute the ``.b32`` instructions ``and or shl shr prmt mov`` of ``text`` over 32-bit registers."""
+    """Execute the instructions ``and or shl shr prmt mov`` (``.b32``), ``mad.lo.u32`` and ``mul.rn.bf16x2`` of
+    ``text`` over 32-bit registers."""
     regs = dict(operands)
 
     def value(tok: str) -> int:
@@ -63,6 +74,10 @@ def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
             r = _prmt(*v)
         elif op == "mov.b32":
             r = v[0]
+        elif op == "mad.lo.u32":
+            r = (v[0] * v[1] + v[2]) & MASK32
+        elif op == "mul.rn.bf16x2":
+            r = _mul_bf16x2(v[0], v[1])
         else:
             raise NotImplementedError(f"PTX instruction {op!r} is not modelled here")
         regs[dst] = r

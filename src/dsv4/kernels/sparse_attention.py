@@ -426,30 +426,39 @@ def _combine_kernel(
     positions_ptr, sink_ptr, inv_freq_ptr,
     o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
     H, num_splits,
-    BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Merge the splits of one token and head block (grid ``(ceil(H / BLOCK_H), T)``):
-    ``o = Σ_s 2^{lse_s − M} o_s / (Σ_s 2^{lse_s − M} + 2^{sink − M})``, then the inverse RoPE."""
+    ``o = Σ_s 2^{lse_s − M} o_s / (Σ_s 2^{lse_s − M} + 2^{sink − M})``, then the inverse RoPE.
+
+    The partials are read ``BLOCK_S`` splits at a time (one load of ``[BLOCK_S, BLOCK_H, 512]``), so their loads are
+    in flight together instead of one split after another.
+    """
     hb = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
+    split = tl.arange(0, BLOCK_S)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]
+        ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
+        m = tl.maximum(m, tl.max(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")), 0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, 512)
     r = tl.arange(0, 64)
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(plse_ptr + (t * num_splits + s) * H + heads, mask=head_ok, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
     nope = tl.zeros((BLOCK_H, 512), tl.float32)  # dims 448… unused
     rope = tl.zeros((BLOCK_H, 64), tl.float32)
     weight = tl.zeros((BLOCK_H,), tl.float32)
-    for s in range(num_splits):
-        row = (t * num_splits + s) * H + heads
-        w = tl.exp2(tl.load(plse_ptr + row, mask=head_ok, other=float("-inf")) - m_use)
-        part = po_ptr + row[:, None] * 512
-        nope += w[:, None] * tl.load(part + d[None, :], mask=head_ok[:, None] & (d[None, :] < NOPE_DIM), other=0.0)
-        rope += w[:, None] * tl.load(part + NOPE_DIM + r[None, :], mask=head_ok[:, None], other=0.0)
-        weight += w
+    for s0 in range(0, num_splits, BLOCK_S):
+        rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
+        ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
+        w = tl.exp2(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")) - m_use[None, :])  # 0 where absent
+        part = po_ptr + rows[:, :, None] * 512
+        nope += tl.sum(w[:, :, None] * tl.load(part + d[None, None, :],
+                                               mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0), 0)
+        rope += tl.sum(w[:, :, None] * tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None], other=0.0), 0)
+        weight += tl.sum(w, 0)
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
     denom = weight + tl.exp2(sink - m_use)
     tl.store(lse_ptr + t * stride_lt + heads, (m_use + tl.log2(denom)) * 0.6931471805599453, mask=head_ok)
@@ -535,7 +544,8 @@ def sparse_attention_fwd(
     split_policy: str = "waves",
     prefetch: bool = False,
     dequant: str = "cvt",
-    impl: str = "triton",
+    impl: str = "auto",
+    gluon_options: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``T`` query tokens over their window and compressed entries, sink, inverse RoPE.
 
@@ -567,9 +577,11 @@ def sparse_attention_fwd(
             HCA-1M B=64 504 vs 659) and equal on prefill (never split).
         prefetch: locate chunk ``c+1``'s compressed entries (index, block table, scales) during chunk ``c``.
         dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
-        impl: ``"triton"`` this module's kernel, or ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90``
+        impl: ``"auto"`` (``"gluon"`` on a GPU of compute capability 9.x with Gluon available, else ``"triton"``),
+            ``"triton"`` this module's kernel, or ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90``
             (asynchronous copies of the raw keys one chunk ahead; needs compute capability 9.x; ``block_h``,
             ``block_n``, ``num_warps``, ``num_stages``, ``prefetch`` and ``dequant`` do not apply to it).
+        gluon_options: constexpr variants of the Gluon kernel (``sparse_attention_sm90.launch``).
     Returns:
         ``(o [T, H, 512], lse fp32 [T, H])``: ``o`` with the inverse RoPE applied, ``lse`` with the sink.
     """
@@ -596,6 +608,8 @@ def sparse_attention_fwd(
     if mode != MODE_WINDOW and pool is None:
         raise ValueError("compressed entries need the pool pages")
 
+    if impl == "auto":
+        impl = "gluon" if sparse_attention_sm90.available(q.device) else "triton"
     if impl == "gluon":
         block_h, block_n = sparse_attention_sm90.BLOCK_H, sparse_attention_sm90.BLOCK_N
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
@@ -633,6 +647,7 @@ def sparse_attention_fwd(
             vis_t, token_request, positions, cu_seqlens, start_pos, token_slots, sink, inv_freq, out, lse, po, plse,
             H, num_compressed, per, splits, float(scale) * LOG2E,
             window=window, ratio=ratio, block_size=block_size, page_entries=page_entries, mode=int(mode),
+            options=gluon_options,
         )
     elif impl != "triton":
         raise ValueError(f"unknown impl {impl!r}")
@@ -658,11 +673,13 @@ def sparse_attention_fwd(
             num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:
-        combine_h = min(16, block_h)
+        # 16 partial rows (splits × heads) per load: many small programs, all their loads in flight.
+        combine_s = min(16, triton.next_power_of_2(splits))
+        combine_h = max(1, min(16 // combine_s, triton.next_power_of_2(H)))
         _combine_kernel[(triton.cdiv(H, combine_h), T)](
             po, plse, positions, sink, inv_freq,
             out, out.stride(0), out.stride(1), lse, lse.stride(0),
             H, splits,
-            BLOCK_H=combine_h, INTERPRET=interpret, num_warps=4,
+            BLOCK_H=combine_h, BLOCK_S=combine_s, INTERPRET=interpret, num_warps=4,
         )
     return out, lse

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from . import ptx
+
 try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Triton kernel serves
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -43,7 +45,7 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
 
-__all__ = ["available", "launch"]
+__all__ = ["available", "dequant_probe", "launch"]
 
 BLOCK_H = 64  # heads per program: the wgmma M of one warpgroup
 BLOCK_N = 64  # keys per chunk
@@ -67,11 +69,13 @@ if _HAVE_GLUON:
     MODE_WINDOW = gl.constexpr(0)
     MODE_LIST = gl.constexpr(1)
     MODE_ALL = gl.constexpr(2)
+    DEQUANT_PTX = gl.constexpr(ptx.DEQUANT_E4M3)
 
     # Key tiles as [64 keys, blocks, 64 bytes/values]: 16 consecutive elements per thread (one or two 16-B
     # copies), every [64]-per-key vector in the slice layout of the same rows.
     TILE3_L = gl.constexpr(gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0]))
     BLK_L = gl.constexpr(gl.SliceLayout(2, TILE3_L))  # [64, blocks]
+    Q_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))  # [64 heads, dims]: 16-byte copies
     KEY_L = gl.constexpr(gl.SliceLayout(1, BLK_L))  # [64] one value per key
     # The 512 dims in four groups, each its own shared-memory tile (a write to one tile never waits on a read of
     # another): FP8 blocks 0-3, 4-5, 6, then the 64 BF16 rope dims.
@@ -177,20 +181,40 @@ if _HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _block_exponents(scales, FIRST: gl.constexpr, NB: gl.constexpr):
+        """int32 ``[64, NB]`` UE8M0 exponents of blocks ``FIRST … FIRST+NB−1`` from each key's scale word
+        (``scales`` int64 ``[64]``, byte ``b`` = block ``b``)."""
+        word = (scales >> (32 * (FIRST // 4))).to(gl.int32)  # the 32-bit half holding these blocks
+        blk = gl.arange(0, NB, layout=gl.SliceLayout(0, BLK_L))
+        return (gl.expand_dims(word, 1) >> gl.expand_dims((FIRST % 4 + blk) * 8, 0)) & 0xFF
+
+    @gluon.jit
+    def _e4m3_to_bf16(codes, e):
+        """``code · 2^(e − 127)`` as BF16, exact (``ptx.DEQUANT_E4M3``): ``codes`` uint8 ``[64, NB, 64]`` E4M3, ``e``
+        int32 ``[64, NB]`` each block's UE8M0 exponent."""
+        e3 = gl.expand_dims(e, 2)
+        # Two power-of-two multipliers, both BF16: 2^(min(e,134)−7) restores the code's 2^−120 bias, 2^(max(e,134)−134)
+        # completes scales beyond BF16's largest power (1 for every e ≤ 134).
+        s1 = ((gl.minimum(e3, 134) + 120) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        s2 = ((gl.maximum(e3, 134) - 7) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        s1, _ = gl.broadcast(s1, codes)
+        s2, _ = gl.broadcast(s2, codes)
+        return gl.inline_asm_elementwise(DEQUANT_PTX, "=r,=r,r,r,r,r,r", [codes, s1, s2], dtype=gl.bfloat16,
+                                         is_pure=True, pack=4)
+
+    @gluon.jit
     def _dequantize_group(src, dst, scales, fresh, new_rows, kv_new_ptr, is_window,
-                          FIRST: gl.constexpr, NB: gl.constexpr, IS_ROPE: gl.constexpr):
+                          FIRST: gl.constexpr, NB: gl.constexpr, IS_ROPE: gl.constexpr, DEQUANT_PTX: gl.constexpr):
         """One group of chunk keys into its BF16 tile ``dst`` ``[64, NB·64]``: FP8 codes ``src`` ``[64, NB, 64]``
         × 2^(e_b − 127) per block (exact in BF16), or the BF16 rope values as stored (``IS_ROPE``); the window keys
         of this step (``fresh``) from ``kv_new`` rows ``new_rows`` (element offsets)."""
         if IS_ROPE:
             k = src.load(TILE3_L)
+        elif DEQUANT_PTX:
+            k = _e4m3_to_bf16(src.load(TILE3_L), _block_exponents(scales, FIRST, NB))
         else:
-            blk = gl.arange(0, NB, layout=gl.SliceLayout(0, BLK_L))
-            e = (gl.expand_dims(scales, 1) >> gl.expand_dims((FIRST + blk) * 8, 0).to(gl.int64)) & 0xFF
-            # UE8M0 byte e → 2^(e−127): e << 7 is exactly that BF16 (its exponent field is bits 7…14).
-            scale = (e << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
-            codes = src.load(TILE3_L)
-            k = codes.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16) * gl.expand_dims(scale, 2)
+            scale = (_block_exponents(scales, FIRST, NB) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+            k = src.load(TILE3_L).to(gl.float8e4nv, bitcast=True).to(gl.bfloat16) * gl.expand_dims(scale, 2)
         if is_window:
             fresh3 = gl.expand_dims(gl.expand_dims(fresh, 1), 2)
             k_new = gl.load(kv_new_ptr + _tile_offsets(new_rows, FIRST, NB), mask=fresh3, other=0.0)
@@ -200,7 +224,7 @@ if _HAVE_GLUON:
     @gluon.jit
     def _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt,
                           codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3,
-                          WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
+                          WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr, DEQUANT_PTX: gl.constexpr):
         """Chunk ``c``'s keys (copy stage ``stage``) as the BF16 tiles ``k0 … k3`` (dims 0-255, 256-383, 384-447,
         448-511); window keys of this step from ``kv_new``."""
         scales = scale_smem.index(stage).load(KEY_L)
@@ -208,16 +232,26 @@ if _HAVE_GLUON:
         fresh, new_row = _fresh_rows(c, pos, start, WINDOW)
         fresh = fresh & is_window
         new_rows = (first_row + new_row) * stride_kvt
-        _dequantize_group(codes0.index(stage), k0, scales, fresh, new_rows, kv_new_ptr, is_window, 0, 4, False)
-        _dequantize_group(codes1.index(stage), k1, scales, fresh, new_rows, kv_new_ptr, is_window, 4, 2, False)
-        _dequantize_group(codes2.index(stage), k2, scales, fresh, new_rows, kv_new_ptr, is_window, 6, 1, False)
-        _dequantize_group(rope_stage.index(stage), k3, scales, fresh, new_rows, kv_new_ptr, is_window, 7, 1, True)
+        _dequantize_group(codes0.index(stage), k0, scales, fresh, new_rows, kv_new_ptr, is_window, 0, 4, False, DEQUANT_PTX)
+        _dequantize_group(codes1.index(stage), k1, scales, fresh, new_rows, kv_new_ptr, is_window, 4, 2, False, DEQUANT_PTX)
+        _dequantize_group(codes2.index(stage), k2, scales, fresh, new_rows, kv_new_ptr, is_window, 6, 1, False, DEQUANT_PTX)
+        _dequantize_group(rope_stage.index(stage), k3, scales, fresh, new_rows, kv_new_ptr, is_window, 7, 1, True, DEQUANT_PTX)
 
     @gluon.jit
     def _load_q_group(q_ptr, row_off, head_ok, dst, FIRST: gl.constexpr, NB: gl.constexpr):
-        """Dims ``64·FIRST …`` of the 64 heads' queries (rows ``row_off``, absent heads zero) into ``dst``."""
+        """Variant ``Q_ASYNC=False``: dims ``64·FIRST …`` of the 64 heads' queries loaded and stored synchronously."""
         ok3 = gl.expand_dims(gl.expand_dims(head_ok, 1), 2)
         dst.store(gl.reshape(gl.load(q_ptr + _tile_offsets(row_off, FIRST, NB), mask=ok3, other=0.0), [BH, NB * 64]))
+
+    @gluon.jit
+    def _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, dst, FIRST: gl.constexpr, W: gl.constexpr):
+        """Asynchronous copy of dims ``64·FIRST … 64·FIRST+W−1`` of the block's 64 heads' queries into ``dst``
+        ``[64, W]`` (heads ``≥ H`` zero-filled), 16 bytes per copy."""
+        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Q_L))
+        cols = FIRST * 64 + gl.arange(0, W, layout=gl.SliceLayout(0, Q_L))
+        ptrs = q_ptr + t * stride_qt + gl.expand_dims(heads * stride_qh, 1) + gl.expand_dims(cols, 0)
+        async_copy.async_copy_global_to_shared(dst, gl.max_contiguous(ptrs, [1, 8]),
+                                               mask=gl.expand_dims(heads < H, 1))
 
     @gluon.jit
     def _store_group(o, inv, dst_ptr, row_off, head_ok, FIRST: gl.constexpr):
@@ -230,6 +264,15 @@ if _HAVE_GLUON:
         val = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, L)), 1)
         gl.store(dst_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0), val.to(dst_ptr.dtype.element_ty),
                  mask=gl.expand_dims(ok, 1))
+
+    @gluon.jit
+    def _store_tile(tile, dst_ptr, stride_oh, hb, H, FIRST: gl.constexpr):
+        """Store the BF16 tile ``tile`` ``[64 heads, W]`` (shared memory) at ``dst_ptr + h·stride_oh + 64·FIRST + i``
+        with 16-byte stores (heads ``≥ H`` skipped)."""
+        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Q_L))
+        cols = FIRST * 64 + gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, Q_L))
+        ptrs = dst_ptr + gl.expand_dims(heads * stride_oh, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, tile.load(Q_L), mask=gl.expand_dims(heads < H, 1))
 
     @gluon.jit
     def _rescale(o, alpha):
@@ -254,6 +297,8 @@ if _HAVE_GLUON:
         H, num_compressed, chunks_per_split, num_splits, qk_scale,
         WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGE_ENTRIES: gl.constexpr,
         MODE: gl.constexpr, SPLIT: gl.constexpr,
+        DEQUANT_PTX: gl.constexpr = True, ROPE_REGS: gl.constexpr = True,
+        Q_ASYNC: gl.constexpr = True, STAGE_OUT: gl.constexpr = True,
     ):
         """Grid ``(T · ceil(H / 64), splits)``: token ``t``, head block and split of its key chunks."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -292,12 +337,20 @@ if _HAVE_GLUON:
         scale_smem = gl.allocate_shared_memory(gl.int64, [NSTAGE, BN], VEC_SL)
         valid_smem = gl.allocate_shared_memory(gl.int32, [NSTAGE, BN], VEC_SL)
 
+        # The queries: one copy group of their own, in flight while the first chunk is located.
         heads = hb * BH + gl.arange(0, BH, layout=KEY_L)
-        q_rows = t * stride_qt + heads * stride_qh
-        _load_q_group(q_ptr, q_rows, heads < H, q0, 0, 4)
-        _load_q_group(q_ptr, q_rows, heads < H, q1, 4, 2)
-        _load_q_group(q_ptr, q_rows, heads < H, q2, 6, 1)
-        _load_q_group(q_ptr, q_rows, heads < H, q3, 7, 1)
+        if Q_ASYNC:
+            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q0, 0, 256)
+            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q1, 4, 128)
+            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q2, 6, 64)
+            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q3, 7, 64)
+        else:
+            q_rows = t * stride_qt + heads * stride_qh
+            _load_q_group(q_ptr, q_rows, heads < H, q0, 0, 4)
+            _load_q_group(q_ptr, q_rows, heads < H, q1, 4, 2)
+            _load_q_group(q_ptr, q_rows, heads < H, q2, 6, 1)
+            _load_q_group(q_ptr, q_rows, heads < H, q3, 7, 1)
+        async_copy.commit_group()
 
         if MODE == MODE_ALL:
             n_comp = gl.minimum(gl.load(visible_ptr + t).to(gl.int32), num_compressed)
@@ -323,7 +376,7 @@ if _HAVE_GLUON:
                             stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
 
         m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-        l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_acc = gl.zeros([BH, BN], gl.float32, layout=S_L)  # Σ p per head and key column
         o0 = gl.zeros([BH, 256], gl.float32, layout=O0_L)
         o1 = gl.zeros([BH, 128], gl.float32, layout=O1_L)
         o2 = gl.zeros([BH, 64], gl.float32, layout=O2_L)
@@ -346,7 +399,8 @@ if _HAVE_GLUON:
             async_copy.wait_group(1)
             gl.thread_barrier()
             _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt,
-                              codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3, WINDOW, WINDOW_CHUNKS)
+                              codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3, WINDOW, WINDOW_CHUNKS,
+                              DEQUANT_PTX)
             fence_async_shared()
             gl.thread_barrier()
 
@@ -357,22 +411,29 @@ if _HAVE_GLUON:
             s = warpgroup_mma_wait(0, deps=[s])
             valid = valid_smem.index(stage).load(gl.SliceLayout(0, S_L)) != 0
             s = gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
+            # Online softmax (base 2). The sums stay per element (l_acc) and are reduced once after the loop: the
+            # row max is the only exchange between the two warpgroups (each holds half of a head's keys) per chunk.
             m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - gl.expand_dims(m_use, 1))
-            l_i = l_i * alpha + gl.sum(p, 1)
+            alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+            l_acc = l_acc * gl.expand_dims(alpha, 1)
+            o0 = _rescale(o0, alpha)
+            o1 = _rescale(o1, alpha)
+            o2 = _rescale(o2, alpha)
+            o3 = _rescale(o3, alpha)
             m_i = m_new
+            p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
+            l_acc = l_acc + p
             # The probabilities are rounded to BF16 for P·V; the denominator keeps the FP32 ones (SPEC §3 step 5).
             p_smem.store(p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            o0 = warpgroup_mma(p_smem, k0, _rescale(o0, alpha), is_async=True)
-            o1 = warpgroup_mma(p_smem, k1, _rescale(o1, alpha), is_async=True)
-            o2 = warpgroup_mma(p_smem, k2, _rescale(o2, alpha), is_async=True)
-            o3 = warpgroup_mma(p_smem, k3, _rescale(o3, alpha), is_async=True)
+            o0 = warpgroup_mma(p_smem, k0, o0, is_async=True)
+            o1 = warpgroup_mma(p_smem, k1, o1, is_async=True)
+            o2 = warpgroup_mma(p_smem, k2, o2, is_async=True)
+            o3 = warpgroup_mma(p_smem, k3, o3, is_async=True)
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
         async_copy.wait_group(0)
+        l_i = gl.sum(l_acc, 1)
 
         head_ok = heads < H
         if SPLIT:
@@ -394,18 +455,50 @@ if _HAVE_GLUON:
             gl.store(lse_ptr + t * stride_lt + heads, (m_use + gl.log2(denom)) * 0.6931471805599453, mask=head_ok)
             inv = 1.0 / denom
             out_rows = t * stride_ot + heads * stride_oh
-            _store_group(o0, inv, o_ptr, out_rows, head_ok, 0)
-            _store_group(o1, inv, o_ptr, out_rows, head_ok, 4)
-            _store_group(o2, inv, o_ptr, out_rows, head_ok, 6)
-            _store_group(o3, inv, o_ptr, out_rows, head_ok, 7)
-            # Inverse RoPE of the last 64 dims, from the rounded values just stored (as the reference).
-            gl.thread_barrier()
-            _rotate_rope_in_place(o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos, inv_freq_ptr)
+            if STAGE_OUT:
+                # Through the query tiles (free now: the last S = Q·Kᵀ is done), then 16-byte coalesced stores.
+                q0.store(_rescale(o0, inv).to(gl.bfloat16))
+                q1.store(_rescale(o1, inv).to(gl.bfloat16))
+                q2.store(_rescale(o2, inv).to(gl.bfloat16))
+                gl.thread_barrier()
+                _store_tile(q0, o_ptr + t * stride_ot, stride_oh, hb, H, 0)
+                _store_tile(q1, o_ptr + t * stride_ot, stride_oh, hb, H, 4)
+                _store_tile(q2, o_ptr + t * stride_ot, stride_oh, hb, H, 6)
+            else:
+                _store_group(o0, inv, o_ptr, out_rows, head_ok, 0)
+                _store_group(o1, inv, o_ptr, out_rows, head_ok, 4)
+                _store_group(o2, inv, o_ptr, out_rows, head_ok, 6)
+            # The rope dims: rounded to BF16, rotated back by −pos, rounded again (as the reference).
+            if ROPE_REGS:
+                o3 = _rescale(o3, inv).to(gl.bfloat16)
+                _store_rope(o3, o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos, inv_freq_ptr)
+            else:
+                _store_group(o3, inv, o_ptr, out_rows, head_ok, 7)
+                gl.thread_barrier()
+                _rotate_rope_in_place(o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos, inv_freq_ptr)
+
+    @gluon.jit
+    def _store_rope(o3, rope_ptr, stride_oh, hb, H, pos, inv_freq_ptr):
+        """Store the rope dims of 64 heads' outputs (``o3`` BF16 ``[64, 64]``, any layout) at ``rope_ptr +
+        h·stride_oh + i``, rotated by ``−pos·ω_i`` per adjacent pair in FP32 and rounded to BF16 again."""
+        PAIR_L: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
+        ROW2_L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [8, 1], [1, 0])
+        pairs = gl.convert_layout(gl.reshape(gl.convert_layout(o3, ROW2_L), [BH, 32, 2]), PAIR_L)
+        re, im = gl.split(pairs.to(gl.float32))
+        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
+        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIR_L)))
+        angle = pos.to(gl.float32) * gl.load(inv_freq_ptr + pair)
+        cos = gl.expand_dims(gl.extra.libdevice.cos(angle), 0)
+        sin = gl.expand_dims(-gl.extra.libdevice.sin(angle), 0)
+        out = gl.join(re * cos - im * sin, re * sin + im * cos)
+        ptrs = rope_ptr + heads[:, None, None] * stride_oh + (2 * pair)[None, :, None] + half[None, None, :]
+        mask = (heads < H)[:, None, None] & (half >= 0)[None, None, :]
+        gl.store(ptrs, out.to(gl.bfloat16), mask=mask)
 
     @gluon.jit
     def _rotate_rope_in_place(rope_ptr, stride_oh, hb, H, pos, inv_freq_ptr):
-        """Rotate the rope dims of 64 heads' outputs (``rope_ptr + h·stride_oh + i``, BF16, 64 per head) by
-        ``−pos·ω_i`` per adjacent pair in FP32, rounding to BF16 again."""
+        """Variant ``ROPE_REGS=False``: rotate the stored rope dims of 64 heads' outputs in place."""
         PAIR_L: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
         heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
         pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
@@ -419,11 +512,38 @@ if _HAVE_GLUON:
         out = gl.join(re * cos[None, :] - im * sin[None, :], re * sin[None, :] + im * cos[None, :])
         gl.store(ptrs, out.to(gl.bfloat16), mask=mask)
 
+    @gluon.jit
+    def _probe_group(pages_ptr, out_ptr, rows, scales, FIRST: gl.constexpr, NB: gl.constexpr):
+        codes = gl.load(pages_ptr + _tile_offsets(rows * DATA_BYTES, FIRST, NB))
+        k = _e4m3_to_bf16(codes, _block_exponents(scales, FIRST, NB))
+        gl.store(out_ptr + _tile_offsets(rows * 512, FIRST, NB), k)
+
+    @gluon.jit
+    def _dequant_probe_kernel(pages_ptr, out_ptr):
+        """Test probe: the key tiles the kernel forms from 64 entries (``pages_ptr``: 64 × 576 data bytes, then
+        64 × 8 scale bytes) → BF16 ``out_ptr`` ``[64, 512]``, through the same conversion as ``_dequantize_group``."""
+        rows = gl.arange(0, BN, layout=KEY_L).to(gl.int64)
+        scales = gl.load(pages_ptr.to(gl.pointer_type(gl.int64)) + (BN * DATA_BYTES) // 8 + rows)
+        _probe_group(pages_ptr, out_ptr, rows, scales, 0, 4)
+        _probe_group(pages_ptr, out_ptr, rows, scales, 4, 2)
+        _probe_group(pages_ptr, out_ptr, rows, scales, 6, 1)
+        rope_ptr = pages_ptr.to(gl.pointer_type(gl.bfloat16))
+        rope = gl.load(rope_ptr + _tile_offsets((rows * DATA_BYTES + NOPE_DIM) // 2, 0, 1))
+        gl.store(out_ptr + _tile_offsets(rows * 512, 7, 1), rope)
+
+
+def dequant_probe(pages: torch.Tensor, out: torch.Tensor) -> None:
+    """Run ``_dequant_probe_kernel`` (tests): ``pages`` uint8 ``[64·584]``, ``out`` BF16 ``[64, 512]``."""
+    _dequant_probe_kernel[(1,)](pages, out, num_warps=NUM_WARPS)
+
 
 def launch(grid, q, kv_new, ring, ring_positions, pool_t, stride_page, block_tables, idx_t, vis_t,
            token_request, positions, cu_seqlens, start_pos, token_slots, sink, inv_freq, out, lse, po, plse,
-           H, num_compressed, per, splits, qk_scale, *, window, ratio, block_size, page_entries, mode) -> None:
-    """Launch the Gluon kernel with ``sparse_attention_fwd``'s prepared arguments (see there)."""
+           H, num_compressed, per, splits, qk_scale, *, window, ratio, block_size, page_entries, mode,
+           options: dict | None = None) -> None:
+    """Launch the Gluon kernel with ``sparse_attention_fwd``'s prepared arguments (see there); ``options``:
+    kernel variants under measurement (``DEQUANT_PTX``, ``ROPE_REGS``, ``Q_ASYNC``, ``STAGE_OUT``, all on
+    by default)."""
     _sparse_attention_sm90_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_new, kv_new.stride(0),
@@ -440,6 +560,6 @@ def launch(grid, q, kv_new, ring, ring_positions, pool_t, stride_page, block_tab
         po, plse,
         H, num_compressed, per, splits, qk_scale,
         WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
-        MODE=mode, SPLIT=splits > 1,
+        MODE=mode, SPLIT=splits > 1, **(options or {}),
         num_warps=NUM_WARPS,
     )

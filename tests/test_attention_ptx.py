@@ -1,0 +1,43 @@
+"""The Gluon attention kernel's key dequantization PTX, executed on the CPU (no triton needed).
+
+``dsv4.kernels.ptx.DEQUANT_E4M3`` turns four E4M3 codes and a block's UE8M0 exponent into four BF16 values
+``code · 2**(e − 127)``. Here the PTX text runs instruction by instruction (``test_indexer_ptx.run_ptx``) over every
+code in every byte position and every exponent 0–254, against torch's own E4M3 decode times the power of two,
+rounded to BF16 once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.kernels.ptx import DEQUANT_E4M3
+from test_indexer_ptx import MASK32, run_ptx
+
+
+def scale_pair(e: int) -> tuple[int, int]:
+    """The two BF16 multipliers the kernel passes for exponent ``e``, each repeated in both halves of a word."""
+    s1 = (min(e, 134) + 120) << 7
+    s2 = (max(e, 134) - 7) << 7
+    return s1 | s1 << 16, s2 | s2 << 16
+
+
+def expected_bits(codes: torch.Tensor, e: int) -> torch.Tensor:
+    """int32 BF16 bit patterns of ``decode(code) · 2**(e − 127)`` rounded once (NaN codes excluded by callers)."""
+    x = codes.view(torch.float8_e4m3fn).double() * 2.0 ** (e - 127)
+    return x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def test_dequant_ptx_every_code_every_exponent() -> None:
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    # Words of four codes: each finite code appears in each byte position.
+    n = finite.numel()
+    words = [[int(finite[(i + j * 61) % n]) for j in range(4)] for i in range(n)]
+    for e in range(0, 255):
+        s1, s2 = scale_pair(e)
+        for quad in words:
+            w = sum(b << (8 * j) for j, b in enumerate(quad))
+            regs = run_ptx(DEQUANT_E4M3, {"$2": w, "$3": s1, "$4": s1, "$5": s2, "$6": s2})
+            got = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
+            want = expected_bits(torch.tensor(quad, dtype=torch.uint8), e).tolist()
+            assert got == want, (e, [hex(b) for b in quad], [hex(g) for g in got], [hex(x) for x in want])
+    assert all(r <= MASK32 for r in regs.values())
