@@ -545,7 +545,6 @@ def sparse_attention_fwd(
     prefetch: bool = False,
     dequant: str = "cvt",
     impl: str = "auto",
-    gluon_options: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``T`` query tokens over their window and compressed entries, sink, inverse RoPE.
 
@@ -581,7 +580,6 @@ def sparse_attention_fwd(
             ``"triton"`` this module's kernel, or ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90``
             (asynchronous copies of the raw keys one chunk ahead; needs compute capability 9.x; ``block_h``,
             ``block_n``, ``num_warps``, ``num_stages``, ``prefetch`` and ``dequant`` do not apply to it).
-        gluon_options: constexpr variants of the Gluon kernel (``sparse_attention_sm90.launch``).
     Returns:
         ``(o [T, H, 512], lse fp32 [T, H])``: ``o`` with the inverse RoPE applied, ``lse`` with the sink.
     """
@@ -647,7 +645,6 @@ def sparse_attention_fwd(
             vis_t, token_request, positions, cu_seqlens, start_pos, token_slots, sink, inv_freq, out, lse, po, plse,
             H, num_compressed, per, splits, float(scale) * LOG2E,
             window=window, ratio=ratio, block_size=block_size, page_entries=page_entries, mode=int(mode),
-            options=gluon_options,
         )
     elif impl != "triton":
         raise ValueError(f"unknown impl {impl!r}")

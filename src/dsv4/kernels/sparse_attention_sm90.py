@@ -17,10 +17,14 @@ accumulator is split by dims across the two warpgroups (each wgmma of ``P·K`` h
 scores by keys. Shared memory: Q and the BF16 key tile (64 KB each), P (8 KB) and two copy stages of raw bytes
 (7 × 4 KB codes + 8 KB rope values + scales + validity per stage).
 
-Dequantization is exact (E4M3 code × 2^(e−127) is a BF16), so the products are those of the Triton kernel; the
-softmax is the same online base-2 one with P rounded to BF16 for P·V. With several splits per token the program
-writes an FP32 partial and ``sparse_attention._combine_kernel`` merges them, else it applies the sink and the
-inverse RoPE itself.
+Dequantization is exact (E4M3 code × 2^(e−127) is a BF16): four codes at a time by the inline PTX
+``ptx.DEQUANT_E4M3`` (integer ops place each code's fields in a BF16, two BF16 multiplies by powers of two scale it;
+no FP8 conversion instructions), so the products are those of the Triton kernel. The softmax is the same online
+base-2 one with P rounded to BF16 for P·V; its denominator is kept per element (``l_acc``) and reduced once after
+the loop, so the per-chunk row max is the only exchange between the warpgroups. With several splits per token the
+program writes an FP32 partial and ``sparse_attention._combine_kernel`` merges them; else it applies the sink,
+stages the BF16 output through the (then free) query tiles for 16-byte stores, and rotates the rope dims back in
+registers.
 
 Needs a CUDA device of compute capability 9.x (``available()``); there is no interpreter path.
 """
@@ -204,17 +208,14 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _dequantize_group(src, dst, scales, fresh, new_rows, kv_new_ptr, is_window,
-                          FIRST: gl.constexpr, NB: gl.constexpr, IS_ROPE: gl.constexpr, DEQUANT_PTX: gl.constexpr):
+                          FIRST: gl.constexpr, NB: gl.constexpr, IS_ROPE: gl.constexpr):
         """One group of chunk keys into its BF16 tile ``dst`` ``[64, NB·64]``: FP8 codes ``src`` ``[64, NB, 64]``
         × 2^(e_b − 127) per block (exact in BF16), or the BF16 rope values as stored (``IS_ROPE``); the window keys
         of this step (``fresh``) from ``kv_new`` rows ``new_rows`` (element offsets)."""
         if IS_ROPE:
             k = src.load(TILE3_L)
-        elif DEQUANT_PTX:
-            k = _e4m3_to_bf16(src.load(TILE3_L), _block_exponents(scales, FIRST, NB))
         else:
-            scale = (_block_exponents(scales, FIRST, NB) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
-            k = src.load(TILE3_L).to(gl.float8e4nv, bitcast=True).to(gl.bfloat16) * gl.expand_dims(scale, 2)
+            k = _e4m3_to_bf16(src.load(TILE3_L), _block_exponents(scales, FIRST, NB))
         if is_window:
             fresh3 = gl.expand_dims(gl.expand_dims(fresh, 1), 2)
             k_new = gl.load(kv_new_ptr + _tile_offsets(new_rows, FIRST, NB), mask=fresh3, other=0.0)
@@ -224,7 +225,7 @@ if _HAVE_GLUON:
     @gluon.jit
     def _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt,
                           codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3,
-                          WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr, DEQUANT_PTX: gl.constexpr):
+                          WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
         """Chunk ``c``'s keys (copy stage ``stage``) as the BF16 tiles ``k0 … k3`` (dims 0-255, 256-383, 384-447,
         448-511); window keys of this step from ``kv_new``."""
         scales = scale_smem.index(stage).load(KEY_L)
@@ -232,26 +233,16 @@ if _HAVE_GLUON:
         fresh, new_row = _fresh_rows(c, pos, start, WINDOW)
         fresh = fresh & is_window
         new_rows = (first_row + new_row) * stride_kvt
-        _dequantize_group(codes0.index(stage), k0, scales, fresh, new_rows, kv_new_ptr, is_window, 0, 4, False, DEQUANT_PTX)
-        _dequantize_group(codes1.index(stage), k1, scales, fresh, new_rows, kv_new_ptr, is_window, 4, 2, False, DEQUANT_PTX)
-        _dequantize_group(codes2.index(stage), k2, scales, fresh, new_rows, kv_new_ptr, is_window, 6, 1, False, DEQUANT_PTX)
-        _dequantize_group(rope_stage.index(stage), k3, scales, fresh, new_rows, kv_new_ptr, is_window, 7, 1, True, DEQUANT_PTX)
+        _dequantize_group(codes0.index(stage), k0, scales, fresh, new_rows, kv_new_ptr, is_window, 0, 4, False)
+        _dequantize_group(codes1.index(stage), k1, scales, fresh, new_rows, kv_new_ptr, is_window, 4, 2, False)
+        _dequantize_group(codes2.index(stage), k2, scales, fresh, new_rows, kv_new_ptr, is_window, 6, 1, False)
+        _dequantize_group(rope_stage.index(stage), k3, scales, fresh, new_rows, kv_new_ptr, is_window, 7, 1, True)
 
     @gluon.jit
     def _load_q_group(q_ptr, row_off, head_ok, dst, FIRST: gl.constexpr, NB: gl.constexpr):
-        """Variant ``Q_ASYNC=False``: dims ``64·FIRST …`` of the 64 heads' queries loaded and stored synchronously."""
+        """Dims ``64·FIRST …`` of the 64 heads' queries (rows ``row_off``, absent heads zero) into ``dst``."""
         ok3 = gl.expand_dims(gl.expand_dims(head_ok, 1), 2)
         dst.store(gl.reshape(gl.load(q_ptr + _tile_offsets(row_off, FIRST, NB), mask=ok3, other=0.0), [BH, NB * 64]))
-
-    @gluon.jit
-    def _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, dst, FIRST: gl.constexpr, W: gl.constexpr):
-        """Asynchronous copy of dims ``64·FIRST … 64·FIRST+W−1`` of the block's 64 heads' queries into ``dst``
-        ``[64, W]`` (heads ``≥ H`` zero-filled), 16 bytes per copy."""
-        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Q_L))
-        cols = FIRST * 64 + gl.arange(0, W, layout=gl.SliceLayout(0, Q_L))
-        ptrs = q_ptr + t * stride_qt + gl.expand_dims(heads * stride_qh, 1) + gl.expand_dims(cols, 0)
-        async_copy.async_copy_global_to_shared(dst, gl.max_contiguous(ptrs, [1, 8]),
-                                               mask=gl.expand_dims(heads < H, 1))
 
     @gluon.jit
     def _store_group(o, inv, dst_ptr, row_off, head_ok, FIRST: gl.constexpr):
@@ -297,8 +288,6 @@ if _HAVE_GLUON:
         H, num_compressed, chunks_per_split, num_splits, qk_scale,
         WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGE_ENTRIES: gl.constexpr,
         MODE: gl.constexpr, SPLIT: gl.constexpr,
-        DEQUANT_PTX: gl.constexpr = True, ROPE_REGS: gl.constexpr = True,
-        Q_ASYNC: gl.constexpr = True, STAGE_OUT: gl.constexpr = True,
     ):
         """Grid ``(T · ceil(H / 64), splits)``: token ``t``, head block and split of its key chunks."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -339,18 +328,13 @@ if _HAVE_GLUON:
 
         # The queries: one copy group of their own, in flight while the first chunk is located.
         heads = hb * BH + gl.arange(0, BH, layout=KEY_L)
-        if Q_ASYNC:
-            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q0, 0, 256)
-            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q1, 4, 128)
-            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q2, 6, 64)
-            _copy_q_group(q_ptr, t, stride_qt, stride_qh, hb, H, q3, 7, 64)
-        else:
-            q_rows = t * stride_qt + heads * stride_qh
-            _load_q_group(q_ptr, q_rows, heads < H, q0, 0, 4)
-            _load_q_group(q_ptr, q_rows, heads < H, q1, 4, 2)
-            _load_q_group(q_ptr, q_rows, heads < H, q2, 6, 1)
-            _load_q_group(q_ptr, q_rows, heads < H, q3, 7, 1)
-        async_copy.commit_group()
+        # (Copying the queries asynchronously, overlapped with the first lookups, measured slower: H100, Flash
+        # CSA B=128 59.4 -> 68.2 us.)
+        q_rows = t * stride_qt + heads * stride_qh
+        _load_q_group(q_ptr, q_rows, heads < H, q0, 0, 4)
+        _load_q_group(q_ptr, q_rows, heads < H, q1, 4, 2)
+        _load_q_group(q_ptr, q_rows, heads < H, q2, 6, 1)
+        _load_q_group(q_ptr, q_rows, heads < H, q3, 7, 1)
 
         if MODE == MODE_ALL:
             n_comp = gl.minimum(gl.load(visible_ptr + t).to(gl.int32), num_compressed)
@@ -399,8 +383,7 @@ if _HAVE_GLUON:
             async_copy.wait_group(1)
             gl.thread_barrier()
             _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt,
-                              codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3, WINDOW, WINDOW_CHUNKS,
-                              DEQUANT_PTX)
+                              codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3, WINDOW, WINDOW_CHUNKS)
             fence_async_shared()
             gl.thread_barrier()
 
@@ -454,28 +437,17 @@ if _HAVE_GLUON:
             denom = gl.convert_layout(l_i, KEY_L) + gl.exp2(sink - m_use)
             gl.store(lse_ptr + t * stride_lt + heads, (m_use + gl.log2(denom)) * 0.6931471805599453, mask=head_ok)
             inv = 1.0 / denom
-            out_rows = t * stride_ot + heads * stride_oh
-            if STAGE_OUT:
-                # Through the query tiles (free now: the last S = Q·Kᵀ is done), then 16-byte coalesced stores.
-                q0.store(_rescale(o0, inv).to(gl.bfloat16))
-                q1.store(_rescale(o1, inv).to(gl.bfloat16))
-                q2.store(_rescale(o2, inv).to(gl.bfloat16))
-                gl.thread_barrier()
-                _store_tile(q0, o_ptr + t * stride_ot, stride_oh, hb, H, 0)
-                _store_tile(q1, o_ptr + t * stride_ot, stride_oh, hb, H, 4)
-                _store_tile(q2, o_ptr + t * stride_ot, stride_oh, hb, H, 6)
-            else:
-                _store_group(o0, inv, o_ptr, out_rows, head_ok, 0)
-                _store_group(o1, inv, o_ptr, out_rows, head_ok, 4)
-                _store_group(o2, inv, o_ptr, out_rows, head_ok, 6)
+            # Through the query tiles (free now: the last S = Q·Kᵀ is done), then 16-byte coalesced stores.
+            q0.store(_rescale(o0, inv).to(gl.bfloat16))
+            q1.store(_rescale(o1, inv).to(gl.bfloat16))
+            q2.store(_rescale(o2, inv).to(gl.bfloat16))
+            gl.thread_barrier()
+            _store_tile(q0, o_ptr + t * stride_ot, stride_oh, hb, H, 0)
+            _store_tile(q1, o_ptr + t * stride_ot, stride_oh, hb, H, 4)
+            _store_tile(q2, o_ptr + t * stride_ot, stride_oh, hb, H, 6)
             # The rope dims: rounded to BF16, rotated back by −pos, rounded again (as the reference).
-            if ROPE_REGS:
-                o3 = _rescale(o3, inv).to(gl.bfloat16)
-                _store_rope(o3, o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos, inv_freq_ptr)
-            else:
-                _store_group(o3, inv, o_ptr, out_rows, head_ok, 7)
-                gl.thread_barrier()
-                _rotate_rope_in_place(o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos, inv_freq_ptr)
+            _store_rope(_rescale(o3, inv).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos,
+                        inv_freq_ptr)
 
     @gluon.jit
     def _store_rope(o3, rope_ptr, stride_oh, hb, H, pos, inv_freq_ptr):
@@ -494,22 +466,6 @@ if _HAVE_GLUON:
         out = gl.join(re * cos - im * sin, re * sin + im * cos)
         ptrs = rope_ptr + heads[:, None, None] * stride_oh + (2 * pair)[None, :, None] + half[None, None, :]
         mask = (heads < H)[:, None, None] & (half >= 0)[None, None, :]
-        gl.store(ptrs, out.to(gl.bfloat16), mask=mask)
-
-    @gluon.jit
-    def _rotate_rope_in_place(rope_ptr, stride_oh, hb, H, pos, inv_freq_ptr):
-        """Variant ``ROPE_REGS=False``: rotate the stored rope dims of 64 heads' outputs in place."""
-        PAIR_L: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
-        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
-        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
-        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIR_L)))
-        ptrs = rope_ptr + heads[:, None, None] * stride_oh + (2 * pair)[None, :, None] + half[None, None, :]
-        mask = (heads < H)[:, None, None] & (half >= 0)[None, None, :]
-        re, im = gl.split(gl.load(ptrs, mask=mask, other=0.0).to(gl.float32))
-        angle = pos.to(gl.float32) * gl.load(inv_freq_ptr + pair)
-        cos = gl.extra.libdevice.cos(angle)
-        sin = -gl.extra.libdevice.sin(angle)
-        out = gl.join(re * cos[None, :] - im * sin[None, :], re * sin[None, :] + im * cos[None, :])
         gl.store(ptrs, out.to(gl.bfloat16), mask=mask)
 
     @gluon.jit
@@ -539,11 +495,8 @@ def dequant_probe(pages: torch.Tensor, out: torch.Tensor) -> None:
 
 def launch(grid, q, kv_new, ring, ring_positions, pool_t, stride_page, block_tables, idx_t, vis_t,
            token_request, positions, cu_seqlens, start_pos, token_slots, sink, inv_freq, out, lse, po, plse,
-           H, num_compressed, per, splits, qk_scale, *, window, ratio, block_size, page_entries, mode,
-           options: dict | None = None) -> None:
-    """Launch the Gluon kernel with ``sparse_attention_fwd``'s prepared arguments (see there); ``options``:
-    kernel variants under measurement (``DEQUANT_PTX``, ``ROPE_REGS``, ``Q_ASYNC``, ``STAGE_OUT``, all on
-    by default)."""
+           H, num_compressed, per, splits, qk_scale, *, window, ratio, block_size, page_entries, mode) -> None:
+    """Launch the Gluon kernel with ``sparse_attention_fwd``'s prepared arguments (see there)."""
     _sparse_attention_sm90_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_new, kv_new.stride(0),
@@ -560,6 +513,6 @@ def launch(grid, q, kv_new, ring, ring_positions, pool_t, stride_page, block_tab
         po, plse,
         H, num_compressed, per, splits, qk_scale,
         WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
-        MODE=mode, SPLIT=splits > 1, **(options or {}),
+        MODE=mode, SPLIT=splits > 1,
         num_warps=NUM_WARPS,
     )
