@@ -493,26 +493,7 @@ def dequant_probe(pages: torch.Tensor, out: torch.Tensor) -> None:
     _dequant_probe_kernel[(1,)](pages, out, num_warps=NUM_WARPS)
 
 
-def launch(grid, q, kv_new, ring, ring_positions, pool_t, stride_page, block_tables, idx_t, vis_t,
-           token_request, positions, cu_seqlens, start_pos, token_slots, sink, inv_freq, out, lse, po, plse,
-           H, num_compressed, per, splits, qk_scale, *, window, ratio, block_size, page_entries, mode) -> None:
-    """Launch the Gluon kernel with ``sparse_attention_fwd``'s prepared arguments (see there)."""
-    _sparse_attention_sm90_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        kv_new, kv_new.stride(0),
-        ring, ring.stride(0),
-        ring_positions, ring_positions.stride(0),
-        pool_t, stride_page,
-        block_tables, block_tables.stride(0) if block_tables.dim() == 2 else 0,
-        idx_t, idx_t.stride(0) if idx_t.dim() == 2 else 0,
-        vis_t,
-        token_request, positions, cu_seqlens, start_pos, token_slots,
-        sink, inv_freq,
-        out, out.stride(0), out.stride(1),
-        lse, lse.stride(0),
-        po, plse,
-        H, num_compressed, per, splits, qk_scale,
-        WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
-        MODE=mode, SPLIT=splits > 1,
-        num_warps=NUM_WARPS,
-    )
+def launch(grid: tuple[int, int], args: tuple, geometry: dict) -> None:
+    """Launch the Gluon kernel: ``args`` / ``geometry`` are ``sparse_attention_fwd``'s prepared arguments and
+    geometry constexprs (the Triton kernel's, see there)."""
+    _sparse_attention_sm90_kernel[grid](*args, **geometry, num_warps=NUM_WARPS)
