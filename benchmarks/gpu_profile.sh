@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Hardware-counter profiles (ncu, Firecracker GPU machines) of the write-path kernel at HCA decode B=1 and of the
-# sparse-attention kernels (Triton and Gluon) at Flash CSA B=64: per-SASS-instruction stall samples as CSV, plus the summary sections.
+# sparse-attention kernels (Triton and Gluon) at Flash CSA B=64: per-SASS-instruction stall samples as CSV, plus
+# the summary sections.
 # Usage (repo root, GPU machine): bash benchmarks/gpu_profile.sh — outputs under $OUT (default ./out).
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"

@@ -608,6 +608,10 @@ def sparse_attention_fwd(
 
     if impl == "auto":
         impl = "gluon" if sparse_attention_sm90.available(q.device) else "triton"
+    elif impl not in ("gluon", "triton"):
+        raise ValueError(f"unknown impl {impl!r}")
+    if impl == "gluon" and not sparse_attention_sm90.available(q.device):
+        raise ValueError(f"impl='gluon' needs a CUDA device of compute capability 9.x, got {q.device}")
     if impl == "gluon":
         block_h, block_n = sparse_attention_sm90.BLOCK_H, sparse_attention_sm90.BLOCK_N
     if min_chunks is None:
@@ -662,11 +666,7 @@ def sparse_attention_fwd(
     geometry = dict(WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
                     MODE=int(mode), SPLIT=splits > 1)
     if impl == "gluon":
-        if not sparse_attention_sm90.available(q.device):
-            raise ValueError(f"impl='gluon' needs a CUDA device of compute capability 9.x, got {q.device}")
         sparse_attention_sm90.launch(grid, args, geometry)
-    elif impl != "triton":
-        raise ValueError(f"unknown impl {impl!r}")
     else:
         _sparse_attention_kernel[grid](
             *args, **geometry, BLOCK_H=block_h, BLOCK_N=block_n, INTERPRET=interpret,

@@ -79,13 +79,10 @@ if _HAVE_GLUON:
     # copies), every [64]-per-key vector in the slice layout of the same rows.
     TILE3_L = gl.constexpr(gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0]))
     BLK_L = gl.constexpr(gl.SliceLayout(2, TILE3_L))  # [64, blocks]
-    Q_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))  # [64 heads, dims]: 16-byte copies
+    Q_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))  # [64 heads, dims]: 16-byte stores
     KEY_L = gl.constexpr(gl.SliceLayout(1, BLK_L))  # [64] one value per key
-    # The 512 dims in four groups, each its own shared-memory tile (a write to one tile never waits on a read of
-    # another): FP8 blocks 0-3, 4-5, 6, then the 64 BF16 rope dims.
-    G0 = gl.constexpr(0)  # (first block, blocks) = (0, 4)
-    G1 = gl.constexpr(4)  # (4, 2)
-    G2 = gl.constexpr(6)  # (6, 1)
+    # The 512 dims are kept in four groups, each its own shared-memory tile (a write to one tile never waits on a
+    # read of another): FP8 blocks 0-3, 4-5, 6, then the 64 BF16 rope dims.
 
     @gluon.jit
     def _chunk_entries(c, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
@@ -326,10 +323,9 @@ if _HAVE_GLUON:
         scale_smem = gl.allocate_shared_memory(gl.int64, [NSTAGE, BN], VEC_SL)
         valid_smem = gl.allocate_shared_memory(gl.int32, [NSTAGE, BN], VEC_SL)
 
-        # The queries: one copy group of their own, in flight while the first chunk is located.
+        # The queries, loaded and stored synchronously (an asynchronous copy overlapped with the first lookups
+        # measured slower: H100, Flash CSA B=128 59.4 -> 68.2 us).
         heads = hb * BH + gl.arange(0, BH, layout=KEY_L)
-        # (Copying the queries asynchronously, overlapped with the first lookups, measured slower: H100, Flash
-        # CSA B=128 59.4 -> 68.2 us.)
         q_rows = t * stride_qt + heads * stride_qh
         _load_q_group(q_ptr, q_rows, heads < H, q0, 0, 4)
         _load_q_group(q_ptr, q_rows, heads < H, q1, 4, 2)
