@@ -89,8 +89,9 @@ def _measure(name, fn, bytes_, flops, bw, rate, iters, graph: bool = False, **ex
 #: their defaults, then a few launch shapes of the filter variant
 TOPK_LAUNCHES = [
     *((name, dict(opts)) for name, opts in VARIANTS.items()),
-    ("filter4 block=32768 w=32", dict(algorithm="filter", radix_bits=4, block=32768, num_warps=32)),
-    ("filter4 w=8", dict(algorithm="filter", radix_bits=4, num_warps=8)),
+    ("filter4 tl.store", dict(algorithm="filter", radix_bits=4, inline_ptx=False)),
+    ("filter4 w=32", dict(algorithm="filter", radix_bits=4, num_warps=32)),
+    ("bisect w=8", dict(algorithm="bisect", num_warps=8)),
 ]
 
 
@@ -135,17 +136,21 @@ def _topk_variants(s, tag, tk_bytes, bw, rate, iters, common) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None = None) -> list[dict]:
+def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None = None,
+        topk_only: bool = False) -> list[dict]:
     """Measure; returns the rows (see ``roofline_row``). ``quick``: the acceptance shape (batch 64 × 128K decode,
     with a small config sweep of the scores kernel), batch 8 and 128 decode at 128K, and 4K prefill chunks (8 × 32K,
-    1 × 128K)."""
+    1 × 128K). ``topk_only``: every ``TOPK_LAUNCHES`` entry on decode steps of 8 / 64 / 128 requests at 8K / 32K /
+    128K context, nothing else."""
     from dsv4.kernels.topk import radix_topk
 
     bw = measure_copy_bandwidth()
     rate = measure_matmul_rate(dtype=torch.float8_e4m3fn)
     rows = [] if rows is None else rows  # a caller's list keeps the rows measured so far if the run is cut short
     CEILINGS.update(copy_bw_GBps=bw / 1e9, fp8_mm_TFLOPs=rate / 1e12)
-    if quick:
+    if topk_only:
+        shapes = [(b, c, 1) for c in (131072, 32768, 8192) for b in (64, 8, 128)]
+    elif quick:
         shapes = [(64, 131072, 1), (8, 131072, 1), (128, 131072, 1), (8, 32768, 4096), (1, 131072, 4096)]
     else:
         shapes = [(b, c, t) for t in (1, 4096) for c in (8192, 32768, 131072, 1 << 20) for b in (1, 8, 64, 128)]
@@ -171,6 +176,11 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
         common = dict(batch=batch, context=context, tokens=tokens, entries=entries)
         # decode steps run as CUDA-graph replays in the engine: time them so (prefill chunks: eager, launch-bound never)
         graph = tokens == 1
+        if topk_only:
+            _scores_fn(s, batch, tokens)()  # the top-k reads real index scores
+            rows += _topk_variants(s, tag, vis_sum * 2 + T * K_TOP * 8, bw, rate, 30, common)
+            del s
+            continue
         rows.append(_measure(f"scores mxfp4 {tag}{' graph' if graph else ''}", _scores_fn(s, batch, tokens), sc_bytes,
                              flops, bw, rate, iters, graph=graph, op="scores", fmt="mxfp4", **common))
         tk_bytes = vis_sum * 2 + T * K_TOP * 8
@@ -228,13 +238,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="acceptance shapes only")
     ap.add_argument("--no-sweep", action="store_true", help="skip the config variants in --quick")
+    ap.add_argument("--topk-only", action="store_true", help="only the top-k launches, decode steps (8K–128K)")
     ap.add_argument("--json", help="write rows + environment here")
     args = ap.parse_args()
     rows: list[dict] = []
     complete = False
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write what was measured
     try:
-        run(quick=args.quick, sweep=not args.no_sweep, rows=rows)
+        run(quick=args.quick, sweep=not args.no_sweep, rows=rows, topk_only=args.topk_only)
         complete = True
     finally:
         env = environment()

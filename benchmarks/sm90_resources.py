@@ -73,9 +73,11 @@ KERNELS = {
         {"s_stride", "ws_stride", "out_stride", "chunk"}),
     "topk_filter": ("dsv4.kernels.topk:_filter_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "hdr_ptr": "*i32",
                                                               "cand_ptr": "*i32", "out_ptr": "*i64"},
-        dict(K=512, KEY_BITS=16, RADIX=4, BLOCK=16384, C=64, CBLOCK=8192, CC=64, FILL=512, SPLIT=True,
+        dict(K=512, KEY_BITS=16, RADIX=4, BLOCK=16384, C=64, CBLOCK=8192, CC=64, FILL=512, SPLIT=True, PTX=True,
              HOST_BOUND=False, CHUNK_HINT=0, num_warps=16),
         {"s_stride", "hdr_stride", "cand_stride", "out_stride", "chunk"}),
+    "topk_bisect": ("dsv4.kernels.topk:_bisect_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},
+        dict(K=512, KEY_BITS=16, BLOCK=32768, C=64, FILL=512, PTX=True, num_warps=16), {"s_stride", "out_stride"}),
 }
 
 
@@ -88,7 +90,7 @@ def resources(kernel: str, overrides: dict | None = None, sass_path: str | None 
     for param in fn.params:  # constexprs with a default value the caller did not set
         if param.is_constexpr and param.name not in const and param.default is not inspect.Parameter.empty:
             const[param.name] = param.default
-    opts = {k: const.pop(k) for k in ("num_warps", "num_stages") if k in const}
+    opts = {k: const.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in const}
     sig = {a: "constexpr" if a in const else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
            for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -113,7 +115,7 @@ def resources(kernel: str, overrides: dict | None = None, sass_path: str | None 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", choices=list(KERNELS))
-    ap.add_argument("overrides", nargs="?", default="{}", help="JSON: constexprs, num_warps, num_stages")
+    ap.add_argument("overrides", nargs="?", default="{}", help="JSON: constexprs, num_warps, num_stages, maxnreg")
     ap.add_argument("--sass", help="also write the SASS here")
     a = ap.parse_args()
     r = resources(a.kernel, json.loads(a.overrides), a.sass)

@@ -253,7 +253,7 @@ def test_interpreter_radix_topk(variant: str) -> None:
         # k larger than every row; a reused workspace with garbage in it
         ws = torch.full((16384,), 12345, dtype=torch.int32)
         _check_topk(s, counts, 1000, radix_topk(s, counts, 1000, **opts, block=128, workspace=ws))
-        if opts["algorithm"] == "filter":  # the bound over blocks that are looped over (k=2: enough groups)
+        if opts["algorithm"] in ("filter", "bisect"):  # the bound over groups of 64 columns (k=2: enough groups)
             _check_topk(s, counts, 2, radix_topk(s, counts, 2, **opts, block=256))
         if opts["algorithm"] == "filter":  # the header is zero again after each call; candidates are scratch
             header = torch.zeros(filter_header_shape(s.shape[0]), dtype=torch.int32)
@@ -261,6 +261,19 @@ def test_interpreter_radix_topk(variant: str) -> None:
             for _ in range(2):
                 _check_topk(s, counts, 64, radix_topk(s, counts, 64, **opts, block=64, header=header, candidates=cand))
                 assert not header.any()
+
+
+def test_topk_default_variant_by_shape() -> None:
+    """Decode-sized row counts: "bisect" on short rows, "filter4" on long ones; "split8" for few or many rows; and
+    the scratch each default needs (none for "bisect")."""
+    from dsv4.kernels import topk as tk
+
+    assert tk.default_variant(64, 132, 8192) == "bisect" and tk.default_variant(128, 132, 2048) == "bisect"
+    assert tk.default_variant(64, 132, 32768) == "filter4" and tk.default_variant(132, 132, 8193) == "filter4"
+    assert tk.default_variant(8, 132, 8192) == "split8" and tk.default_variant(4096, 132, 2048) == "split8"
+    assert tk.scratch_shapes(64, 8192, torch.bfloat16, 132) == {}
+    assert set(tk.scratch_shapes(64, 32768, torch.bfloat16, 132)) == {"header", "candidates"}
+    assert set(tk.scratch_shapes(4096, 2048, torch.bfloat16, 132)) == {"workspace"}
 
 
 # ------------------------------------------------------------------------------------------------ GPU

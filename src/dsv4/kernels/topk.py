@@ -4,7 +4,7 @@ Each score becomes an order-preserving unsigned key (BF16 → 16 bits, FP32 → 
 set the sign bit of the others). Ties at the threshold: any valid choice; exactly ``min(k, n_t)`` indices are
 written, then −1.
 
-Three algorithms (``radix_topk(..., algorithm=)``; with none named, ``default_variant`` picks by the row count):
+Four algorithms (``radix_topk(..., algorithm=)``; with none named, ``default_variant`` picks by the shape):
 
 * ``"row"`` — radix select, one program per row: the threshold key (the k-th largest) one byte at a time, most
   significant first (a histogram of the digit among the elements matching the digits found so far, then the highest
@@ -31,17 +31,36 @@ Three algorithms (``radix_topk(..., algorithm=)``; with none named, ``default_va
 
   Rows beyond one per SM fall back to ``"split"``; rows of more than ``CBLOCK`` candidates (a weak bound, e.g. scores
   increasing with the column) select with 4-bit histogram passes over the list in blocks.
+* ``"bisect"`` — one launch, one program per row holding the whole row in registers (up to ``BISECT_MAX_COLUMNS``;
+  longer rows fall back to ``"filter"``): the same lower bound, then the bisection over the row itself, then one
+  scan that places the selection. No candidate list and no barrier, so no residency limit; but the bisection's
+  counts run over every column (64 per thread at 32K), which only pays on short rows.
 
-Measured on an H200 (2026-11-24, k=512, 32,768 BF16 index scores per row = 128K context, CUDA-graph replays,
-``benchmarks/bench_indexer.py --quick``): 64 rows — filter 31.1 µs, split 45.4 µs, row 105 µs, ``torch.topk`` 124 µs;
-128 rows — filter 38.7 µs, split 75.5 µs; 8 rows — filter 23.7 µs, split 18.9 µs; 32,768 rows × 4,096 (a 4K prefill
-chunk of 8 requests at 32K context) — split 3.9 ms (filter falls back to it), row 6.8 ms. Hence the default:
-``"filter4"`` from ``FILTER_MIN_ROWS`` rows to one per SM (decode steps), ``"split8"`` otherwise.
+Measured on an H100 (2026-11-25, k=512, index scores of the scores kernel on random MXFP4 pools, CUDA-graph replays,
+``benchmarks/bench_indexer.py --topk-only``), µs:
+
+    columns (context)  rows   filter4   bisect   split8   row
+    32,768 (128K)        8      20.3     32.3     19.5   105.0
+                        64      21.5     38.2     45.6   105.0
+                       128      28.6     42.6     75.5   105.5
+     8,192 (32K)         8      20.4     19.4     18.6    30.1
+                        64      22.1     16.8     22.9    33.9
+                       128      21.3     16.8     27.8    30.3
+     2,048 (8K)         64      20.1     19.5     20.1    21.6
+                       128      16.5     12.1     19.1    21.1
+
+Before the scattered loads and stores became inline PTX (``_store_columns``, ``_gather_keys``) the filter took
+31.7 / 41.5 µs at 64 / 128 rows × 32,768 in the same run. 32,768 rows × 4,096 (a 4K prefill chunk of 8 requests at
+32K context, H200, 2026-11-24): split 3.9 ms, row 6.8 ms. Hence the default for ``FILTER_MIN_ROWS`` rows up to one
+per SM (decode steps): ``"bisect"`` up to ``BISECT_DEFAULT_MAX_COLUMNS`` columns, ``"filter4"`` beyond; ``"split8"``
+otherwise.
 
 Triton notes learnt here: a ``tl.histogram`` mask that went through ``tl.reshape`` miscounted on the GPU (the
-interpreter was right), so ``_block_histogram`` masks by value instead; and the layout pass duplicates inline-asm
-ops even when they are marked impure (a warp-aggregated append in PTX appended several times), so the appends here
-are plain scans and atomics.
+interpreter was right), so ``_block_histogram`` masks by value instead; the layout pass duplicates inline-asm ops
+even when they are marked impure (a warp-aggregated append in PTX appended several times), so the appends here are
+plain scans and atomics and the PTX ops are idempotent loads and stores; and a ``tl.store`` / ``tl.load`` through a
+block of scattered addresses gets its own layout, into which Triton first converts the 64-bit pointer block through
+shared memory (128 KB per 16K-column block here) — the PTX versions form each address from a 32-bit slot in place.
 """
 
 from __future__ import annotations
@@ -56,12 +75,13 @@ from .indexer import interpreting
 __all__ = ["radix_topk", "ALGORITHMS", "VARIANTS", "DEFAULT_VARIANT", "default_variant", "scratch_shapes",
            "topk_workspace_shape", "filter_header_shape", "filter_rows_fit", "sm_count"]
 
-ALGORITHMS = ("row", "split", "filter")
+ALGORITHMS = ("row", "split", "filter", "bisect")
 #: named launch options (tests and the benchmark run each)
 VARIANTS: dict[str, dict] = {
     "row": dict(algorithm="row"),
     "split8": dict(algorithm="split", radix_bits=8),
     "filter4": dict(algorithm="filter", radix_bits=4),
+    "bisect": dict(algorithm="bisect"),
 }
 #: the variant ``radix_topk`` runs when no algorithm is named (the indexer names none); None: by rows
 #: (``default_variant``)
@@ -87,6 +107,33 @@ def _load_keys(row_ptr, offs, mask, KEY_BITS: tl.constexpr):
     else:
         bits = tl.load(row_ptr + offs, mask=mask, other=0)
     return _sortable_key(bits, KEY_BITS)
+
+
+@triton.jit
+def _gather_keys(row_ptr, cols, mask, KEY_BITS: tl.constexpr, PTX: tl.constexpr):
+    """``_load_keys`` of scattered columns. With ``PTX`` the loads are inline PTX in the columns' own register layout
+    (``tl.load`` would first move the block's 64-bit pointers to another layout through shared memory)."""
+    if PTX:
+        if KEY_BITS == 16:
+            asm: tl.constexpr = """{ .reg .pred p; .reg .b64 a; .reg .b16 h;
+            setp.ne.b32 p, $3, 0;
+            mad.wide.s32 a, $2, 2, $1;
+            mov.b32 $0, 0;
+            @p ld.global.b16 h, [a];
+            @p cvt.u32.u16 $0, h; }"""
+        else:
+            asm: tl.constexpr = """{ .reg .pred p; .reg .b64 a;
+            setp.ne.b32 p, $3, 0;
+            mad.wide.s32 a, $2, 4, $1;
+            mov.b32 $0, 0;
+            @p ld.global.b32 $0, [a]; }"""
+        bits = tl.inline_asm_elementwise(
+            asm=asm, constraints="=r,l,r,r",
+            args=[row_ptr.to(tl.int64, bitcast=True) + tl.zeros_like(cols).to(tl.int64), cols, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1)
+        return _sortable_key(bits, KEY_BITS)
+    else:
+        return _load_keys(row_ptr, cols, mask, KEY_BITS)
 
 
 @triton.jit
@@ -335,13 +382,42 @@ def _list_slots(take, base):
 
 
 @triton.jit
-def _append_candidates(key, valid, cols, bound, n_cand, cand, KEY_BITS: tl.constexpr):
+def _store_columns(base, slot, col, PTX: tl.constexpr):
+    """``base[slot] = col`` where ``slot >= 0``; ``base``: int32 or int64 elements (``col``: int32 block).
+
+    With ``PTX`` the store is inline PTX that runs in the operands' own register layout and forms each address
+    itself: ``tl.store`` of a scattered block first moves its 64-bit pointers to another layout through shared
+    memory (measured in the TTGIR of these kernels). Triton may replicate the impure op; a replicated store writes
+    the same value again."""
+    if PTX:
+        if base.dtype.element_ty == tl.int64:
+            asm: tl.constexpr = """{ .reg .pred p; .reg .b64 a, v;
+            setp.ge.s32 p, $2, 0;
+            mad.wide.s32 a, $2, 8, $1;
+            cvt.s64.s32 v, $3;
+            @p st.global.b64 [a], v;
+            mov.b32 $0, 0; }"""
+        else:
+            asm: tl.constexpr = """{ .reg .pred p; .reg .b64 a;
+            setp.ge.s32 p, $2, 0;
+            mad.wide.s32 a, $2, 4, $1;
+            @p st.global.b32 [a], $3;
+            mov.b32 $0, 0; }"""
+        tl.inline_asm_elementwise(asm=asm, constraints="=r,l,r,r",
+                                  args=[base.to(tl.int64, bitcast=True) + tl.zeros_like(slot).to(tl.int64), slot, col],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(base + slot, col.to(base.dtype.element_ty), mask=slot >= 0)
+
+
+@triton.jit
+def _append_candidates(key, valid, cols, bound, n_cand, cand, KEY_BITS: tl.constexpr, PTX: tl.constexpr):
     """Append the block's columns whose halved key reaches ``bound`` to the row's candidate list (one atomic)."""
     take = (valid & (_half_key(key, KEY_BITS) >= bound)).to(tl.int32)
     c = tl.sum(tl.sum(take, axis=1), axis=0)
     if c > 0:
         base = tl.atomic_add(n_cand, c, sem="relaxed", scope="gpu")
-        tl.store(cand + _list_slots(take, base), cols, mask=take != 0)
+        _store_columns(cand, tl.where(take != 0, _list_slots(take, base), -1), cols, PTX)
 
 
 @triton.jit
@@ -379,29 +455,33 @@ def _bisect_threshold(key, valid, k_eff, lo_key, hi_key, KEY_BITS: tl.constexpr)
 
 
 @triton.jit
-def _emit_selected(key, valid, col, thr, n_gt, remaining, n_above, n_tied, out_row):
+def _emit_selected(key, valid, col, thr, n_gt, remaining, n_above, n_tied, out_row, PTX: tl.constexpr):
     """Write a block's columns above the threshold (slots from ``n_above``) and its tied ones (slots ``n_gt + n_tied
-    + rank`` below ``n_gt + remaining``) to the output row; returns the updated ``(n_above, n_tied)``."""
-    gt = (valid & (key > thr)).to(tl.int32)
-    eq = (valid & (key == thr)).to(tl.int32)
-    pos = _list_slots(gt, n_above)
-    rank = _list_slots(eq, n_tied)
-    tl.store(out_row + pos, col.to(tl.int64), mask=gt != 0)
-    tl.store(out_row + n_gt + rank, col.to(tl.int64), mask=(eq != 0) & (rank < remaining))
-    return n_above + tl.sum(tl.sum(gt, axis=1), axis=0), n_tied + tl.sum(tl.sum(eq, axis=1), axis=0)
+    + rank`` below ``n_gt + remaining``) to the output row; returns the updated ``(n_above, n_tied)``.
+
+    One scan places both: the count above in the low 16 bits, the tied count in the high ones (blocks of at most
+    32,768 elements)."""
+    gt = valid & (key > thr)
+    eq = valid & (key == thr)
+    seen = _list_slots(gt.to(tl.int32) | (eq.to(tl.int32) << 16), 0) + 1  # inclusive counts
+    rank = n_tied + (seen >> 16) - 1
+    slot = tl.where(gt, n_above + (seen & 0xFFFF) - 1, tl.where(eq & (rank < remaining), n_gt + rank, -1))
+    _store_columns(out_row, slot, col, PTX)
+    total = tl.max(tl.max(seen, axis=1), axis=0)  # the last element's counts: both fields only grow
+    return n_above + (total & 0xFFFF), n_tied + (total >> 16)
 
 
 @triton.jit
 def _select_in_registers(row_ptr, cand, nc, k_eff, lo_key, out_row, CB: tl.constexpr, CC: tl.constexpr,
-                         KEY_BITS: tl.constexpr):
+                         KEY_BITS: tl.constexpr, PTX: tl.constexpr):
     """Top ``k_eff`` of the ``nc <= CB`` listed candidates, held in one ``[CB // CC, CC]`` register block."""
     ci = _block_columns(0, CB // CC, CC)
     cvalid = ci < nc
     col = tl.load(cand + ci, mask=cvalid, other=0, cache_modifier=".cg")
-    ckey = _load_keys(row_ptr, col, cvalid, KEY_BITS)
+    ckey = _gather_keys(row_ptr, col, cvalid, KEY_BITS, PTX)
     hi_key = tl.max(tl.max(tl.where(cvalid, ckey, lo_key), axis=1), axis=0)
     thr, remaining = _bisect_threshold(ckey, cvalid, k_eff, lo_key, hi_key, KEY_BITS)
-    _emit_selected(ckey, cvalid, col, thr, k_eff - remaining, remaining, 0, 0, out_row)
+    _emit_selected(ckey, cvalid, col, thr, k_eff - remaining, remaining, 0, 0, out_row, PTX)
 
 
 @triton.jit
@@ -420,6 +500,7 @@ def _filter_topk_kernel(
     CC: tl.constexpr,           # candidates per row of those blocks
     FILL: tl.constexpr,
     SPLIT: tl.constexpr,        # splits > 1: group maxima exchanged through hdr, one row barrier
+    PTX: tl.constexpr,          # scattered stores as inline PTX (``_store_columns``; not in the interpreter)
     HOST_BOUND: tl.constexpr, CHUNK_HINT: tl.constexpr,  # interpreter: loop bound (one program per row there)
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -464,7 +545,7 @@ def _filter_topk_kernel(
                     tl.atomic_max(bound_c, 2147483647 - bound, sem="relaxed", scope="gpu")
                     _row_barrier(arrive, splits)
                     bound = 2147483647 - tl.load(bound_c, volatile=True)
-            _append_candidates(key, valid, cols, bound, n_cand, cand, KEY_BITS)
+            _append_candidates(key, valid, cols, bound, n_cand, cand, KEY_BITS, PTX)
         else:
             if use_bound:
                 bound = 2147483647
@@ -481,7 +562,7 @@ def _filter_topk_kernel(
                 cols = _block_columns(lo + start, R, C)
                 valid = cols < hi
                 key = _load_keys(row_ptr, cols, valid, KEY_BITS)
-                _append_candidates(key, valid, cols, bound, n_cand, cand, KEY_BITS)
+                _append_candidates(key, valid, cols, bound, n_cand, cand, KEY_BITS, PTX)
         # 3. The row's first program selects among the candidates; the others only arrive.
         if SPLIT:
             tl.debug_barrier()
@@ -495,9 +576,9 @@ def _filter_topk_kernel(
             if KEY_BITS == 32:
                 lo_key = (bound << 1).to(tl.uint32, bitcast=True)  # every candidate's key is >= this
             if nc <= CBLOCK // 2:  # usual: all candidates in registers
-                _select_in_registers(row_ptr, cand, nc, k_eff, lo_key, out_row, CBLOCK // 2, CC, KEY_BITS)
+                _select_in_registers(row_ptr, cand, nc, k_eff, lo_key, out_row, CBLOCK // 2, CC, KEY_BITS, PTX)
             elif nc <= CBLOCK:
-                _select_in_registers(row_ptr, cand, nc, k_eff, lo_key, out_row, CBLOCK, CC, KEY_BITS)
+                _select_in_registers(row_ptr, cand, nc, k_eff, lo_key, out_row, CBLOCK, CC, KEY_BITS, PTX)
             else:  # a weak bound (e.g. rows sorted by column): radix passes over the list in blocks
                 NB: tl.constexpr = 1 << RADIX
                 bins = tl.arange(0, NB)
@@ -510,7 +591,7 @@ def _filter_topk_kernel(
                         ci = _block_columns(start, CR, CC)
                         live = ci < nc
                         col = tl.load(cand + ci, mask=live, other=0, cache_modifier=".cg")
-                        ckey = _load_keys(row_ptr, col, live, KEY_BITS)
+                        ckey = _gather_keys(row_ptr, col, live, KEY_BITS, PTX)
                         if p > 0:
                             live = live & ((ckey >> (shift + RADIX)) == thr)
                         hist += _block_histogram(((ckey >> shift) & (NB - 1)).to(tl.int32), live, NB)
@@ -522,12 +603,72 @@ def _filter_topk_kernel(
                     ci = _block_columns(start, CR, CC)
                     cvalid = ci < nc
                     col = tl.load(cand + ci, mask=cvalid, other=0, cache_modifier=".cg")
-                    ckey = _load_keys(row_ptr, col, cvalid, KEY_BITS)
+                    ckey = _gather_keys(row_ptr, col, cvalid, KEY_BITS, PTX)
                     taken_above, tied = _emit_selected(ckey, cvalid, col, thr, k_eff - remaining, remaining,
-                                                       taken_above, tied, out_row)
+                                                       taken_above, tied, out_row, PTX)
             # leave the header zero for the next call (every other program of the row has arrived: none reads it)
             tl.debug_barrier()
             tl.store(hdr + tl.arange(0, 4), tl.zeros((4,), tl.int32))
+
+
+@triton.jit
+def _bisect_topk_kernel(
+    s_ptr, s_stride,            # int16 / int32 [T, s_stride]: score bits (BF16 / FP32)
+    n_ptr,                      # int64 [T]: candidates of each row (the first n_t columns)
+    out_ptr, out_stride,        # int64 [T, K] out
+    K: tl.constexpr, KEY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,        # register block: every column of a row (>= n_t)
+    C: tl.constexpr,            # columns per group of the bound
+    FILL: tl.constexpr,
+    PTX: tl.constexpr,          # the selection's stores as inline PTX (``_store_columns``; not in the interpreter)
+):
+    """One program per row, the whole row in registers: a lower bound of the threshold (the smallest maximum of
+    groups of C columns, as ``"filter"``), then bisection on the key bits over the row itself, then one scan that
+    places the selection — no candidate list, no barrier, one read of the row."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(n_ptr + row).to(tl.int32)
+    k_eff = tl.minimum(n, K)
+    out_row = out_ptr + row * out_stride
+    for start in tl.static_range(0, K, FILL):
+        o = start + tl.arange(0, FILL)
+        tl.store(out_row + o, tl.full(o.shape, -1, tl.int64), mask=(o >= k_eff) & (o < K))
+    R: tl.constexpr = BLOCK // C
+    cols = _block_columns(0, R, C)
+    valid = cols < n
+    if n <= K:  # every candidate is selected
+        tl.store(out_row + cols, cols.to(tl.int64), mask=valid)
+    else:
+        # Invalid columns get key 0, the smallest key: every threshold tried below is >= 1, so they never count.
+        key = tl.where(valid, _load_keys(s_ptr + row * s_stride, cols, valid, KEY_BITS), 0)
+        top = _sortable_key(tl.full((), -1, tl.int32), KEY_BITS)  # 0xFFFF / 0xFFFFFFFF: the largest key
+        g_max = tl.max(key, axis=1)  # of each row of the block: a group of C columns
+        hi_key = tl.max(g_max, axis=0)
+        groups = tl.cdiv(n, C)
+        if groups >= K:  # at least K nonempty groups: their smallest maximum is <= the k-th largest
+            lo_key = tl.min(tl.where(tl.arange(0, R) < groups, g_max, top), axis=0)
+        else:
+            lo_key = tl.min(tl.min(tl.where(valid, key, top), axis=1), axis=0)
+        # bits above the highest one where lo_key and hi_key differ are the threshold's too
+        diff = lo_key ^ hi_key
+        width = 0
+        for b in tl.static_range(KEY_BITS):
+            width += ((diff >> b) != 0).to(tl.int32)
+        thr = hi_key
+        for b in tl.static_range(KEY_BITS):
+            if b < width:
+                thr = thr ^ (thr & (tl.full((), 1, thr.dtype) << b))
+        b = width - 1
+        while b >= 0:  # the largest thr with at least k_eff keys >= thr, one bit at a time
+            t = thr | (tl.full((), 1, thr.dtype) << b.to(thr.dtype))
+            if tl.sum(tl.sum((key >= t).to(tl.int32), axis=1), axis=0) >= k_eff:
+                thr = t
+            b -= 1
+        n_gt = tl.sum(tl.sum((key > thr).to(tl.int32), axis=1), axis=0)
+        _emit_selected(key, valid, cols, thr, n_gt, k_eff - n_gt, 0, 0, out_row, PTX)
+
+
+#: the most columns ``"bisect"`` holds in registers (one program per row; 64 keys per thread at 16 warps)
+BISECT_MAX_COLUMNS = 32768
 
 
 def topk_workspace_shape(rows: int, score_dtype: torch.dtype, radix_bits: int = 8) -> tuple[int, int]:
@@ -589,21 +730,43 @@ def filter_rows_fit(rows: int, num_sms: int) -> bool:
     return rows > 0 and (rows <= num_sms or interpreting())
 
 
-#: fewest rows for which the default is ``"filter4"`` (H200, 128K context, graph replays: 8 rows 23.7 µs vs 18.9 µs
-#: for ``"split8"``; 64 rows 31.1 vs 45.4 µs; 128 rows 38.7 vs 75.5 µs)
+#: fewest rows for which the default is ``"filter4"`` or ``"bisect"`` (H200, 128K context, graph replays: 8 rows
+#: 23.7 µs vs 18.9 µs for ``"split8"``; 64 rows 31.1 vs 45.4 µs; 128 rows 38.7 vs 75.5 µs)
 FILTER_MIN_ROWS = 32
+#: longest rows for which the default is ``"bisect"`` rather than ``"filter4"`` (H100, graph replays, 8,192 columns
+#: = 32K context: 64 rows 17.6 vs 27.0 µs, 128 rows 21.7 vs 33.0; 32,768 columns: 39.1 vs 30.7 at 64 rows)
+BISECT_DEFAULT_MAX_COLUMNS = 8192
 
 
-def default_variant(rows: int, num_sms: int) -> str:
-    """The variant ``radix_topk`` runs when no algorithm is named: ``DEFAULT_VARIANT`` when set, else ``"filter4"``
-    from ``FILTER_MIN_ROWS`` to one row per multiprocessor (decode steps) and ``"split8"`` otherwise."""
+def default_variant(rows: int, num_sms: int, columns: int = 0) -> str:
+    """The variant ``radix_topk`` runs when no algorithm is named: ``DEFAULT_VARIANT`` when set, else for
+    ``FILTER_MIN_ROWS`` to one row per multiprocessor (decode steps) ``"bisect"`` on rows of at most
+    ``BISECT_DEFAULT_MAX_COLUMNS`` columns and ``"filter4"`` on longer ones; ``"split8"`` otherwise."""
     if DEFAULT_VARIANT is not None:
         return DEFAULT_VARIANT
-    return "filter4" if FILTER_MIN_ROWS <= rows <= num_sms else "split8"
+    if FILTER_MIN_ROWS <= rows <= num_sms:
+        return "bisect" if columns <= BISECT_DEFAULT_MAX_COLUMNS else "filter4"
+    return "split8"
+
+
+def _bound_group(columns: int, k: int, block: int) -> int:
+    """Columns per group of the lower bound (``"filter"``, ``"bisect"``): a power of two, at most 64 and ``block``,
+    with at least ``k`` groups in a full row of ``columns``."""
+    return max(1, min(64, block, 1 << max(0, (columns // max(k, 1)).bit_length() - 1)))
+
+
+def _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx):
+    T, N = bits.shape
+    block = max(triton.next_power_of_2(N), 16)
+    _bisect_topk_kernel[(T,)](bits, bits.stride(0), counts, out, out.stride(0), K=k, KEY_BITS=key_bits,
+                              BLOCK=block, C=_bound_group(N, k, block), FILL=min(triton.next_power_of_2(k), 4096),
+                              PTX=ptx,
+                              num_warps=num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4))
+    return out
 
 
 def _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bits, block, cblock, num_warps,
-                   num_sms):
+                   num_sms, ptx):
     T, N = bits.shape
     hdr = _checked_view(header, filter_header_shape(T), "header", bits.device, zero=True)
     cand = _checked_view(candidates, (T, N), "candidates", bits.device, zero=False)
@@ -614,14 +777,13 @@ def _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bit
     block = min(block, triton.next_power_of_2(per))  # a register block; chunk = block when a chunk fits
     chunk = triton.cdiv(per, block) * block
     splits = triton.cdiv(N, chunk)
-    # groups of the bound: rows of C columns, at least k of them in a full row of N columns
-    group = max(1, min(64, block, 1 << max(0, (N // max(k, 1)).bit_length() - 1)))
+    group = _bound_group(N, k, block)
     if num_warps is None:
         num_warps = 16
     _filter_topk_kernel[(T, splits)](
         bits, bits.stride(0), counts, hdr, hdr.stride(0), cand, cand.stride(0), out, out.stride(0), chunk, splits,
         K=k, KEY_BITS=key_bits, RADIX=radix_bits, BLOCK=block, C=group, CBLOCK=max(triton.next_power_of_2(cblock), 128),
-        CC=64, FILL=min(triton.next_power_of_2(k), 4096), SPLIT=splits > 1,
+        CC=64, FILL=min(triton.next_power_of_2(k), 4096), SPLIT=splits > 1, PTX=ptx,
         HOST_BOUND=interpreting(), CHUNK_HINT=chunk if interpreting() else 0, num_warps=num_warps)
     return out
 
@@ -630,7 +792,11 @@ def scratch_shapes(rows: int, columns: int, score_dtype: torch.dtype, num_sms: i
                    ) -> dict[str, tuple[tuple[int, int], bool]]:
     """The int32 scratch ``radix_topk`` uses without a named algorithm, by keyword argument: ``{name: (shape,
     zero_kept)}`` (``zero_kept``: must be zero when passed, and is left zero — allocate it zeroed once)."""
-    algorithm = VARIANTS[default_variant(rows, num_sms)]["algorithm"]
+    algorithm = VARIANTS[default_variant(rows, num_sms, columns)]["algorithm"]
+    if algorithm == "bisect":
+        if columns <= BISECT_MAX_COLUMNS:
+            return {}
+        algorithm = "filter"  # rows too long for registers fall back to it
     if algorithm == "filter" and filter_rows_fit(rows, num_sms):
         return {"header": (filter_header_shape(rows), True), "candidates": ((rows, columns), False)}
     if algorithm in ("split", "filter"):  # "filter" beyond one row per SM falls back to "split"
@@ -641,7 +807,8 @@ def scratch_shapes(rows: int, columns: int, score_dtype: torch.dtype, num_sms: i
 def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None, block: int | None = None,
                num_warps: int | None = None, *, algorithm: str | None = None, workspace: Tensor | None = None,
                radix_bits: int | None = None, programs_per_sm: int = 4, num_sms: int | None = None,
-               header: Tensor | None = None, candidates: Tensor | None = None, cblock: int = 8192) -> Tensor:
+               header: Tensor | None = None, candidates: Tensor | None = None, cblock: int = 8192,
+               inline_ptx: bool | None = None) -> Tensor:
     """Top-``k`` column indices of each row among its first ``counts[t]`` scores.
 
     Args:
@@ -653,7 +820,7 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
             for BF16, 2048 / 8 for FP32; ``"split"`` 1024 / 4); ``"filter"``: the largest register block (16384) and
             warps (16).
         algorithm: ``"row"``, ``"split"`` or ``"filter"`` (module docstring); when omitted, the options of
-            ``VARIANTS[default_variant(T, num_sms)]``.
+            ``VARIANTS[default_variant(T, num_sms, N)]``.
         workspace: ``"split"`` (also ``"filter"`` falling back to it): int32 scratch of at least
             ``topk_workspace_shape(T, dtype, radix_bits)`` elements (zeroed here); allocated when omitted.
         radix_bits: digit width of the histogram passes, 8 or 4 (``"split"``: 8; ``"filter"``'s rare blocked path: 4).
@@ -664,6 +831,8 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
             (allocated zeroed when omitted; reuse one across calls to save the fill).
         candidates: ``"filter"`` only: int32 scratch of at least ``T · N`` elements (allocated when omitted).
         cblock: ``"filter"`` only: the most candidates selected in registers (more: blocked histogram passes).
+        inline_ptx: ``"filter"`` / ``"bisect"``: scattered loads and stores as inline PTX (``_store_columns``);
+            default on the GPU, never in the interpreter; False: ``tl.load`` / ``tl.store`` (for A/B timing).
     Returns:
         int64 ``[T, k]``: the selected indices (order unspecified; ties at the threshold broken by lowest index for
         ``"row"``, arbitrarily otherwise), −1 in the slots past ``min(k, counts[t])``.
@@ -680,14 +849,19 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
     else:
         raise ValueError(f"radix_topk: scores must be bfloat16 or float32, got {scores.dtype}")
     if algorithm is None:
-        opts = VARIANTS[default_variant(T, sm_count(scores, num_sms))]
+        opts = VARIANTS[default_variant(T, sm_count(scores, num_sms), scores.shape[1])]
         algorithm = opts["algorithm"]
         radix_bits = radix_bits or opts.get("radix_bits")
+    ptx = not interpreting() and inline_ptx is not False
+    if algorithm == "bisect":
+        if scores.shape[1] <= BISECT_MAX_COLUMNS:
+            return _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx)
+        algorithm, radix_bits = "filter", radix_bits or 4
     if algorithm == "filter":
         num_sms = sm_count(scores, num_sms)
         if filter_rows_fit(T, num_sms):
             return _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bits or 4,
-                                  block or 16384, cblock, num_warps, num_sms)
+                                  block or 16384, cblock, num_warps, num_sms, ptx)
         algorithm, radix_bits = "split", 8
     if algorithm == "split":
         radix_bits = radix_bits or 8
