@@ -56,7 +56,8 @@ KERNELS = {
         "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",
         "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "count_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8",
         "eps": "fp32"},
-        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8, num_warps=4),
+        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8, FAST_POOL=True,
+             num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
     "scores": ("dsv4.kernels.indexer:_scores_kernel", {
         "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",

@@ -143,11 +143,15 @@ def _rms_rows_kernel(x_ptr, w_ptr, y_ptr, scratch_ptr, num_emit, eps, C: tl.cons
 
 @triton.jit
 def _pool_rows_kernel(a_ptr, z_ptr, ape_ptr, out_ptr, C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr,
-                      NW: tl.constexpr, PARTS: tl.constexpr):
+                      NW: tl.constexpr, PARTS: tl.constexpr, IN_STEP: tl.constexpr):
     i = tl.program_id(0) + 1  # entries 1 … n−1 of a sequence starting at 0: every slot comes from the step's rows
     CS: tl.constexpr = C // PARTS  # channel slice of this program (axis 1)
     c0 = tl.program_id(1) * CS
-    pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0, CS)
+    if IN_STEP:
+        pooled = kc.pool_in_step(a_ptr, z_ptr, ape_ptr, i, 0, 0, C, M)
+    else:
+        pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0,
+                               CS)
     tl.store(out_ptr + (i - 1).to(tl.int64) * C + c0 + tl.arange(0, CS), pooled)
 
 
@@ -166,14 +170,15 @@ def test_rms_norm_order_matches_torch(C: int, rows: int) -> None:
     assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
 
 
-@pytest.mark.parametrize("m, c, overlap, parts", [(4, 512, True, 1), (4, 128, True, 1), (128, 512, False, 1),
-                                                  (128, 512, False, kc.pool_parts(128, False))],
-                         ids=["csa", "csa-index", "hca", "hca-parts"])
+@pytest.mark.parametrize("m, c, overlap, parts, in_step", [
+    (4, 512, True, 1, False), (4, 128, True, 1, False), (4, 512, True, 1, True), (4, 128, True, 1, True),
+    (128, 512, False, 1, False), (128, 512, False, kc.pool_parts(128, False), False)],
+    ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca", "hca-parts"])
 @pytest.mark.parametrize("warps", [2, 4])
-def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, warps: int) -> None:
-    """``pool_entry`` == ``reference.pool_windows`` (torch's softmax + reduce kernels) for every channel of 63
-    entries, bit for bit; ``parts``: each entry pooled in that many channel slices, one program each; ``warps``
-    per program (``pool_program_warps`` picks 2 or 4; the order may not depend on it)."""
+def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, in_step: bool, warps: int) -> None:
+    """``pool_entry`` (``in_step``: ``pool_in_step``) == ``reference.pool_windows`` (torch's softmax + reduce
+    kernels) for every channel of 63 entries, bit for bit; ``parts``: each entry pooled in that many channel slices,
+    one program each; ``warps`` per program (``pool_program_warps`` picks 2 or 4; the order may not depend on it)."""
     n, width = 64, 2 * c if overlap else c
     g = torch.Generator(device="cuda").manual_seed(m + c)
     a = torch.randn(n * m, width, generator=g, device="cuda") * 3
@@ -185,6 +190,6 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
     out = torch.empty(n - 1, c, device="cuda")
     nw = kc.pool_warps(2 * m if overlap else m, kc.TORCH_REDUCE_MAX_THREADS)
     _pool_rows_kernel[(n - 1, parts)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw, PARTS=parts,
-                                      num_warps=warps, enable_fp_fusion=False)
+                                      IN_STEP=in_step, num_warps=warps, enable_fp_fusion=False)
     bad = (out != ref).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"

@@ -23,7 +23,8 @@ Grid of the fused launch (program ids in this order):
 ``B`` main leads      request b: its first emitted entry (and, CSA, the second: the only entries that read the
                       tails / previous-window state), then — after a barrier — rotate the previous-window state
                       (CSA) and write the tokens of the still-open window into the tail
-``Ecap`` main         one program per other emitted entry (``emit_pad_*``, padding rows exit at once)
+``Ecap`` main         one program per other emitted entry (``emit_pad_*``, padding rows exit at once); every
+                      slot of such an entry is a token of the step, so CSA ones pool through ``pool_in_step``
 ``⌈T/BT⌉`` window     the step's window entries (``swa_write.window_entries_block``)
 ``B`` index leads     the same as the main leads for the CSA indexer's compressor (CSA layers only)
 ``Ecap`` index        likewise for the indexer's other entries
@@ -194,6 +195,29 @@ def pool_entry(
     return pooled
 
 
+@triton.jit
+def pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C: tl.constexpr, M: tl.constexpr):
+    """``pool_entry`` of a CSA entry (m = 4, one thread per channel: ``NW`` = 0) whose 2m slots are all tokens of
+    this step — every entry past a request's first two. Same operations in the same order, but each slot row is
+    read once (``pool_entry`` reads the gates three times through the general slot sources, whose masked tail and
+    state loads and their 64-bit address arithmetic were half of a prefill chunk's instructions)."""
+    S: tl.constexpr = 2 * M
+    W: tl.constexpr = 2 * C
+    d = tl.arange(0, S)
+    col0 = tl.where(d < M, 0, C)  # slot d < m: previous window, first half of the columns
+    row = (cu + (i - 1) * M + d - start).to(tl.int64)  # slot d is token (i − 1)·m + d
+    cols = tl.arange(0, C)[None, :]
+    off = row[:, None] * W + col0[:, None] + cols
+    z = tl.load(z_ptr + off) + tl.load(ape_ptr + ((d % M) * W + col0)[:, None] + cols)
+    a = tl.load(a_ptr + off)
+    mx = tl.maximum(tl.max(z, axis=0), FLT_LOWEST)
+    e = expf(z - mx[None, :])
+    den = seq_accumulate_rows(tl.zeros([C], dtype=tl.float32), e, S)
+    lo, hi = tl.split(tl.permute(tl.reshape(tl.math.div_rn(e, den[None, :]) * a, (2, M, C)), (1, 2, 0)))
+    acc = (tl.zeros([M, C], dtype=tl.float32) + lo) + hi  # accumulator j: slot j, then slot j + 4
+    return tl.reshape(seq_sum4_last(tl.trans(acc)), (C,))
+
+
 # =========================================================================================== RMSNorm
 @triton.jit
 def thread_partials(x_ptr, l0, C: tl.constexpr, BW: tl.constexpr):
@@ -279,15 +303,19 @@ def compress_entry(
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit, scratch_ptr,
     b, i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
-    MAXT: tl.constexpr,
+    MAXT: tl.constexpr, IN_STEP: tl.constexpr = False,
 ):
     """Pool, normalize, RoPE, quantize entry ``i`` of request ``b`` and write it into its pool page.
 
     ``KIND`` 0: main entry (C = 512) → 584-B ``fp8_ds_mla``; 1: indexer key (C = 128) → 68-B MXFP4 after the
-    Hadamard rotation.
+    Hadamard rotation. ``IN_STEP``: every slot is a token of this step and the entry is a CSA one with m = 4
+    (``pool_in_step``).
     """
-    pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
-                        i, start, cu, slot, C, M, OVERLAP, NW, 0, C)
+    if IN_STEP:
+        pooled = pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C, M)
+    else:
+        pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+                            i, start, cu, slot, C, M, OVERLAP, NW, 0, C)
     finish_entry(pooled, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
                  num_emit, scratch_ptr, b, i, C, M, KIND, MAXT)
 
@@ -400,7 +428,7 @@ def entry_program(
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
-    MAXT: tl.constexpr,
+    MAXT: tl.constexpr, FAST_POOL: tl.constexpr,
 ):
     """Emitted entry ``e`` of the padded list, unless it is padding or one its request's lead program takes."""
     L: tl.constexpr = 2 if OVERLAP else 1
@@ -408,12 +436,13 @@ def entry_program(
     if b >= 0:
         i = tl.load(emit_entry_ptr + e)
         start = tl.load(start_ptr + b)
-        if i >= start // M + L:
+        if i >= start // M + L:  # past the lead's entries: every slot is a token of this step
             cu = tl.load(cu_ptr + b).to(tl.int64)
             slot = tl.load(slots_ptr + b)
             compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
                            inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                           tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
+                           tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT,
+                           OVERLAP and M == 4 and NW == 0 and FAST_POOL)
 
 
 # =========================================================================================== split entries
@@ -511,7 +540,7 @@ def _write_before_attention_kernel(
     ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
-    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr,
+    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr, FAST_POOL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_win = tl.cdiv(T, BT)
@@ -541,7 +570,7 @@ def _write_before_attention_kernel(
             entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
                           inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                           num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
-                          OVERLAP, 0, NW, MAXT)
+                          OVERLAP, 0, NW, MAXT, FAST_POOL)
         elif pid < B + n_entry + n_win:
             window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
         else:
@@ -556,7 +585,7 @@ def _write_before_attention_kernel(
                     entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                   inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                   num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
-                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT)
+                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT, FAST_POOL)
 
 
 @dataclass
@@ -582,6 +611,10 @@ class CompressorArgs:
 
 
 WINDOW_BT = 4
+
+#: CSA entries past a request's first two pool from their slot rows read once (``pool_in_step``); False: through
+#: ``pool_entry`` like the others (the previous kernel, for A/B timing; the bytes are the same).
+IN_STEP_POOLING = True
 
 
 def pool_parts(m: int, overlap: bool) -> int:
@@ -670,6 +703,7 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, num_warps=pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, FAST_POOL=IN_STEP_POOLING,
+        num_warps=pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
     )
     return out
