@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for the lightning indexer: its GPU tests (scores + every top-k variant), the --quick benchmark
 # (top-k variants eager and as graph replays) and an ncu profile (per-SASS stall samples) of the "filter" top-k at
-# 64 rows × 32K (benchmarks/profile_topk.py; only with PROFILE=1).
+# 64 rows × 32K (gpu_profile.sh's "topk" target; only with PROFILE=1).
 # Usage (repo root, GPU machine): bash benchmarks/gpu_indexer.sh — outputs under $OUT (default ./out).
 # TESTS_K: a pytest -k expression selecting the GPU tests (default: all of them).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -14,11 +14,4 @@ echo "== indexer tests rc=$?"; grep -E "^E |passed|failed|Error" "$O/idx_tests.l
 timeout ${BENCH_S:-200} python3 benchmarks/bench_indexer.py --quick --no-sweep --json "$O/indexer.json" > "$O/idx_bench.log" 2>&1
 echo "== indexer bench rc=$?"; grep -v '^ *$' "$O/idx_bench.log" | tail -45
 [ "${PROFILE:-0}" = 1 ] || exit 0
-NCU="ncu --clock-control none --section SourceCounters --section WarpStateStats --section Occupancy --section SpeedOfLight --import-source no"
-timeout 100 $NCU -k "regex:_filter_topk" --launch-skip 1 --launch-count 1 -f -o "$O/topk" \
-  python3 benchmarks/profile_topk.py --variant filter4 --calls 2 > "$O/topk.run.log" 2>&1
-echo "== topk profile rc=$?"; grep -E "^scores" "$O/topk.run.log"
-ncu --import "$O/topk.ncu-rep" --print-details all > "$O/topk.txt" 2>&1
-grep -E "Duration|Issued Warp|Achieved Occupancy" "$O/topk.txt" | head -4
-ncu --import "$O/topk.ncu-rep" --page source --print-source sass --csv > "$O/topk.sass.csv" 2>&1
-rm -f "$O"/*.ncu-rep
+TARGETS=topk bash benchmarks/gpu_profile.sh

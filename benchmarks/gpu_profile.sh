@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Hardware-counter profiles (ncu, Firecracker GPU machines) of the write-path kernel (HCA decode B=1 / 256, CSA
-# 8K-token prefill) and of the
-# sparse-attention kernels (Triton and Gluon) at Flash CSA B=64: per-SASS-instruction stall samples as CSV, plus
-# the summary sections.
+# 8K-token prefill), the "filter" top-k (64 rows x 32K) and the sparse-attention kernels (Triton and Gluon) at Flash
+# CSA B=64: per-SASS-instruction stall samples as CSV, plus the summary sections.
 # Usage (repo root, GPU machine): bash benchmarks/gpu_profile.sh — outputs under $OUT (default ./out).
-export PYTHONPATH=src:tests PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
+export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 NCU="ncu --clock-control none --section SourceCounters --section WarpStateStats --section LaunchStats --section Occupancy --section SpeedOfLight --import-source no"
 prof() {  # name, kernel regex, command...
@@ -16,8 +15,8 @@ prof() {  # name, kernel regex, command...
   grep -E "Duration|Registers Per|Achieved Occupancy|No Eligible|Stall|Local" "$O/$name.txt" | head -30
   wc -c "$O/$name.sass.csv"
 }
-# TARGETS selects among: write_hca write_hca256 write_csa_prefill attn_csa attn_gluon (default: write_hca and the
-# attention ones); BATCH the attention batch (default 64);
+# TARGETS selects among: write_hca write_hca256 write_csa_prefill topk attn_csa attn_gluon (default: write_hca and
+# the attention ones); BATCH the attention batch (default 64);
 # VARIANT the Gluon kernel's sparse_attention_fwd keywords (JSON); KERNELS its kernel-name regex; COUNT launches.
 GLUON='{"impl": "gluon"}'
 for target in ${TARGETS:-write_hca attn_csa attn_gluon}; do
@@ -28,6 +27,7 @@ for target in ${TARGETS:-write_hca attn_csa attn_gluon}; do
       --only "v4-flash hca decode B=256" --profile-calls 4 ;;
     write_csa_prefill) prof write_csa_prefill '_write_before' python3 benchmarks/bench_write.py \
       --only "v4-flash csa prefill 8K" --profile-calls 4 ;;
+    topk) prof topk '_filter_topk' python3 benchmarks/profile_topk.py --variant filter4 --calls 4 ;;
     attn_csa) prof attn_csa '_sparse_attention_kernel' python3 benchmarks/profile_attention.py --shape flash_csa \
       --batch ${BATCH:-64} --calls 4 ;;
     attn_gluon) prof attn_gluon "${KERNELS:-_sparse_attention_sm90_kernel}" python3 benchmarks/profile_attention.py \

@@ -2,7 +2,8 @@
 # One GPU session for the top-k alone: its GPU tests (the "bisect" and "filter4" variants: long rows, ties, reused
 # scratch, through the indexer), every TOPK_LAUNCHES entry on decode steps of 8 / 64 / 128 requests at 8K–128K context
 # (benchmarks/bench_indexer.py --topk-only), and an ncu profile (per-SASS stall samples) of the "filter" kernel at
-# 64 rows x 32K. Usage (repo root, GPU machine): bash benchmarks/gpu_topk.sh — outputs under $OUT (default ./out).
+# 64 rows x 32K (gpu_profile.sh's "topk" target; PROFILE=0 skips it).
+# Usage (repo root, GPU machine): bash benchmarks/gpu_topk.sh — outputs under $OUT (default ./out).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
@@ -11,11 +12,4 @@ echo "tests rc=$?"; grep -E "^E |passed|failed|Error" "$O/t.log" | head -20
 timeout 200 python3 benchmarks/bench_indexer.py --topk-only --json "$O/topk.json" > "$O/b.log" 2>&1
 echo "bench rc=$?"; grep -E "graph\]" "$O/b.log" | cut -c1-80
 grep -i "wrong\|error" "$O/b.log" | head
-NCU="ncu --clock-control none --section SourceCounters --section WarpStateStats --section Occupancy --section SpeedOfLight --import-source no"
-timeout 100 $NCU -k "regex:_filter_topk" --launch-skip 1 --launch-count 1 -f -o "$O/topk" \
-  python3 benchmarks/profile_topk.py --variant filter4 --calls 2 > "$O/topk.run.log" 2>&1
-echo "== topk profile rc=$?"; grep -E "^scores" "$O/topk.run.log"
-ncu --import "$O/topk.ncu-rep" --print-details all > "$O/topk.txt" 2>&1
-grep -E "Duration|Issued Warp|Achieved Occupancy|Registers" "$O/topk.txt" | head -6
-ncu --import "$O/topk.ncu-rep" --page source --print-source sass --csv > "$O/topk.sass.csv" 2>&1
-rm -f "$O"/*.ncu-rep
+[ "${PROFILE:-1}" = 1 ] && TARGETS=topk bash benchmarks/gpu_profile.sh

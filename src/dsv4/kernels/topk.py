@@ -818,8 +818,10 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
         out: optional int64 ``[T, k]`` destination.
         block, num_warps: ``"row"`` / ``"split"``: columns per loop step and warps (defaults: ``"row"`` 4096 / 16
             for BF16, 2048 / 8 for FP32; ``"split"`` 1024 / 4); ``"filter"``: the largest register block (16384) and
-            warps (16).
-        algorithm: ``"row"``, ``"split"`` or ``"filter"`` (module docstring); when omitted, the options of
+            warps (16); ``"bisect"``: warps only (the block is the row; default 16 from 8,192 columns, 8 from 2,048,
+            else 4).
+        algorithm: ``"row"``, ``"split"``, ``"filter"`` or ``"bisect"`` (module docstring; ``"bisect"`` on rows of
+            more than ``BISECT_MAX_COLUMNS`` runs ``"filter"``); when omitted, the options of
             ``VARIANTS[default_variant(T, num_sms, N)]``.
         workspace: ``"split"`` (also ``"filter"`` falling back to it): int32 scratch of at least
             ``topk_workspace_shape(T, dtype, radix_bits)`` elements (zeroed here); allocated when omitted.
