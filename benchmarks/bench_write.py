@@ -175,7 +175,15 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows (and the environment) here")
     ap.add_argument("--only", help="run only the cases whose name contains this, e.g. 'v4-flash hca decode B=1'")
     ap.add_argument("--profile-calls", type=int, default=0, help="no timing: call the kernels N times (for ncu)")
+    ap.add_argument("--divide-zeros", action="store_true",
+                    help="A/B: pooling divides zero softmax numerators too (compressor.ZERO_FAST_DIVISION off)")
     a = ap.parse_args()
+    if a.divide_zeros:  # a global constexpr of the kernels: set before their first compile in this process
+        import triton.language as tl
+
+        from dsv4.kernels import compressor
+
+        compressor.ZERO_FAST_DIVISION = tl.constexpr(False)
     if a.profile_calls:
         run(only=a.only, profile_calls=a.profile_calls)
         return

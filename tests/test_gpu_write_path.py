@@ -170,19 +170,24 @@ def test_rms_norm_order_matches_torch(C: int, rows: int) -> None:
     assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
 
 
-@pytest.mark.parametrize("m, c, overlap, parts, in_step", [
-    (4, 512, True, 1, False), (4, 128, True, 1, False), (4, 512, True, 1, True), (4, 128, True, 1, True),
-    (128, 512, False, 1, False), (128, 512, False, kc.pool_parts(128, False), False)],
-    ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca", "hca-parts"])
+@pytest.mark.parametrize("m, c, overlap, parts, in_step, spread", [
+    (4, 512, True, 1, False, 2), (4, 128, True, 1, False, 2), (4, 512, True, 1, True, 2), (4, 128, True, 1, True, 2),
+    (128, 512, False, 1, False, 2), (128, 512, False, kc.pool_parts(128, False), False, 2),
+    (4, 512, True, 1, True, 100), (128, 512, False, kc.pool_parts(128, False), False, 100)],
+    ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca", "hca-parts", "csa-in-step-wide",
+         "hca-parts-wide"])
 @pytest.mark.parametrize("warps", [2, 4])
-def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, in_step: bool, warps: int) -> None:
+def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, in_step: bool, spread: float,
+                                     warps: int) -> None:
     """``pool_entry`` (``in_step``: ``pool_in_step``) == ``reference.pool_windows`` (torch's softmax + reduce
     kernels) for every channel of 63 entries, bit for bit; ``parts``: each entry pooled in that many channel slices,
-    one program each; ``warps`` per program (``pool_program_warps`` picks 2 or 4; the order may not depend on it)."""
+    one program each; ``warps`` per program (``pool_program_warps`` picks 2 or 4; the order may not depend on it);
+    ``spread``: the gates' standard deviation (100: most ``exp(z − max)`` underflow to 0, ``softmax_weight``'s
+    shortcut)."""
     n, width = 64, 2 * c if overlap else c
     g = torch.Generator(device="cuda").manual_seed(m + c)
     a = torch.randn(n * m, width, generator=g, device="cuda") * 3
-    z = torch.randn(n * m, width, generator=g, device="cuda") * 2
+    z = torch.randn(n * m, width, generator=g, device="cuda") * spread
     ape = torch.randn(m, width, generator=g, device="cuda")
     zb = z + ape[torch.arange(n * m, device="cuda") % m]
     kv, gate = overlap_slots(a, zb, m) if overlap else (a.unflatten(0, (n, m)), zb.unflatten(0, (n, m)))
@@ -191,5 +196,7 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
     nw = kc.pool_warps(2 * m if overlap else m, kc.TORCH_REDUCE_MAX_THREADS)
     _pool_rows_kernel[(n - 1, parts)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw, PARTS=parts,
                                       IN_STEP=in_step, num_warps=warps, enable_fp_fusion=False)
+    if spread > 10:  # the shortcut's case must occur
+        assert (torch.exp(gate - gate.amax(1, keepdim=True)) == 0).float().mean() > 0.3
     bad = (out != ref).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"

@@ -136,6 +136,22 @@ def load_slots(
 
 # =========================================================================================== pooling
 @triton.jit
+def softmax_weight(e, den, ZERO_FAST: tl.constexpr):
+    """``e / den`` rounded as IEEE division (``tl.math.div_rn``): a slot's softmax weight, ``e = exp(z − max)``.
+
+    With ``ZERO_FAST`` a zero ``e`` (a gate far below the channel's max: most of an HCA window's 128 slots) gives
+    +0 without dividing — what the division returns for a positive ``den`` — because a zero dividend fails the
+    division's fast-path check and sends the warp through its slow-path subroutine (ncu, HCA decode B=256: that
+    subroutine was 23% of the kernel's instructions). ``den`` ≤ 0 or NaN still divides."""
+    if ZERO_FAST:
+        skip = (e == 0.0) & (den > 0.0)
+        return tl.where(skip, 0.0, tl.math.div_rn(tl.where(skip, 1.0, e), den))
+    else:
+        return tl.math.div_rn(e, den)
+
+
+
+@triton.jit
 def halve_rows(part, N: tl.constexpr, C: tl.constexpr):
     """``part[y] + part[y + N/2]`` for ``y < N/2`` (one shared-memory halving step of a block reduction)."""
     lo, hi = tl.split(tl.permute(tl.reshape(part, (2, N // 2, C)), (1, 2, 0)))
@@ -176,7 +192,7 @@ def pool_entry(
     for k in range(0, S // CH):
         z, a = load_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                           prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
-        acc = acc + tl.math.div_rn(expf(z - mx[None, :]), den[None, :]) * a
+        acc = acc + softmax_weight(expf(z - mx[None, :]), den[None, :], ZERO_FAST_DIVISION) * a
     if NW == 0:
         # one thread per channel, 4 accumulators: ((acc0 + acc1) + acc2) + acc3
         pooled = tl.reshape(seq_sum4_last(tl.trans(acc)), (CS,))
@@ -213,7 +229,8 @@ def pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C: tl.constexpr, M: tl.con
     mx = tl.maximum(tl.max(z, axis=0), FLT_LOWEST)
     e = expf(z - mx[None, :])
     den = seq_accumulate_rows(tl.zeros([C], dtype=tl.float32), e, S)
-    lo, hi = tl.split(tl.permute(tl.reshape(tl.math.div_rn(e, den[None, :]) * a, (2, M, C)), (1, 2, 0)))
+    w = softmax_weight(e, den[None, :], ZERO_FAST_DIVISION)
+    lo, hi = tl.split(tl.permute(tl.reshape(w * a, (2, M, C)), (1, 2, 0)))
     acc = (tl.zeros([M, C], dtype=tl.float32) + lo) + hi  # accumulator j: slot j, then slot j + 4
     return tl.reshape(seq_sum4_last(tl.trans(acc)), (C,))
 
@@ -611,6 +628,10 @@ class CompressorArgs:
 
 
 WINDOW_BT = 4
+
+#: ``softmax_weight``'s zero shortcut. A global constexpr of the kernels: Triton refuses a changed global after the
+#: first compile, so set it before any launch of the process (``bench_write.py --divide-zeros`` turns it off: A/B).
+ZERO_FAST_DIVISION = tl.constexpr(True)
 
 #: CSA entries past a request's first two pool from their slot rows read once (``pool_in_step``); False: through
 #: ``pool_entry`` like the others (the previous kernel, for A/B timing; the bytes are the same).
