@@ -137,6 +137,16 @@ def _gather_keys(row_ptr, cols, mask, KEY_BITS: tl.constexpr, PTX: tl.constexpr)
 
 
 @triton.jit
+def _largest_key(KEY_BITS: tl.constexpr):
+    """The largest key (0xFFFF / 0xFFFFFFFF, of the same type as ``_sortable_key``'s): the neutral element of a
+    minimum over keys."""
+    if KEY_BITS == 16:
+        return tl.full((), 0xFFFF, tl.int32)
+    else:
+        return tl.full((), 0xFFFFFFFF, tl.uint32)
+
+
+@triton.jit
 def _empty_prefix(KEY_BITS: tl.constexpr):
     """A key prefix of no digits yet (uint32 for 32-bit keys, int32 for 16-bit ones)."""
     if KEY_BITS == 32:
@@ -640,7 +650,7 @@ def _bisect_topk_kernel(
     else:
         # Invalid columns get key 0, the smallest key: every threshold tried below is >= 1, so they never count.
         key = tl.where(valid, _load_keys(s_ptr + row * s_stride, cols, valid, KEY_BITS), 0)
-        top = _sortable_key(tl.full((), -1, tl.int32), KEY_BITS)  # 0xFFFF / 0xFFFFFFFF: the largest key
+        top = _largest_key(KEY_BITS)
         g_max = tl.max(key, axis=1)  # of each row of the block: a group of C columns
         hi_key = tl.max(g_max, axis=0)
         groups = tl.cdiv(n, C)
