@@ -56,7 +56,7 @@ KERNELS = {
         "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",
         "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "count_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8",
         "eps": "fp32"},
-        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8, FAST_POOL=True,
+        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8, IN_STEP_POOL=True,
              num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
     "scores": ("dsv4.kernels.indexer:_scores_kernel", {

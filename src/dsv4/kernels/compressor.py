@@ -150,7 +150,6 @@ def softmax_weight(e, den, ZERO_FAST: tl.constexpr):
         return tl.math.div_rn(e, den)
 
 
-
 @triton.jit
 def halve_rows(part, N: tl.constexpr, C: tl.constexpr):
     """``part[y] + part[y + N/2]`` for ``y < N/2`` (one shared-memory halving step of a block reduction)."""
@@ -445,7 +444,7 @@ def entry_program(
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
-    MAXT: tl.constexpr, FAST_POOL: tl.constexpr,
+    MAXT: tl.constexpr, IN_STEP_POOL: tl.constexpr,
 ):
     """Emitted entry ``e`` of the padded list, unless it is padding or one its request's lead program takes."""
     L: tl.constexpr = 2 if OVERLAP else 1
@@ -459,7 +458,7 @@ def entry_program(
             compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
                            inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
                            tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT,
-                           OVERLAP and M == 4 and NW == 0 and FAST_POOL)
+                           OVERLAP and M == 4 and NW == 0 and IN_STEP_POOL)
 
 
 # =========================================================================================== split entries
@@ -557,7 +556,7 @@ def _write_before_attention_kernel(
     ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
-    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr, FAST_POOL: tl.constexpr,
+    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr, IN_STEP_POOL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_win = tl.cdiv(T, BT)
@@ -587,7 +586,7 @@ def _write_before_attention_kernel(
             entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
                           inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                           num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
-                          OVERLAP, 0, NW, MAXT, FAST_POOL)
+                          OVERLAP, 0, NW, MAXT, IN_STEP_POOL)
         elif pid < B + n_entry + n_win:
             window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
         else:
@@ -602,7 +601,7 @@ def _write_before_attention_kernel(
                     entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                   inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                   num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
-                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT, FAST_POOL)
+                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT, IN_STEP_POOL)
 
 
 @dataclass
@@ -724,7 +723,7 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, FAST_POOL=IN_STEP_POOLING,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, IN_STEP_POOL=IN_STEP_POOLING,
         num_warps=pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
     )
     return out
