@@ -154,3 +154,35 @@ def test_torch_sum_sq_matches_reduction_model(seed: int) -> None:
     r = subprocess.run([sys.executable, "-c", _SUM_SQ_SCRIPT, str(seed)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+_WEIGHT_SCRIPT = r"""
+import torch, triton, triton.language as tl
+from dsv4.kernels.compressor import softmax_weight
+
+@triton.jit
+def _weight_kernel(e_ptr, d_ptr, out_ptr, N: tl.constexpr, ZERO_FAST: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(out_ptr + o, softmax_weight(tl.load(e_ptr + o), tl.load(d_ptr + o), ZERO_FAST))
+
+inf, nan, tiny = float("inf"), float("nan"), 1e-40  # tiny: a subnormal numerator
+e = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.25, tiny, 0.5, 0.0, 3.0, 1.0, 0.0, 0.75, 0.0, 1e-30])
+d = torch.tensor([1.0, 7.5, inf, 0.0, nan, 3.0, 1.0, 2.0, 0.0, -2.0, 3.0, nan, 1e30, 8.0, 128.0, 3.0])
+want = e / d  # IEEE division, every case
+for fast in (True, False):
+    out = torch.empty_like(e)
+    _weight_kernel[(1,)](e, d, out, N=e.numel(), ZERO_FAST=fast)
+    same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
+    assert bool(same.all()), (fast, out.tolist(), want.tolist())
+print("OK")
+"""
+
+
+def test_softmax_weight_is_ieee_division() -> None:
+    """``compressor.softmax_weight``'s zero shortcut returns exactly what the division returns (bit for bit, signed
+    zeros included) for zero numerators over positive, infinite, zero, negative and NaN denominators."""
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _WEIGHT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
