@@ -110,6 +110,13 @@ def _load_keys(row_ptr, offs, mask, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
+def _address_operand(ptr, like):
+    """The scalar pointer ``ptr`` as an int64 block shaped like ``like``: the address operand of the inline PTX
+    loads and stores below (each element adds its own 32-bit slot)."""
+    return ptr.to(tl.int64, bitcast=True) + tl.zeros_like(like).to(tl.int64)
+
+
+@triton.jit
 def _gather_keys(row_ptr, cols, mask, KEY_BITS: tl.constexpr, PTX: tl.constexpr):
     """``_load_keys`` of scattered columns. With ``PTX`` the loads are inline PTX in the columns' own register layout
     (``tl.load`` would first move the block's 64-bit pointers to another layout through shared memory)."""
@@ -129,7 +136,7 @@ def _gather_keys(row_ptr, cols, mask, KEY_BITS: tl.constexpr, PTX: tl.constexpr)
             @p ld.global.b32 $0, [a]; }"""
         bits = tl.inline_asm_elementwise(
             asm=asm, constraints="=r,l,r,r",
-            args=[row_ptr.to(tl.int64, bitcast=True) + tl.zeros_like(cols).to(tl.int64), cols, mask.to(tl.int32)],
+            args=[_address_operand(row_ptr, cols), cols, mask.to(tl.int32)],
             dtype=tl.int32, is_pure=True, pack=1)
         return _sortable_key(bits, KEY_BITS)
     else:
@@ -414,7 +421,7 @@ def _store_columns(base, slot, col, PTX: tl.constexpr):
             @p st.global.b32 [a], $3;
             mov.b32 $0, 0; }"""
         tl.inline_asm_elementwise(asm=asm, constraints="=r,l,r,r",
-                                  args=[base.to(tl.int64, bitcast=True) + tl.zeros_like(slot).to(tl.int64), slot, col],
+                                  args=[_address_operand(base, slot), slot, col],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.store(base + slot, col.to(base.dtype.element_ty), mask=slot >= 0)
@@ -440,20 +447,27 @@ def _block_histogram(digit, live, NB: tl.constexpr):
 
 
 @triton.jit
-def _bisect_threshold(key, valid, k_eff, lo_key, hi_key, KEY_BITS: tl.constexpr):
-    """The ``k_eff``-th largest of the valid keys of a register block, found bit by bit (the largest ``t`` with at
-    least ``k_eff`` keys ``>= t``), and how many keys equal to it are still to take. ``lo_key`` / ``hi_key``: a lower
-    bound of the valid keys and their maximum; the bits above their highest differing bit are the threshold's too,
-    so only the rest costs a count (a block-wide reduction) each."""
+def _search_start(lo_key, hi_key, KEY_BITS: tl.constexpr):
+    """Where the bisection starts: ``hi_key`` with its bits below the highest one where ``lo_key`` and ``hi_key``
+    differ cleared (the bits above it are the threshold's too), and the number of those searched bits."""
     diff = lo_key ^ hi_key
     width = 0  # bit length of diff
     for b in tl.static_range(KEY_BITS):
         width += ((diff >> b) != 0).to(tl.int32)
     thr = hi_key
-    for i in tl.static_range(KEY_BITS):
-        b = KEY_BITS - 1 - i
+    for b in tl.static_range(KEY_BITS):
         if b < width:
-            thr = thr ^ (thr & (tl.full((), 1, thr.dtype) << b))  # clear the searched bits
+            thr = thr ^ (thr & (tl.full((), 1, thr.dtype) << b))
+    return thr, width
+
+
+@triton.jit
+def _bisect_threshold(key, valid, k_eff, lo_key, hi_key, KEY_BITS: tl.constexpr):
+    """The ``k_eff``-th largest of the valid keys of a register block, found bit by bit (the largest ``t`` with at
+    least ``k_eff`` keys ``>= t``), and how many keys equal to it are still to take. ``lo_key`` / ``hi_key``: a lower
+    bound of the valid keys and their maximum; the bits above their highest differing bit are the threshold's too,
+    so only the rest costs a count (a block-wide reduction) each."""
+    thr, width = _search_start(lo_key, hi_key, KEY_BITS)
     for i in tl.static_range(KEY_BITS):
         b = KEY_BITS - 1 - i
         if b < width:
@@ -658,15 +672,7 @@ def _bisect_topk_kernel(
             lo_key = tl.min(tl.where(tl.arange(0, R) < groups, g_max, top), axis=0)
         else:
             lo_key = tl.min(tl.min(tl.where(valid, key, top), axis=1), axis=0)
-        # bits above the highest one where lo_key and hi_key differ are the threshold's too
-        diff = lo_key ^ hi_key
-        width = 0
-        for b in tl.static_range(KEY_BITS):
-            width += ((diff >> b) != 0).to(tl.int32)
-        thr = hi_key
-        for b in tl.static_range(KEY_BITS):
-            if b < width:
-                thr = thr ^ (thr & (tl.full((), 1, thr.dtype) << b))
+        thr, width = _search_start(lo_key, hi_key, KEY_BITS)
         b = width - 1
         while b >= 0:  # the largest thr with at least k_eff keys >= thr, one bit at a time
             t = thr | (tl.full((), 1, thr.dtype) << b.to(thr.dtype))
@@ -798,18 +804,26 @@ def _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bit
     return out
 
 
+def _launched_algorithm(algorithm: str, rows: int, columns: int, num_sms: int) -> str:
+    """The algorithm that runs when ``algorithm`` is asked for: ``"bisect"`` on rows of more than
+    ``BISECT_MAX_COLUMNS`` columns runs ``"filter"``, and ``"filter"`` beyond one row per multiprocessor
+    (``filter_rows_fit``) runs ``"split"``; anything else runs as asked."""
+    if algorithm == "bisect" and columns > BISECT_MAX_COLUMNS:
+        algorithm = "filter"
+    if algorithm == "filter" and not filter_rows_fit(rows, num_sms):
+        algorithm = "split"
+    return algorithm
+
+
 def scratch_shapes(rows: int, columns: int, score_dtype: torch.dtype, num_sms: int
                    ) -> dict[str, tuple[tuple[int, int], bool]]:
     """The int32 scratch ``radix_topk`` uses without a named algorithm, by keyword argument: ``{name: (shape,
     zero_kept)}`` (``zero_kept``: must be zero when passed, and is left zero — allocate it zeroed once)."""
-    algorithm = VARIANTS[default_variant(rows, num_sms, columns)]["algorithm"]
-    if algorithm == "bisect":
-        if columns <= BISECT_MAX_COLUMNS:
-            return {}
-        algorithm = "filter"  # rows too long for registers fall back to it
-    if algorithm == "filter" and filter_rows_fit(rows, num_sms):
+    algorithm = _launched_algorithm(VARIANTS[default_variant(rows, num_sms, columns)]["algorithm"], rows, columns,
+                                    num_sms)
+    if algorithm == "filter":
         return {"header": (filter_header_shape(rows), True), "candidates": ((rows, columns), False)}
-    if algorithm in ("split", "filter"):  # "filter" beyond one row per SM falls back to "split"
+    if algorithm == "split":
         return {"workspace": (topk_workspace_shape(rows, score_dtype), False)}
     return {}
 
@@ -860,21 +874,21 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
         bits, key_bits = scores.view(torch.int32), 32
     else:
         raise ValueError(f"radix_topk: scores must be bfloat16 or float32, got {scores.dtype}")
+    num_sms = sm_count(scores, num_sms)
     if algorithm is None:
-        opts = VARIANTS[default_variant(T, sm_count(scores, num_sms), scores.shape[1])]
+        opts = VARIANTS[default_variant(T, num_sms, scores.shape[1])]
         algorithm = opts["algorithm"]
         radix_bits = radix_bits or opts.get("radix_bits")
+    launched = _launched_algorithm(algorithm, T, scores.shape[1], num_sms)
+    if launched == "split" and algorithm != "split":  # a fallback: the 8-bit passes
+        radix_bits = 8
+    algorithm = launched
     ptx = not interpreting() and inline_ptx is not False
     if algorithm == "bisect":
-        if scores.shape[1] <= BISECT_MAX_COLUMNS:
-            return _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx)
-        algorithm, radix_bits = "filter", radix_bits or 4
+        return _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx)
     if algorithm == "filter":
-        num_sms = sm_count(scores, num_sms)
-        if filter_rows_fit(T, num_sms):
-            return _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bits or 4,
-                                  block or 16384, cblock, num_warps, num_sms, ptx)
-        algorithm, radix_bits = "split", 8
+        return _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bits or 4,
+                              block or 16384, cblock, num_warps, num_sms, ptx)
     if algorithm == "split":
         radix_bits = radix_bits or 8
         if radix_bits not in (4, 8):
