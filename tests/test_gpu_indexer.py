@@ -300,12 +300,12 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
 
 def _mxfp4_score_bits(layer, batch, q, w, num_sms=None, config=None) -> torch.Tensor:
     """The scores kernel's BF16 scores (as int16 bits; unwritten elements stay NaN) of MXFP4 queries ``q`` with head
-    weights ``w`` (64 heads) over ``layer``'s pool (block size 256), called directly with ``num_sms`` / ``config``."""
+    weights ``w`` over ``layer``'s pool (block size 256), called directly with ``num_sms`` / ``config``."""
     from dsv4.kernels.indexer import FMT_MXFP4, index_scores
 
     qq = ti.queries_from_float(q, "mxfp4")
     wq = torch.zeros_like(qq.scale)
-    wq[:, :64] = w
+    wq[:, : w.shape[1]] = w
     wq *= qq.scale
     n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
     out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -349,6 +349,54 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+GLUON_STEPS = [
+    {"a": 3000, "b": 700, "c": 5, "d": 64, "e": 256, "f": 4},  # prefill chunks (the Triton kernel)
+    {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1, "f": 1},  # single-token decode: the Gluon kernel on sm_90
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,k,spread", [(64, 512, 5), (64, 512, 0), (4, 8, 5)])
+def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -> None:
+    """The Gluon scores kernel (``indexer_sm90``: single-token decode over MXFP4 keys) against the reference:
+    requests of 1 to 750 keys (partial tiles, tiles over several pages, odd and even tile counts per program),
+    keys whose block exponents differ by up to 10 binades, 64 and 4 heads; the poisoned buffer must be written
+    wherever a key is visible. Then with one program per request, and the Triton kernel on the same step."""
+    from dsv4.kernels import indexer as kidx, indexer_sm90
+
+    if not indexer_sm90.available(torch.device("cuda")):
+        pytest.skip("the Gluon kernel needs an sm_90 device")
+    calls = []
+    launch = indexer_sm90.launch
+    monkeypatch.setattr(indexer_sm90, "launch", lambda *a, **kw: (calls.append(kw), launch(*a, **kw)))
+    cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=heads, k=k, steps=GLUON_STEPS, block_size=256,
+                                         block_spread=spread, seed=spread)
+    assert batch.max_new == 1
+    q, w = _queries(cfg, "mxfp4", batch.num_tokens, "cuda", seed=heads)
+    nm = _numerics("mxfp4")
+    buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
+    buf.fill_(float("nan"))
+    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    assert len(calls) == 1
+    _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
+    # tiles per program 12, 6, 4, 3 (odd and even counts through the two-tile loop): the same bits
+    ref_bits = buf.view(torch.int16).clone()
+    for sms in (1, 12, 18, 30):
+        bits = _mxfp4_score_bits(layer, batch, q, w, num_sms=sms,
+                                 config={"PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1})
+        live = ~torch.isnan(bits.view(torch.bfloat16))
+        visible = torch.arange(bits.shape[1], device="cuda")[None, :] < batch.visible_entries[M][:, None]
+        assert torch.equal(live, visible), sms  # every visible score written, nothing else
+        assert torch.equal(bits[live], ref_bits[:, : bits.shape[1]][live]), sms
+    # the Triton kernel on the same step
+    pick = kidx.pick_scores_config
+    monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "GLUON": False})
+    buf.fill_(float("nan"))
+    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
+    assert len(calls) == 5  # the default launch and the four splits; GLUON=False took the Triton kernel
+
+
 @pytest.mark.gpu
 def test_gpu_scores_exact_per_block_vs_asm() -> None:
     """The inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores (bitwise), on keys
@@ -384,7 +432,8 @@ def _decode_mxfp4_queries(iq) -> torch.Tensor:
     """float32 ``[T, H, 128]`` values of an MXFP4 ``IndexerQueries`` (E4M3 bytes times the per-head scale)."""
     v = iq.q.view(torch.float8_e4m3fn).float() * iq.scale[:, None, :, None]
     out = torch.empty(v.shape[0], v.shape[2], 128, device=v.device)
-    out[..., 0::2], out[..., 1::2] = v[:, 0], v[:, 1]
+    channels = ti.mxfp4_operand_channels(v.device)
+    out[..., channels[0]], out[..., channels[1]] = v[:, 0], v[:, 1]
     return out[:, : iq.num_heads]
 
 

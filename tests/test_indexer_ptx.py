@@ -34,6 +34,16 @@ def _prmt(a: int, b: int, c: int) -> int:
     return out
 
 
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX ``lop3.b32``: bit i of the result is bit ``4·a_i + 2·b_i + c_i`` of ``lut`` (``lut`` evaluated on
+    a = 0xF0, b = 0xCC, c = 0xAA is the function's truth table)."""
+    out = 0
+    for i in range(32):
+        j = ((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1)
+        out |= ((lut >> j) & 1) << i
+    return out
+
+
 def _mul_bf16x2(a: int, b: int) -> int:
     """PTX ``mul.rn.bf16x2``: each 16-bit half of ``a`` times that of ``b`` as BF16, rounded once to nearest even
     (subnormals kept). The FP32 product of two BF16 values is exact (8-bit significands, exponents in range), so
@@ -45,7 +55,7 @@ def _mul_bf16x2(a: int, b: int) -> int:
 
 
 def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
-    """Execute the instructions ``and or shl shr prmt mov`` (``.b32``), ``mad.lo.u32`` and ``mul.rn.bf16x2`` of
+    """Execute the instructions ``and or shl shr prmt lop3 mov`` (``.b32``), ``add sub`` (``.s32``), ``mad.lo.u32`` and ``mul.rn.bf16x2`` of
     ``text`` over 32-bit registers."""
     regs = dict(operands)
 
@@ -70,8 +80,14 @@ def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
             r = (v[0] << v[1]) & MASK32
         elif op == "shr.b32":
             r = v[0] >> v[1]
+        elif op == "lop3.b32":
+            r = _lop3(*v)
         elif op == "prmt.b32":
             r = _prmt(*v)
+        elif op == "sub.s32":
+            r = (v[0] - v[1]) & MASK32
+        elif op == "add.s32":
+            r = (v[0] + v[1]) & MASK32
         elif op == "mov.b32":
             r = v[0]
         elif op == "mad.lo.u32":
@@ -89,9 +105,10 @@ def _e4m3_byte(x: float) -> int:
 
 
 def _oracle(nibble: int, d: int) -> int:
-    """E4M3 byte of E2M1 code ``nibble`` times ``2**(d − 5)`` (zero, keeping the sign, for a flushed block)."""
+    """E4M3 byte of E2M1 code ``nibble`` times ``2**(d − 5)``; zeros (a zero magnitude, or any code of a flushed
+    block) are +0 whatever their sign."""
     mag = 0.0 if d < 0 else E2M1_MAGNITUDES[nibble & 7] * 2.0 ** (d - 5)
-    return _e4m3_byte(-mag if nibble & 8 else mag)
+    return _e4m3_byte(-mag if nibble & 8 and mag else mag)
 
 
 def _tables(d: int) -> tuple[int, int]:
@@ -104,17 +121,29 @@ def _tables(d: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("d", list(range(-1, 12)))
 def test_unpack_keys_ptx_every_byte(d: int) -> None:
-    """Every packed byte value in every byte position, every block shift (and a flushed block)."""
+    """Every packed byte value in every byte position, every block shift (and a flushed block): ``$0`` holds the
+    word's nibbles 0–3 and ``$1`` its nibbles 4–7, in order (nibble ``2i`` / ``2i + 1`` = low / high of byte i)."""
     lo, hi = _tables(d)
     for base in range(0, 256, 4):
         word = sum(((base + i) & 0xFF) << (8 * i) for i in range(4))
         words = [word, ((word << 8) | (word >> 24)) & MASK32]  # each value also in the next byte position
         for w in words:
             regs = run_ptx(UNPACK_KEYS, {"$2": w, "$3": lo, "$7": hi})
-            for i in range(4):
-                byte = (w >> (8 * i)) & 0xFF
-                assert (regs["$0"] >> (8 * i)) & 0xFF == _oracle(byte & 15, d), (hex(w), i, "low nibble")
-                assert (regs["$1"] >> (8 * i)) & 0xFF == _oracle(byte >> 4, d), (hex(w), i, "high nibble")
+            for j in range(8):
+                out = regs["$0"] if j < 4 else regs["$1"]
+                assert (out >> (8 * (j % 4))) & 0xFF == _oracle((w >> (4 * j)) & 15, d), (hex(w), j)
+
+
+def test_lop3_model() -> None:
+    """The interpreter's ``lop3`` against the functions whose truth tables the PTX spells."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b, c = (rng.getrandbits(32) for _ in range(3))
+        assert _lop3(a, b, c, 0xF8) == a | (b & c)
+        assert _lop3(a, b, c, 0x80) == a & b & c
+        assert _lop3(a, b, c, 0x96) == a ^ b ^ c
 
 
 def test_unpack_keys_ptx_tables_match_block_tables_formula() -> None:

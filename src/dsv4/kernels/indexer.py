@@ -9,6 +9,10 @@ Two kernels:
   request's keys in the paged pool (through its block table), rounded once to the score dtype. Keys are the tile's
   rows (MMA ``M``), the heads of ``QT`` queries its columns (``N = QT · HP``), the 128 channels the reduction.
 
+Single-token decode over MXFP4 keys on sm_90 — the indexer's hot path — runs a Gluon kernel instead
+(``indexer_sm90``: same numerics, the key bytes converted straight into the MMA's register operand, no shared
+memory per tile, the next tile's MMA overlapping this one's head sum); ``index_scores`` chooses.
+
 A transposed layout — heads as MMA rows, keys as columns — measured slower on the H200 (154 µs vs 129 µs at B=64, 128K
 decode, before the changes below) and was removed.
 
@@ -22,8 +26,9 @@ block exponents span at most 11 binades (always, in practice: the Hadamard rotat
 more than 2**11 below its vector's largest is flushed to zero (its contribution is below 2**-11 of the largest
 block's). The E2M1 → E4M3 conversion of the packed key bytes is one inline-PTX function (``UNPACK_KEYS_PTX``): each
 block's shift is added once to an 8-entry table of E4M3 bytes (``_block_tables``), and ``prmt`` looks four
-magnitudes up at a time (14 instructions per four packed bytes); under the Triton interpreter the same bytes come
-from plain integer arithmetic, and ``tests/test_indexer_ptx.py`` executes the PTX itself on the CPU.
+magnitudes up at a time (11 instructions per four packed bytes, ``ptx.UNPACK_KEYS``); under the Triton interpreter
+the same bytes come from plain integer arithmetic, and ``tests/test_indexer_ptx.py`` executes the PTX itself on the
+CPU. The relu and head weight run as ``(x + |x|) · w/2`` (``_head_sum``): the same bits, on the FMA pipe.
 
 Memory pipeline. Where pages hold a multiple of the 64-key tile (block size 256: one page per tile), a program
 reads its split's block-table entries once, before its loop, and takes each tile's page from registers: no load
@@ -31,10 +36,12 @@ feeds the address of a key tile, so Triton's pipeliner copies the tile's codes t
 and the tile's scales (2 bytes per thread, too small for an asynchronous copy) are loaded into registers one tile
 ahead (``PAGE_VECTOR``; H200, B=64 × 128K decode: 114 → 88 µs). Smaller pages take a per-row block-table gather.
 
-Packed E2M1 nibbles put element ``2i`` in the low and ``2i + 1`` in the high nibble of byte ``i``. The kernel
-converts the low nibbles of a key's 64 bytes into one ``[BLOCK_N, 64]`` operand (the even channels) and the high
-nibbles into another (the odd channels) and accumulates two K = 64 products; the query operand is stored split the
-same way (``q8[t, 0]`` = even channels, ``q8[t, 1]`` = odd channels), so nothing is interleaved at run time.
+Channel order. Packed E2M1 nibbles put channel ``2i`` in the low and ``2i + 1`` in the high nibble of byte ``i``;
+four packed bytes are eight consecutive channels. The conversion turns each four bytes into two E4M3 words, the
+first four channels and the last four (a ``prmt`` selector nibble is an E2M1 code: no nibble shuffling), so a
+key's operands ``ka`` / ``kb`` hold channels ``8k + r`` / ``8k + 4 + r`` at ``4k + r``; the sum over channels does
+not care about their order, and the query operand is stored in the same one (``q8[t, 0]`` / ``q8[t, 1]``,
+``triton_indexer.mxfp4_operand_channels``), so nothing is interleaved at run time.
 
 Other key formats share the scores kernel (``FORMAT``):
 
@@ -55,7 +62,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import ptx
+from . import indexer_sm90, ptx
 
 __all__ = [
     "FMT_MXFP4", "FMT_FP8", "FMT_FP32",
@@ -113,17 +120,27 @@ def _block_tables(e, e_max):
 
 @triton.jit
 def _e4m3_from_table(c, lo, hi):
-    """E4M3 byte of the E2M1 code ``c`` (int32 0…15, sign in bit 3) by the block's tables ``lo`` / ``hi``."""
+    """E4M3 byte of the E2M1 code ``c`` (int32 0…15, sign in bit 3) by the block's tables ``lo`` / ``hi`` (+0 for
+    every zero)."""
     mag = c & 7
     table = tl.where(mag < 4, lo, hi)
-    return (((table >> ((mag & 3) * 8)) & 0xFF) | ((c & 8) << 4)).to(tl.uint8)
+    byte = (table >> ((mag & 3) * 8)) & 0xFF
+    return (byte | tl.where(byte != 0, (c & 8) << 4, 0)).to(tl.uint8)  # zeros are +0, as the PTX gives them
 
 
 @triton.jit
-def _unpack_keys_int(x, lo, hi):
-    """Plain-integer twin of ``_unpack_keys_asm`` (interpreter path): same arguments, same bytes."""
+def _unpack_keys_int(x, lo, hi, BLOCK_N: tl.constexpr):
+    """Plain-integer twin of ``_unpack_keys_asm`` (interpreter path): same arguments, same bytes.
+
+    ``x``: uint8 ``[BLOCK_N, 4, 16]``. Bytes ``4k … 4k + 3`` of a block hold its channels ``8k … 8k + 7`` (two per
+    byte, low nibble first); the first four become bytes ``4k … 4k + 3`` of the first result, the last four those of
+    the second.
+    """
     xi = x.to(tl.int32)
-    return _e4m3_from_table(xi & 15, lo, hi), _e4m3_from_table(xi >> 4, lo, hi)
+    nibbles = tl.join(_e4m3_from_table(xi & 15, lo, hi), _e4m3_from_table(xi >> 4, lo, hi))  # [BLOCK_N, 4, 16, 2]
+    groups = tl.reshape(nibbles, (BLOCK_N, 4, 4, 2, 4))  # [key, block, k, half, r]: channel 8k + 4·half + r
+    first, last = tl.split(tl.permute(groups, (0, 1, 2, 4, 3)))
+    return tl.reshape(first, (BLOCK_N, 4, 16)), tl.reshape(last, (BLOCK_N, 4, 16))
 
 
 #: PTX of ``_unpack_keys_asm`` (``dsv4.kernels.ptx.UNPACK_KEYS``, a triton-free module so that
@@ -133,18 +150,16 @@ UNPACK_KEYS_PTX: tl.constexpr = tl.constexpr(ptx.UNPACK_KEYS)
 
 @triton.jit
 def _unpack_keys_asm(x, lo, hi):
-    """Packed E2M1 bytes → two E4M3 byte tensors (low nibbles, high nibbles), the block's shift applied.
+    """Packed E2M1 bytes → two E4M3 byte tensors, the block's shift applied, signs kept.
 
     Args:
-        x: uint8 packed E2M1 byte (element 2i low nibble, 2i+1 high nibble).
+        x: uint8 packed E2M1 bytes (channel ``2i`` in the low, ``2i + 1`` in the high nibble of byte ``i``).
         lo, hi: int32, the block's lookup tables (``_block_tables``), broadcast over its bytes.
     Returns:
-        ``(lo_bytes, hi_bytes)`` uint8 E4M3 bytes of the low / high nibbles, their signs kept.
-
-    Four bytes per call, 14 instructions: for each nibble half, the four 3-bit magnitudes are compacted into one
-    16-bit ``prmt`` selector (and, shift, or, ``prmt``), looked up in the block's 8-byte table (``prmt``), and the
-    nibbles' sign bits are moved to bit 7 of their bytes (shift, and-or). ``$3`` / ``$7`` are the first of the four
-    registers each table operand packs (the same value: the tables are constant over a block's bytes).
+        ``(first, last)`` uint8: of every four packed bytes (eight channels), byte ``r`` of ``first`` is channel
+        ``r`` and byte ``r`` of ``last`` channel ``4 + r`` (``ptx.UNPACK_KEYS``: 11 instructions per four bytes;
+        zeros come out as +0).
+        The query operand is stored in the same channel order (``q8[t, 0]`` / ``q8[t, 1]``).
     """
     return tl.inline_asm_elementwise(
         asm=UNPACK_KEYS_PTX,
@@ -174,7 +189,7 @@ def _butterfly(y, R: tl.constexpr, h: tl.constexpr):
 def _mxfp4_queries_kernel(
     q_ptr, q_stride,            # bf16 [T, H * 128]: W_Iq c^Q, head-major
     cos_ptr, sin_ptr,           # fp32 [T, 32]: cos / sin of p · ω_i
-    q8_ptr,                     # uint8 [T, 2, HP, 64] out: E4M3 operand bytes (even / odd channels)
+    q8_ptr,                     # uint8 [T, 2, HP, 64] out: E4M3 operand bytes (channel order of _unpack_keys_asm)
     qs_ptr,                     # fp32 [T, HP] out: 2**(e_max − 133) per head (0 for padded heads)
     H, HP,
     HB: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -226,12 +241,14 @@ def _mxfp4_queries_kernel(
     e_max = tl.max(e, axis=1)  # [HB]
     d = e - e_max[:, None] + 11  # [HB, 4]
     byte = _e4m3_from_e2m1(mag, d[:, :, None]) | (sign << 7)
-    even, odd = tl.split(tl.reshape(byte, (HB, 64, 2)))
+    # the keys' operand order (_unpack_keys_asm): of channels 8k … 8k + 7, the first four to q8[t, 0], the rest to
+    # q8[t, 1], both at 4k … 4k + 3
+    first, last = tl.split(tl.permute(tl.reshape(byte, (HB, 16, 2, 4)), (0, 1, 3, 2)))
     half = tl.arange(0, 64)
     out = q8_ptr + t * 2 * HP * 64 + heads[:, None] * 64 + half[None, :]
     pad = heads < HP
-    tl.store(out, even.to(tl.uint8), mask=pad[:, None])
-    tl.store(out + HP * 64, odd.to(tl.uint8), mask=pad[:, None])
+    tl.store(out, tl.reshape(first, (HB, 64)).to(tl.uint8), mask=pad[:, None])
+    tl.store(out + HP * 64, tl.reshape(last, (HB, 64)).to(tl.uint8), mask=pad[:, None])
     qs = tl.where(live, _pow2_from_byte(e_max - 6), 0.0)
     tl.store(qs_ptr + t * HP + heads, qs, mask=pad)
 
@@ -245,8 +262,8 @@ def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int
         positions: int64 ``[T]``; inv_freq: float32 ``[32]`` (the layer's compressed RoPE table).
         num_heads: ``H``; head_pad: ``HP`` ≥ H, a power of two ≥ 16 (MMA width).
     Returns:
-        ``q8`` uint8 ``[T, 2, HP, 64]``: E4M3 bytes of ``e2m1 · 2**(e_j − e_max + 6)`` per head, ``[:, 0]`` the even
-        channels and ``[:, 1]`` the odd ones (zeros for padded heads); ``qscale`` float32 ``[T, HP]``:
+        ``q8`` uint8 ``[T, 2, HP, 64]``: E4M3 bytes of ``e2m1 · 2**(e_j − e_max + 6)`` per head, ``q8[:, 0, h,
+        4k + r]`` = channel ``8k + r`` and ``q8[:, 1, h, 4k + r]`` = channel ``8k + 4 + r`` (zeros for padded heads); ``qscale`` float32 ``[T, HP]``:
         ``2**(e_max − 133)`` so that ``q = qscale · q8`` (0 for padded heads).
     """
     T = q.shape[0]
@@ -267,17 +284,51 @@ def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int
 
 # ------------------------------------------------------------------------------------------------ scores
 @triton.jit
-def _head_sum(ka, kb, qa, qb, w, BLOCK_N: tl.constexpr, QT: tl.constexpr, HP: tl.constexpr, IEEE: tl.constexpr):
+def _head_sum(ka, kb, qa, qb, w_half, BLOCK_N: tl.constexpr, QT: tl.constexpr, HP: tl.constexpr,
+              IEEE: tl.constexpr):
     """``Σ_h w_h · relu(q_h · k)`` of a key tile (``ka`` / ``kb``: ``[BLOCK_N, 64]``) against the queries (``qa`` /
-    ``qb``: ``[64, QT · HP]``): ``[BLOCK_N, QT]`` fp32."""
+    ``qb``: ``[64, QT · HP]``): ``[BLOCK_N, QT]`` fp32. ``w_half``: ``[QT · HP]`` half the head weights.
+
+    ``relu(x) · w`` is computed as ``(x + |x|) · (w / 2)``: the same bits (``x + |x|`` is ``2x`` or ``+0`` exactly,
+    halving ``w`` is exact), but an add with an operand modifier on the FMA pipe instead of a max on the
+    integer/logic pipe that the key conversion keeps busy."""
     if IEEE:
         acc = tl.dot(ka, qa, input_precision="ieee")
         acc = tl.dot(kb, qb, acc, input_precision="ieee")
     else:
         acc = tl.dot(ka, qa)
         acc = tl.dot(kb, qb, acc)
-    p = tl.maximum(acc, 0.0) * w[None, :]
+    p = (acc + tl.abs(acc)) * w_half[None, :]
     return tl.sum(tl.reshape(p, (BLOCK_N, QT, HP)), axis=2)
+
+
+#: ``_store_scores``' store of one element (``SIZE`` bytes, ``BITS`` bits) at ``$1 + SIZE · $2`` where ``$4`` is
+#: nonzero
+_STORE_SCORE_PTX = """{ .reg .pred p; .reg .b64 a;
+    setp.ne.b32 p, $4, 0;
+    mad.lo.s64 a, $2, SIZE, $1;
+    @p st.global.bBITS [a], $3;
+    mov.b32 $0, 0; }"""
+_STORE_B16_PTX: tl.constexpr = tl.constexpr(_STORE_SCORE_PTX.replace("SIZE", "2").replace("BITS", "16"))
+_STORE_B32_PTX: tl.constexpr = tl.constexpr(_STORE_SCORE_PTX.replace("SIZE", "4").replace("BITS", "32"))
+
+
+@triton.jit
+def _store_scores(out_ptr, offsets, scores, mask):
+    """``out_ptr[offsets] = scores`` (rounded to the buffer's dtype) where ``mask``, as inline PTX in the scores'
+    own register layout: ``tl.store`` would first move the tile through shared memory (two barriers) into a
+    coalesced layout. The MMA layout holds each score in four lanes; each stores the same value."""
+    base = out_ptr.to(tl.int64, bitcast=True) + tl.zeros_like(offsets)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        bits = scores.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        asm: tl.constexpr = _STORE_B16_PTX
+        constraints: tl.constexpr = "=r,l,l,h,r"
+    else:
+        bits = scores.to(tl.float32).to(tl.int32, bitcast=True)
+        asm: tl.constexpr = _STORE_B32_PTX
+        constraints: tl.constexpr = "=r,l,l,r,r"
+    tl.inline_asm_elementwise(asm=asm, constraints=constraints, args=[base, offsets, bits, mask.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -337,7 +388,7 @@ def _scores_kernel(
     else:
         qa = tl.trans(tl.load(q_ptr + q_off, mask=qlive[:, None], other=0).to(tl.float8e4nv, bitcast=True))
         qb = tl.trans(tl.load(q_ptr + q_off + HP * 64, mask=qlive[:, None], other=0).to(tl.float8e4nv, bitcast=True))
-    w = tl.load(w_ptr + qrow * HP + hh, mask=qlive, other=0.0)  # [NQ]
+    w_half = tl.load(w_ptr + qrow * HP + hh, mask=qlive, other=0.0) * 0.5  # [NQ], see _head_sum
     # visible count per query, for the causal mask of the stores
     vis_q = tl.load(vis_ptr + t0 + tl.arange(0, QT), mask=tl.arange(0, QT) < nq, other=0).to(tl.int32)
 
@@ -385,28 +436,31 @@ def _scores_kernel(
             if USE_ASM:
                 klo, khi = _unpack_keys_asm(xb, t_lo[:, :, None], t_hi[:, :, None])
             else:
-                klo, khi = _unpack_keys_int(xb, t_lo[:, :, None], t_hi[:, :, None])
+                klo, khi = _unpack_keys_int(xb, t_lo[:, :, None], t_hi[:, :, None], BLOCK_N)
             ka = tl.reshape(klo, (BLOCK_N, 64)).to(tl.float8e4nv, bitcast=True)
             kb = tl.reshape(khi, (BLOCK_N, 64)).to(tl.float8e4nv, bitcast=True)
             ks = _pow2_from_byte(e_max - 6)
-            sc = _head_sum(ka, kb, qa, qb, w, BLOCK_N, QT, HP, False)
+            sc = _head_sum(ka, kb, qa, qb, w_half, BLOCK_N, QT, HP, False)
         elif FORMAT == 1:
             # values: ENTRIES * 128 E4M3 bytes, then ENTRIES fp32 scales
             krow = page[:, None] + slot[:, None] * 128 + half[None, :]
             ka = tl.load(krow, mask=kl[:, None], other=0).to(tl.float8e4nv, bitcast=True)
             kb = tl.load(krow + 64, mask=kl[:, None], other=0).to(tl.float8e4nv, bitcast=True)
             ks = tl.load((page + ENTRIES * 128 + slot * 4).to(tl.pointer_type(tl.float32)), mask=kl, other=0.0)
-            sc = _head_sum(ka, kb, qa, qb, w, BLOCK_N, QT, HP, False)
+            sc = _head_sum(ka, kb, qa, qb, w_half, BLOCK_N, QT, HP, False)
         else:
             krow = (page + slot * 512).to(tl.pointer_type(tl.float32))[:, None] + half[None, :]
             ka = tl.load(krow, mask=kl[:, None], other=0.0)
             kb = tl.load(krow + 64, mask=kl[:, None], other=0.0)
             ks = tl.full((BLOCK_N,), 1.0, tl.float32)
-            sc = _head_sum(ka, kb, qa, qb, w, BLOCK_N, QT, HP, True)
+            sc = _head_sum(ka, kb, qa, qb, w_half, BLOCK_N, QT, HP, True)
         # relu, head weights (query scale folded in) and the head sum are done; the key scale
         sc = sc * ks[:, None]  # [BLOCK_N, QT]
-        dst = out_ptr + (t0 + tl.arange(0, QT))[None, :].to(tl.int64) * out_stride + idx[:, None]
-        tl.store(dst, sc.to(out_ptr.dtype.element_ty), mask=idx[:, None] < vis_q[None, :])
+        dst = (t0 + tl.arange(0, QT))[None, :].to(tl.int64) * out_stride + idx[:, None]
+        if USE_ASM:
+            _store_scores(out_ptr, dst, sc, idx[:, None] < vis_q[None, :])
+        else:
+            tl.store(out_ptr + dst, sc.to(out_ptr.dtype.element_ty), mask=idx[:, None] < vis_q[None, :])
 
 
 #: Most key tiles one program of the scores kernel takes when its pages are held in registers (``PAGE_VECTOR``).
@@ -461,7 +515,9 @@ def index_scores(
         num_sms: multiprocessors to fill (default: the current device's).
         config: override of ``pick_scores_config`` (keys ``QT``, ``BLOCK_N``, ``num_warps``, ``NUM_STAGES``,
             ``PROGRAMS_PER_SM``, ``USE_ASM``, ``PAGE_VECTOR``: a split's block-table entries held in registers, the
-            default where tiles lie within a page; ``maxnreg``: a register cap per thread).
+            default where tiles lie within a page; ``maxnreg``: a register cap per thread; ``GLUON``: ``False``
+            keeps the Triton kernel where the Gluon one (``indexer_sm90``) would serve: MXFP4 single-token decode
+            on sm_90; ``MIN_TILES_PER_PROGRAM``: the Gluon kernel's shortest split, default 8).
     Returns:
         ``out``.
     """
@@ -481,12 +537,21 @@ def index_scores(
     tiles = triton.cdiv(max_entries, BLOCK_N)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    use_gluon = (fmt == FMT_MXFP4 and cfg.get("GLUON", True) and not interpreting()
+                 and indexer_sm90.applies(max_new, HP, entries_per_page) and indexer_sm90.available(q.device))
     # many short programs: the last wave's tail stays small
     splits = max(1, min(tiles, triton.cdiv(cfg.get("PROGRAMS_PER_SM", 16) * num_sms, num_requests * chunks)))
+    if use_gluon:  # but not so short that the pipeline's fill dominates (small batches)
+        splits = min(splits, triton.cdiv(tiles, cfg.get("MIN_TILES_PER_PROGRAM", indexer_sm90.MIN_TILES_PER_PROGRAM)))
     per_split = triton.cdiv(tiles, splits)
-    if page_vector:  # a split's pages are held in registers: at most MAX_TILES_PER_SPLIT of them
+    if page_vector and not use_gluon:  # a split's pages are held in registers: at most MAX_TILES_PER_SPLIT
         per_split = min(per_split, MAX_TILES_PER_SPLIT)
     splits = triton.cdiv(tiles, per_split)
+    if use_gluon:
+        indexer_sm90.launch(pages, block_tables, cu_seqlens, visible, q, w, out, entries_per_page=entries_per_page,
+                            num_requests=num_requests, tiles_per_split=per_split, splits=splits,
+                            maxnreg=cfg.get("maxnreg"))
+        return out
     grid = (splits, chunks, num_requests)
     _scores_kernel[grid](
         pages, block_tables, block_tables.stride(0), cu_seqlens, visible, q, w, out, out.stride(0),

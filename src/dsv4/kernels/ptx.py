@@ -14,30 +14,37 @@ __all__ = ["DEQUANT_E4M3", "E4M3_TABLE_HI", "E4M3_TABLE_LO", "UNPACK_KEYS"]
 E4M3_TABLE_LO = 0x14100800
 E4M3_TABLE_HI = 0x24201C18
 
-#: Four packed E2M1 bytes → eight E4M3 bytes (``dsv4.kernels.indexer._unpack_keys_asm``): ``$0`` / ``$1`` out (the
-#: low / high nibbles' bytes, in the input's byte order), ``$2`` the four packed bytes, ``$3`` / ``$7`` the block's
-#: tables (the first of the four registers each int32 operand packs). For each nibble half the four 3-bit
-#: magnitudes are compacted into one 16-bit ``prmt`` selector, looked up in the table, and the sign bits moved to
-#: bit 7 of their bytes.
+#: Four packed E2M1 bytes → eight E4M3 bytes (``dsv4.kernels.indexer._unpack_keys_asm``). The word's eight nibbles
+#: are eight consecutive channels (``2i`` in the low and ``2i + 1`` in the high nibble of byte ``i``); ``$0`` gets
+#: the first four (the word's low half), ``$1`` the last four, each in channel order. ``$2`` the four packed bytes,
+#: ``$3`` / ``$7`` the block's tables (the first of the four registers each int32 operand packs). Per half:
+#:
+#: * ``v``: a ``prmt`` selector nibble *is* an E2M1 code once its sign bit is cleared, so one ``prmt`` looks the
+#:   four magnitudes up in the table (E4M3 bytes, top bit clear);
+#: * ``s``: the same lookup with the raw nibbles as selectors — a set sign bit makes ``prmt`` replicate the chosen
+#:   byte's top bit instead, i.e. ``s`` is ``v`` where the sign is clear and 0 where it is set;
+#: * ``v − s + 0x7F`` per byte (no borrow or carry crosses a byte: ``s ∈ {v, 0}``, ``v ≤ 0x7C``) reaches 0x80
+#:   exactly where a negative nibble has a nonzero magnitude, and one ``lop3`` (``v | t & 0x80808080``) copies that
+#:   bit into the sign. A zero magnitude gives +0 whatever its sign.
+#:
+#: 11 instructions per four packed bytes (``ptxas`` fuses the subtract and add into one three-input add), no
+#: constants held in registers.
 UNPACK_KEYS = """
         {
-        .reg .b32 t, s, v;
-        and.b32 t, $2, 0x07070707;
-        shr.b32 s, t, 4;
-        or.b32 s, s, t;
-        prmt.b32 s, s, 0, 0x0020;
-        prmt.b32 v, $3, $7, s;
-        shl.b32 t, $2, 4;
-        and.b32 t, t, 0x80808080;
-        or.b32 $0, v, t;
-        shr.b32 t, $2, 4;
-        and.b32 t, t, 0x07070707;
-        shr.b32 s, t, 4;
-        or.b32 s, s, t;
-        prmt.b32 s, s, 0, 0x0020;
-        prmt.b32 v, $3, $7, s;
-        and.b32 t, $2, 0x80808080;
-        or.b32 $1, v, t;
+        .reg .b32 m, h, s, v, t;
+        and.b32 m, $2, 0x77777777;
+        prmt.b32 v, $3, $7, m;
+        prmt.b32 s, $3, $7, $2;
+        sub.s32 t, v, s;
+        add.s32 t, t, 0x7F7F7F7F;
+        lop3.b32 $0, v, t, 0x80808080, 0xF8;
+        shr.b32 m, m, 16;
+        prmt.b32 v, $3, $7, m;
+        shr.b32 h, $2, 16;
+        prmt.b32 s, $3, $7, h;
+        sub.s32 t, v, s;
+        add.s32 t, t, 0x7F7F7F7F;
+        lop3.b32 $1, v, t, 0x80808080, 0xF8;
         }
         """
 

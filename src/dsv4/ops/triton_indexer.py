@@ -31,7 +31,8 @@ from ..reference.rope import apply_rope
 from ..weights import IndexerWeights
 from . import torch_ops
 
-__all__ = ["IndexerQueries", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad", "score_buffer"]
+__all__ = ["IndexerQueries", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad", "score_buffer",
+           "mxfp4_operand_channels"]
 
 _FORMATS = {"mxfp4": FMT_MXFP4, "fp8": FMT_FP8, "fp32": FMT_FP32}
 
@@ -42,8 +43,8 @@ class IndexerQueries:
 
     Attributes:
         fmt: the index format's name (``"mxfp4"``, ``"fp8"``, ``"fp32"``, or ``"nvfp4"`` = torch fallback).
-        q: ``[T, 2, HP, 64]``: for ``mxfp4`` uint8 E4M3 bytes of ``e2m1 · 2**(e_j − e_max + 6)`` with ``[:, 0]`` the
-            even and ``[:, 1]`` the odd channels; for ``fp8`` uint8 E4M3 codes, ``[:, 0]`` / ``[:, 1]`` = channels
+        q: ``[T, 2, HP, 64]``: for ``mxfp4`` uint8 E4M3 bytes of ``e2m1 · 2**(e_j − e_max + 6)``, channels in the
+            order of ``mxfp4_operand_channels``; for ``fp8`` uint8 E4M3 codes, ``[:, 0]`` / ``[:, 1]`` = channels
             0–63 / 64–127; for ``fp32`` float32 values split the same way. Padded heads (``h ≥ H``) are zero.
         scale: float32 ``[T, HP]``: ``q_true = scale · value(q)`` per head (0 on padded heads).
         num_heads: ``H``.
@@ -66,12 +67,23 @@ def head_pad(num_heads: int) -> int:
     return max(16, 1 << (max(num_heads, 1) - 1).bit_length())
 
 
-def _split_halves(v: Tensor, hp: int, interleaved: bool) -> Tensor:
-    """``[T, H, 128]`` → ``[T, 2, HP, 64]`` (even/odd channels if ``interleaved`` else first/last 64), zero pads."""
+def mxfp4_operand_channels(device: torch.device | str | None = None) -> Tensor:
+    """int64 ``[2, 64]``: the channel an MXFP4 query operand holds at ``q[t, half, h, j]`` — ``8k + r`` in half 0
+    and ``8k + 4 + r`` in half 1, ``j = 4k + r`` (the order in which the scores kernel unpacks a key's packed
+    bytes: each four bytes' eight channels, first four then last four)."""
+    j = torch.arange(64, device=device)
+    first = 8 * (j // 4) + j % 4
+    return torch.stack([first, first + 4])
+
+
+def _split_halves(v: Tensor, hp: int, mxfp4_order: bool) -> Tensor:
+    """``[T, H, 128]`` → ``[T, 2, HP, 64]`` (``mxfp4_operand_channels`` if ``mxfp4_order`` else first/last 64),
+    zero pads."""
     T, H, _ = v.shape
     out = v.new_zeros((T, 2, hp, 64))
-    if interleaved:
-        out[:, 0, :H], out[:, 1, :H] = v[..., 0::2], v[..., 1::2]
+    if mxfp4_order:
+        channels = mxfp4_operand_channels(v.device)
+        out[:, 0, :H], out[:, 1, :H] = v[..., channels[0]], v[..., channels[1]]
     else:
         out[:, 0, :H], out[:, 1, :H] = v[..., :64], v[..., 64:]
     return out
@@ -101,14 +113,14 @@ def queries_from_float(values: Tensor, fmt: str) -> IndexerQueries:
         mag, sign = codes & 7, (codes >> 3) & 1
         base = torch.where(mag == 1, 8, (mag + 2) * 4)
         byte = torch.where((mag == 0) | (d < 0), 0, base + d * 8) | (sign << 7)
-        q = _split_halves(byte.to(torch.uint8), hp, interleaved=True)
+        q = _split_halves(byte.to(torch.uint8), hp, mxfp4_order=True)
         scale = torch.where(e_max >= 7, torch.ldexp(torch.ones_like(e_max, dtype=torch.float32), e_max - 133), 0.0)
         return IndexerQueries(fmt, q, _pad_scale(scale, hp), H)
     if fmt == "fp8":
         codes, scale = formats.quantize_fp8_key(v, check=False)
-        return IndexerQueries(fmt, _split_halves(codes, hp, interleaved=False), _pad_scale(scale, hp), H)
+        return IndexerQueries(fmt, _split_halves(codes, hp, mxfp4_order=False), _pad_scale(scale, hp), H)
     if fmt == "fp32":
-        return IndexerQueries(fmt, _split_halves(v, hp, interleaved=False), _pad_scale(torch.ones(T, H, device=v.device), hp), H)
+        return IndexerQueries(fmt, _split_halves(v, hp, mxfp4_order=False), _pad_scale(torch.ones(T, H, device=v.device), hp), H)
     return IndexerQueries(fmt, v.new_zeros((T, 2, hp, 64)), v.new_zeros((T, hp)), H, values=v)
 
 

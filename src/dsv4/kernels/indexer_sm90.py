@@ -1,0 +1,254 @@
+"""Index scores of single-token decode steps over paged MXFP4 keys, written in Gluon for Hopper (sm_90).
+
+Same semantics and arguments as ``indexer._scores_kernel`` for its hottest case — one query token per request,
+MXFP4 keys, pages holding a multiple of 64 entries (block size 256 with ratio 4) — read its docstring for the
+numerics (E2M1 → E4M3 exactly in registers, each block's power-of-two scale folded into its bytes relative to the
+key's largest block, the key scale applied after the head sum). What differs is the data path. The Triton kernel
+stages each tile's packed codes in shared memory (a barrier per tile), exchanges the per-block lookup tables
+through shared memory (another), moves the scores through shared memory to store them (two more) and waits for
+every MMA right after issuing it. Here nothing passes through shared memory but the query operand, loaded once:
+
+* A thread's share of a key tile is exactly its registers of the FP8 ``wgmma`` A operand. Lane ``4g + j`` of warp
+  ``w`` handles keys ``16w + g`` and ``16w + g + 8`` and, of each, packed bytes ``16j … 16j + 15`` — block ``j``,
+  one 16-byte load per key. The MMA's reduction order over channels is free, so its K index is defined to be where
+  the conversion leaves each channel (``κ = 32s + 16·half + 4j + r`` ↔ channel ``32j + 8s + 4·half + r``; the
+  query operand is laid out to match), and the converted bytes *are* the operand: no layout change.
+* Each thread needs one block's lookup tables per key (its own ``j``) and the key's largest block exponent, from
+  the key's 4-byte scale word, loaded by the thread itself.
+* Software pipeline, all in registers, unrolled by two: tile ``i`` is converted and its MMA started
+  (asynchronous ``wgmma``); tile ``i + 2``'s codes are requested into the registers tile ``i``'s leave; while the
+  MMA runs, tile ``i − 1``'s head sum (relu as ``x + |x|`` on the FMA pipe, see ``indexer._head_sum``) reduces
+  within each quad of lanes and its scores are stored straight from the accumulator's layout. Codes are carried
+  as int32 words and converted operands used in the iteration that makes them: byte-typed tensors carried across
+  iterations are split into one register per byte (measured: ~110 extra ``prmt`` per tile).
+
+Measured (H100, Flash 64 heads, 128K decode, B=64): 77 µs vs 85 µs for the Triton kernel, ~60% of the copy
+bandwidth; the remaining stalls are global-load latency with 4 programs of 4 warps per SM (126 registers).
+Tried and slower there: the tile's page read two tiles ahead (133 registers, 3 programs per SM: 86 µs), copies
+through shared memory in 3-8 ``cp.async`` stages (Gluon adds two barriers per tile and 4-byte copies: 79-89 µs),
+one bulk L2 prefetch per tile of the program's split at its start (86 µs).
+
+Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``indexer.index_scores`` picks this kernel
+where it applies and falls back to the Triton kernel elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ptx
+
+try:  # Gluon ships with Triton >= 3.4
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    _HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HAVE_GLUON = False
+
+__all__ = ["available", "applies", "launch"]
+
+BLOCK_N = 64  # keys per tile: the wgmma M of one warpgroup
+NUM_WARPS = 4
+#: fewest key tiles per program when ``indexer.index_scores`` splits a request's tiles (else ~16 programs per SM):
+#: short programs spend their time filling the pipeline (H100, 128K decode B=8: 16.1 µs with 8 tiles per program,
+#: 19.3 with 2)
+MIN_TILES_PER_PROGRAM = 8
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Gluon scores kernel can run on ``device`` (compute capability 9.x, Gluon present)."""
+    if not _HAVE_GLUON or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def applies(max_new: int, head_pad: int, entries_per_page: int) -> bool:
+    """Whether a step's shape is one this kernel serves: one query token per request, ``head_pad`` ≤ 256 heads
+    (the wgmma N), pages of a multiple of ``BLOCK_N`` entries (a key tile lies in one page)."""
+    return max_new == 1 and 16 <= head_pad <= 256 and entries_per_page % BLOCK_N == 0
+
+
+if _HAVE_GLUON:
+    BN = gl.constexpr(BLOCK_N)
+    # A thread's four code words of a key (16 contiguous, aligned bytes) as one vector load (``gl.load`` does not
+    # vectorise over this layout); zeros where the mask is 0. Read-only path: the pool does not change in a step.
+    LOAD_V4_PTX = gl.constexpr("""{ .reg .pred p;
+        setp.ne.b32 p, $8, 0;
+        mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+        @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }""")
+    # ptx.UNPACK_KEYS with its operands renumbered for int32 words: $2 the word, tables $6 / $10
+    UNPACK_WORD_PTX = gl.constexpr(ptx.UNPACK_KEYS.replace("$7", "$10").replace("$3", "$6"))
+    E4M3_LO = gl.constexpr(ptx.E4M3_TABLE_LO)
+    E4M3_HI = gl.constexpr(ptx.E4M3_TABLE_HI)
+
+    # A key tile's packed codes as [64 keys, 4 blocks j, 4 words s, 4 bytes r]: register bits = r, s and key bit 3,
+    # lane bits = j and key bits 0-2, warp bits = key bits 4-5 — the FP8 wgmma A-operand's placement of rows and
+    # K indices (module docstring). The codes are loaded and carried as int32 words ([64, 4, 4], the slice without
+    # r: a 16-byte load per key and thread) and only broadcast over r for the conversion, whose packed operand is
+    # then that word itself (byte tensors carried across iterations would be split into one register per byte).
+    CODES_L = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, 4, 4, 4]))
+    WORDS_L = gl.constexpr(gl.SliceLayout(3, CODES_L))  # [64 keys, 4 blocks, 4 words] int32
+    BLK_L = gl.constexpr(gl.SliceLayout(2, WORDS_L))  # [64 keys, 4 blocks]: a thread's own block of its two keys
+    ROW_L = gl.constexpr(gl.SliceLayout(1, BLK_L))  # [64 keys]: replicated over the four lanes of a quad
+
+    @gluon.jit
+    def _load_tile(pages_ptr, page_bytes, page, slot0, n_valid, ENTRIES: gl.constexpr):
+        """Load one tile: ``page`` (int64 scalar) its page, ``slot0`` its first entry slot in it, ``n_valid`` how
+        many of its 64 keys exist (the others read as zero codes). Returns the packed codes as int32 words
+        ``[64, 4, 4]`` (``WORDS_L``: key, block, word) and each key's scale word (4 UE8M0 bytes, block ``j`` in byte
+        ``j``), int32 ``[64]`` (``ROW_L``)."""
+        key = gl.arange(0, BN, layout=ROW_L)
+        blk = gl.arange(0, 4, layout=gl.SliceLayout(0, BLK_L))
+        word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
+        base = (pages_ptr + page * page_bytes).to(gl.pointer_type(gl.int32))
+        row = (slot0 + key) * 16
+        off = gl.expand_dims(gl.expand_dims(row, 1) + gl.expand_dims(blk * 4, 0), 2) + gl.expand_dims(
+            gl.expand_dims(word, 0), 1)
+        ok = key < n_valid
+        ok3 = gl.expand_dims(gl.expand_dims(ok, 1), 2)
+        addr, mask3 = gl.broadcast((base + off).to(gl.int64, bitcast=True), ok3.to(gl.int32))
+        codes = gl.inline_asm_elementwise(LOAD_V4_PTX, "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [addr, mask3], dtype=gl.int32,
+                                          is_pure=True, pack=4)
+        scales = gl.load(base + ENTRIES * 16 + slot0 + key, mask=ok, other=0)
+        return codes, scales
+
+    @gluon.jit
+    def _request_tile(bt_row, pages_ptr, page_bytes, tile, tile_hi, n_keys, ENTRIES: gl.constexpr):
+        """``_load_tile`` of key tile ``tile`` of a request (block-table row ``bt_row``); past ``tile_hi`` nothing
+        is read (all keys masked)."""
+        page = gl.load(bt_row + (gl.minimum(tile, tile_hi - 1) * BN) // ENTRIES).to(gl.int64)
+        n_valid = gl.where(tile < tile_hi, n_keys - tile * BN, 0)
+        return _load_tile(pages_ptr, page_bytes, page, (tile * BN) % ENTRIES, n_valid, ENTRIES)
+
+    @gluon.jit
+    def _store_scores(acc, ks, w_half, out_row, first_key, n_keys, OUT_L: gl.constexpr):
+        """Scores of one tile, ``Σ_h w_h · relu(acc[:, h]) · ks`` (relu as ``x + |x|`` with ``w_half = w / 2``, see
+        ``indexer._head_sum``), rounded to the output dtype and stored for keys ``first_key + i < n_keys``."""
+        sc = gl.sum((acc + gl.abs(acc)) * gl.expand_dims(w_half, 0), axis=1) * gl.convert_layout(ks, OUT_L)
+        idx = first_key + gl.arange(0, BN, layout=OUT_L)
+        gl.store(out_row + idx, sc.to(out_row.dtype.element_ty), mask=idx < n_keys)
+
+    @gluon.jit
+    def _byte_max(word):
+        """Largest of the four bytes of each int32 ``word`` (unsigned)."""
+        a = gl.maximum(word & 0xFF, (word >> 8) & 0xFF)
+        b = gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _convert_tile(codes, scales, A_L: gl.constexpr):
+        """A tile's packed codes → the FP8 A operand ``[64, 128]`` (layout ``A_L``, channel order of the module
+        docstring) and the keys' scales ``2**(e_max − 133)``, fp32 ``[64]`` (``ROW_L``)."""
+        e_max = _byte_max(scales)
+        blk = gl.arange(0, 4, layout=gl.SliceLayout(0, BLK_L))
+        e = (gl.expand_dims(scales, 1) >> gl.expand_dims(blk * 8, 0)) & 0xFF  # [64, 4]: one per thread and key
+        d = e - gl.expand_dims(e_max, 1) + 11
+        lo = gl.where(d < 0, 0, E4M3_LO + (d * 8) * 0x01010100)
+        hi = gl.where(d < 0, 0, E4M3_HI + (d * 8) * 0x01010101)
+        words, _ = gl.broadcast(gl.expand_dims(codes, 3), gl.zeros([BN, 4, 4, 4], gl.int32, CODES_L))
+        lo4, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(lo, 2), 3), words)
+        hi4, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(hi, 2), 3), words)
+        # pack=4: one call per four bytes r, its operands $2…$5 the (same) word, $6… / $10… the tables
+        first, last = gl.inline_asm_elementwise(UNPACK_WORD_PTX, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                                [words, lo4, hi4], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+        # [key, block j, word s, byte r, half] → [key, s, half, j, r]: K index κ = 32s + 16·half + 4j + r
+        both = gl.join(first, last)
+        a = gl.reshape(gl.permute(both, [0, 2, 4, 1, 3]), [BN, 128])
+        a = gl.convert_layout(a.to(gl.float8e4nv, bitcast=True), A_L)
+        ks = gl.where(e_max >= 7, ((gl.maximum(e_max, 7) - 6) << 23).to(gl.float32, bitcast=True), 0.0)
+        return a, ks
+
+    @gluon.jit
+    def _scores_sm90_kernel(
+        pages_ptr,                  # uint8 [num_blocks, PAGE_BYTES]: the layer's MXFP4 indexer key pages
+        bt_ptr, bt_stride,          # int32 [B, max_blocks]: block tables
+        cu_ptr,                     # int32 [B + 1]: token offsets (0 or 1 token per request)
+        vis_ptr,                    # int64 [T]: entries visible to each token
+        q_ptr,                      # uint8 [T, 2, HP, 64]: query operand (indexer.mxfp4_queries)
+        w_ptr,                      # fp32 [T, HP]: head weight · query scale (0 for padded heads)
+        out_ptr, out_stride,        # [T, out_stride] scores; only s < visible[t] written
+        PAGE_BYTES, TILES_PER_SPLIT,
+        ENTRIES: gl.constexpr, HP: gl.constexpr,
+    ):
+        """Grid ``(splits, 1, B)``: a split of request ``b``'s key tiles."""
+        MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HP, 32])
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=4)
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        OUT_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
+
+        split = gl.program_id(0)
+        b = gl.program_id(2)
+        tok = gl.load(cu_ptr + b)
+        if gl.load(cu_ptr + b + 1) <= tok:
+            return
+        n_keys = gl.load(vis_ptr + tok).to(gl.int32)
+        tile_lo = split * TILES_PER_SPLIT
+        tile_hi = gl.minimum(tile_lo + TILES_PER_SPLIT, gl.cdiv(n_keys, BN))
+        if tile_lo >= tile_hi:
+            return
+
+        # The query operand, [HP heads, 128] with K index κ = 32s + 16·half + 4j + r = q[half, h, 16j + 4s + r].
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, Q_L))
+        kappa = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
+        q_off = ((kappa // 16) % 2) * (HP * 64) + ((kappa // 4) % 4) * 16 + (kappa // 32) * 4 + kappa % 4
+        qv = gl.load(q_ptr + tok.to(gl.int64) * (2 * HP * 64) + gl.expand_dims(h * 64, 1) + gl.expand_dims(q_off, 0))
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HP, 128], Q_SL)
+        q_smem.store(qv.to(gl.float8e4nv, bitcast=True))
+        fence_async_shared()
+        gl.thread_barrier()
+        w_half = gl.load(w_ptr + tok.to(gl.int64) * HP + gl.arange(0, HP, layout=gl.SliceLayout(0, MMA_L))) * 0.5
+        acc0 = gl.zeros([BN, HP], gl.float32, MMA_L)
+
+        bt_row = bt_ptr + b.to(gl.int64) * bt_stride
+        out_row = out_ptr + tok.to(gl.int64) * out_stride
+        # Tile i is converted and its MMA started; tile i + 2 is requested into the registers tile i's codes
+        # leave; while the MMA runs, tile i − 1 (its accumulator carried over) is reduced and stored. Unrolled by
+        # two so that the two accumulators and the two code buffers alternate in place (no copies); each converted
+        # operand is used in the iteration that made it (a byte-typed tensor carried across iterations would be
+        # split into one register per byte).
+        q_op = q_smem.permute((1, 0))
+        codes_x, scales_x = _request_tile(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, n_keys, ENTRIES)
+        codes_y, scales_y = _request_tile(bt_row, pages_ptr, PAGE_BYTES, tile_lo + 1, tile_hi, n_keys, ENTRIES)
+        a, ks_a = _convert_tile(codes_x, scales_x, A_L)
+        acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+        codes_x, scales_x = _request_tile(bt_row, pages_ptr, PAGE_BYTES, tile_lo + 2, tile_hi, n_keys, ENTRIES)
+        acc_a = warpgroup_mma_wait(0, deps=[acc_a])
+        n_tiles = tile_hi - tile_lo
+        for t in range(tile_lo + 1, tile_lo + 1 + (n_tiles - 1) // 2 * 2, 2):
+            a, ks_b = _convert_tile(codes_y, scales_y, A_L)
+            acc_b = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+            codes_y, scales_y = _request_tile(bt_row, pages_ptr, PAGE_BYTES, t + 2, tile_hi, n_keys, ENTRIES)
+            _store_scores(acc_a, ks_a, w_half, out_row, (t - 1) * BN, n_keys, OUT_L)
+            acc_b = warpgroup_mma_wait(0, deps=[acc_b])
+            a, ks_a = _convert_tile(codes_x, scales_x, A_L)
+            acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+            codes_x, scales_x = _request_tile(bt_row, pages_ptr, PAGE_BYTES, t + 3, tile_hi, n_keys, ENTRIES)
+            _store_scores(acc_b, ks_b, w_half, out_row, t * BN, n_keys, OUT_L)
+            acc_a = warpgroup_mma_wait(0, deps=[acc_a])
+        if n_tiles % 2 == 0:  # one tile left
+            a, ks_b = _convert_tile(codes_y, scales_y, A_L)
+            acc_b = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+            _store_scores(acc_a, ks_a, w_half, out_row, (tile_hi - 2) * BN, n_keys, OUT_L)
+            acc_b = warpgroup_mma_wait(0, deps=[acc_b])
+            _store_scores(acc_b, ks_b, w_half, out_row, (tile_hi - 1) * BN, n_keys, OUT_L)
+        else:
+            _store_scores(acc_a, ks_a, w_half, out_row, (tile_hi - 1) * BN, n_keys, OUT_L)
+
+
+def launch(pages: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor, visible: torch.Tensor,
+           q: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, entries_per_page: int, num_requests: int,
+           tiles_per_split: int, splits: int, maxnreg: int | None = None) -> None:
+    """Launch the kernel (arguments as ``indexer.index_scores``; the caller checked ``available`` and ``applies``
+    and chose the split of each request's tiles; ``maxnreg``: a register cap per thread)."""
+    HP = q.shape[2]
+    _scores_sm90_kernel[(splits, 1, num_requests)](
+        pages, block_tables, block_tables.stride(0), cu_seqlens, visible, q, w, out, out.stride(0),
+        pages.stride(0), tiles_per_split, ENTRIES=entries_per_page, HP=HP, num_warps=NUM_WARPS,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
