@@ -33,7 +33,7 @@ SHAPES = [("decode 128K B=64", 64, 131072, 1), ("decode 128K B=8", 8, 131072, 1)
           ("decode 1M B=8", 8, 1048576, 1), ("prefill 4K @32K B=1", 1, 32768, 4096)]
 
 #: launch options of this tree's default kernel timed by ``--sweep-pps``
-SWEEP = [{"MIN_TILES_PER_PROGRAM": 1}, {"MIN_TILES_PER_PROGRAM": 16}, {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 32}]
+SWEEP = [*({"PROGRAMS_PER_SM": p} for p in (8, 16, 32)), *({"MIN_TILES_PER_PROGRAM": m} for m in (1, 8, 16))]
 
 
 def load_baseline(path: str):
