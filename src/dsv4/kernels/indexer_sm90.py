@@ -26,7 +26,8 @@ Measured (H100, Flash 64 heads, 128K decode, B=64): 73.5 µs vs 85 µs for the T
 bandwidth; the remaining stalls are global-load latency with 4 programs of 4 warps per SM (126 registers).
 Tried and slower there: the tile's page read two tiles ahead (133 registers, 3 programs per SM: 86 µs), copies
 through shared memory in 3-8 ``cp.async`` stages (Gluon adds two barriers per tile and 4-byte copies: 79-89 µs),
-one bulk L2 prefetch per tile of the program's split at its start (86 µs).
+one bulk L2 prefetch per tile of the program's split at its start (86 µs), no overlap (synchronous MMA, one
+accumulator: 108 registers; 80.8 µs, 77.5 with 5 programs per SM at ``maxnreg`` 96).
 
 Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``indexer.index_scores`` picks this kernel
 where it applies and falls back to the Triton kernel elsewhere.
