@@ -32,7 +32,7 @@ SHAPES = [("decode 128K B=64", 64, 131072, 1), ("decode 128K B=8", 8, 131072, 1)
           ("decode 128K B=128", 128, 131072, 1), ("decode 32K B=64", 64, 32768, 1),
           ("decode 1M B=8", 8, 1048576, 1), ("prefill 4K @32K B=1", 1, 32768, 4096)]
 
-#: launch options of this tree's default kernel timed by ``--sweep-pps``
+#: launch options of this tree's default kernel timed by ``--sweep``
 SWEEP = [*({"PROGRAMS_PER_SM": p} for p in (8, 16, 32)), *({"MIN_TILES_PER_PROGRAM": m} for m in (1, 8, 16))]
 
 
@@ -67,7 +67,7 @@ def main() -> None:
                     help="only call this tree's kernel N times at the first shape (for ncu), no timing")
     ap.add_argument("--baseline-order", default="even-odd", choices=["even-odd", "natural"])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--sweep-pps", action="store_true",
+    ap.add_argument("--sweep", action="store_true",
                     help="also time this tree's default with the launch options SWEEP (B=64 and B=8, 128K decode)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -132,7 +132,7 @@ def main() -> None:
               f"{row['pct_copy_default']:.0f} | {worst:.1e}{' UNWRITTEN ' + str(unwritten) if unwritten else ''} |",
               flush=True)
         del s, outs
-    if a.sweep_pps:
+    if a.sweep:
         for label, batch, context, tokens in SHAPES[:2]:
             s = _setup(batch, context, tokens, "mxfp4")
             q = operand(torch.cat([s["q"][:, 0], s["q"][:, 1]], dim=-1), "natural")

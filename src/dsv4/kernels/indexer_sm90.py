@@ -81,8 +81,8 @@ if _HAVE_GLUON:
         setp.ne.b32 p, $8, 0;
         mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
         @p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4]; }""")
-    # ptx.UNPACK_KEYS with its operands renumbered for int32 words: $2 the word, tables $6 / $10
-    UNPACK_WORD_PTX = gl.constexpr(ptx.UNPACK_KEYS.replace("$7", "$10").replace("$3", "$6"))
+    # the key conversion with int32 words as its packed operand: $2…$5 the word (four copies), tables $6 / $10
+    UNPACK_WORD_PTX = gl.constexpr(ptx.unpack_keys_ptx("$6", "$10"))
     E4M3_LO = gl.constexpr(ptx.E4M3_TABLE_LO)
     E4M3_HI = gl.constexpr(ptx.E4M3_TABLE_HI)
 

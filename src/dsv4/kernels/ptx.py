@@ -6,7 +6,7 @@ interpreter on installs without triton (CI).
 
 from __future__ import annotations
 
-__all__ = ["DEQUANT_E4M3", "E4M3_TABLE_HI", "E4M3_TABLE_LO", "UNPACK_KEYS"]
+__all__ = ["DEQUANT_E4M3", "E4M3_TABLE_HI", "E4M3_TABLE_LO", "UNPACK_KEYS", "unpack_keys_ptx"]
 
 #: E4M3 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (``E4M3_TABLE_LO``) and 2, 3, 4, 6 (``E4M3_TABLE_HI``) times
 #: 2**-5, one per byte (magnitude code 0 in the lowest byte of ``E4M3_TABLE_LO``): the lookup table of the MXFP4 key
@@ -29,24 +29,33 @@ E4M3_TABLE_HI = 0x24201C18
 #:
 #: 11 instructions per four packed bytes (``ptxas`` fuses the subtract and add into one three-input add), no
 #: constants held in registers.
-UNPACK_KEYS = """
+#: One half of the conversion: ``{out}`` from the four nibbles whose magnitude selectors are in ``{mag}`` and raw
+#: selectors in ``{raw}`` (each a register's low 16 bits), tables ``{lo}`` / ``{hi}``.
+_UNPACK_HALF = """
+        prmt.b32 v, {lo}, {hi}, {mag};
+        prmt.b32 s, {lo}, {hi}, {raw};
+        sub.s32 t, v, s;
+        add.s32 t, t, 0x7F7F7F7F;
+        lop3.b32 {out}, v, t, 0x80808080, 0xF8;"""
+
+
+def unpack_keys_ptx(lo: str = "$3", hi: str = "$7") -> str:
+    """``UNPACK_KEYS`` with the tables in operands ``lo`` / ``hi`` (``$0`` / ``$1`` out, ``$2`` the packed word):
+    ``$3`` / ``$7`` when the word is four packed uint8 elements (Triton), ``$6`` / ``$10`` when it is four copies of
+    one int32 word (the Gluon kernel's operands)."""
+    return ("""
         {
         .reg .b32 m, h, s, v, t;
-        and.b32 m, $2, 0x77777777;
-        prmt.b32 v, $3, $7, m;
-        prmt.b32 s, $3, $7, $2;
-        sub.s32 t, v, s;
-        add.s32 t, t, 0x7F7F7F7F;
-        lop3.b32 $0, v, t, 0x80808080, 0xF8;
+        and.b32 m, $2, 0x77777777;"""
+            + _UNPACK_HALF.format(lo=lo, hi=hi, mag="m", raw="$2", out="$0") + """
         shr.b32 m, m, 16;
-        prmt.b32 v, $3, $7, m;
-        shr.b32 h, $2, 16;
-        prmt.b32 s, $3, $7, h;
-        sub.s32 t, v, s;
-        add.s32 t, t, 0x7F7F7F7F;
-        lop3.b32 $1, v, t, 0x80808080, 0xF8;
+        shr.b32 h, $2, 16;"""
+            + _UNPACK_HALF.format(lo=lo, hi=hi, mag="m", raw="h", out="$1") + """
         }
-        """
+        """)
+
+
+UNPACK_KEYS = unpack_keys_ptx()
 
 #: Four E4M3 codes → four BF16 values ``code · 2**(e − 127)``, exact (``dsv4.kernels.sparse_attention_sm90``'s key
 #: dequantization): ``$0`` / ``$1`` out (BF16 pairs of codes 0-1 / 2-3, in the input's byte order), ``$2`` the four
