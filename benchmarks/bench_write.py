@@ -142,15 +142,15 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                 # kernels' GPU time: CUDA-graph replays, L2 flushed before each (eager: Python launches included)
                 t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=True, graph=True)
                 extra = {}
-                if kind == "csa":  # A/B: CSA entries pooled through the general slot sources (the previous kernel)
+                if kind == "csa" and "prefill" in name:  # A/B: entries as programs of the fused launch (before)
                     from dsv4.kernels import compressor as kc
 
-                    kc.IN_STEP_POOLING = False
+                    kc.CSA_ENTRY_KERNEL = False
                     try:
-                        extra["us_general_pooling"] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
-                                                                      flush_l2=True, graph=True)
+                        extra["us_fused_entries"] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
+                                                                    flush_l2=True, graph=True)
                     finally:
-                        kc.IN_STEP_POOLING = True
+                        kc.CSA_ENTRY_KERNEL = True
                 t_k_eager = time_cuda(kernels, warmup=1, iters=10 if quick else 30, flush_l2=True)
                 t_op = time_cuda(op, warmup=2, iters=10 if quick else 30)
                 t_torch = time_cuda(lambda: op(torch_ops), warmup=0 if quick else 1, iters=1 if quick else 10)
@@ -164,7 +164,8 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                 print(f"{row['name']:<34} {row['us']:9.1f} us {nbytes / 1e6:9.2f} MB {row['gbps']:8.0f} GB/s "
                       f"{100 * row['roofline_frac']:6.1f}% (eager {t_k_eager * 1e6:7.1f} us) | op {t_op * 1e6:8.1f} us torch {t_torch * 1e6:9.1f} us "
                       f"| launches triton {n_tri} all {n_all}"
-                      + (f" | general pooling {extra['us_general_pooling']:.1f} us" if extra else ""), flush=True)
+                      + (f" | entries in the fused launch {extra['us_fused_entries']:.1f} us" if extra else ""),
+                      flush=True)
                 del cache
     return rows
 

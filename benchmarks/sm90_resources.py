@@ -9,6 +9,7 @@ spending GPU time::
     python benchmarks/sm90_resources.py attention '{"BLOCK_N": 32}'     # constexpr / num_warps / num_stages overrides
     python benchmarks/sm90_resources.py write                           # HCA write path (entries in 8 parts)
     python benchmarks/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1}'
+    python benchmarks/sm90_resources.py csa_entries                     # CSA entries of a prefill chunk
 
 ``--sass PATH`` also writes the disassembly (count ``STL``/``LDL`` for spills in loops, ``LDG.E.128`` for
 vectorised loads).
@@ -59,6 +60,11 @@ KERNELS = {
         dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8, IN_STEP_POOL=True,
              num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
+    "csa_entries": ("dsv4.kernels.csa_entries:_csa_entries_kernel", {
+        "mpages_ptr": "*u8", "xpages_ptr": "*u8", "block_tables_ptr": "*i32", "start_ptr": "*i64", "cu_ptr": "*i32",
+        "emit_req_ptr": "*i32", "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "eps": "fp32", "kv_ptr": "*bf16",
+        "pos_ptr": "*i64", "kv_out_ptr": "*bf16"},
+        dict(BT=4, num_warps=1, enable_fp_fusion=False), {"mpage_bytes", "xpage_bytes"}),
     "scores": ("dsv4.kernels.indexer:_scores_kernel", {
         "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",
         "out_ptr": "*bf16"},
@@ -95,7 +101,7 @@ def resources(kernel: str, overrides: dict | None = None, sass_path: str | None 
     for param in fn.params:  # constexprs with a default value the caller did not set
         if param.is_constexpr and param.name not in const and param.default is not inspect.Parameter.empty:
             const[param.name] = param.default
-    opts = {k: const.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in const}
+    opts = {k: const.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in const}
     sig = {a: "constexpr" if a in const else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
            for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)

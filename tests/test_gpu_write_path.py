@@ -24,6 +24,7 @@ triton_write = pytest.importorskip("dsv4.ops.triton_write")
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 from dsv4.kernels import compressor as kc  # noqa: E402  (needs triton)
+from dsv4.kernels import csa_entries as kce  # noqa: E402
 from dsv4.reference.compressor import overlap_slots, pool_windows  # noqa: E402
 from dsv4.reference.primitives import rms_norm  # noqa: E402
 CFG = dsv4.ModelConfig.preset("v4-flash")
@@ -148,7 +149,7 @@ def _pool_rows_kernel(a_ptr, z_ptr, ape_ptr, out_ptr, C: tl.constexpr, M: tl.con
     CS: tl.constexpr = C // PARTS  # channel slice of this program (axis 1)
     c0 = tl.program_id(1) * CS
     if IN_STEP:
-        pooled = kc.pool_in_step(a_ptr, z_ptr, ape_ptr, i, 0, 0, C, M)
+        pooled = kc.pool_in_step(a_ptr, z_ptr, ape_ptr, i, 0, 0, C, M, c0, CS)
     else:
         pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0,
                                CS)
@@ -170,13 +171,47 @@ def test_rms_norm_order_matches_torch(C: int, rows: int) -> None:
     assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
 
 
+@triton.jit
+def _rms_rows_lanes_kernel(x_ptr, w_ptr, y_ptr, num_emit, eps, C: tl.constexpr):
+    """``csa_entries``' RMSNorm of row ``e`` (one warp): four 128-channel chunks (C = 512) or one (C = 128)."""
+    row = x_ptr + tl.program_id(0).to(tl.int64) * C
+    out = y_ptr + tl.program_id(0).to(tl.int64) * C
+    cols = tl.arange(0, 128)
+    if C == 512:
+        y0, y1, y2, y3 = kce.rms_norm_512(kce.bf16_round(tl.load(row + cols)), kce.bf16_round(tl.load(row + 128 + cols)),
+                                          kce.bf16_round(tl.load(row + 256 + cols)),
+                                          kce.bf16_round(tl.load(row + 384 + cols)), w_ptr, eps, num_emit)
+        tl.store(out + cols, y0)
+        tl.store(out + 128 + cols, y1)
+        tl.store(out + 256 + cols, y2)
+        tl.store(out + 384 + cols, y3)
+    else:
+        tl.store(out + cols, kce.rms_norm_128(kce.bf16_round(tl.load(row + cols)), w_ptr, eps))
+
+
+@pytest.mark.parametrize("C", [512, 128])
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 59, 300, 9438])
+def test_rms_norm_lanes_order_matches_torch(C: int, rows: int) -> None:
+    """``csa_entries``' register-only RMSNorm (``sum_sq_512`` / ``sum_sq_128``, one warp per row, told the step
+    emits ``rows`` entries) == ``reference.rms_norm`` of all rows at once."""
+    g = torch.Generator(device="cuda").manual_seed(rows * C + 1)
+    x = torch.randn(rows, C, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))
+    w = 1 + 0.1 * torch.randn(C, generator=g, device="cuda")
+    y = torch.empty_like(x)
+    _rms_rows_lanes_kernel[(rows,)](x, w, y, rows, CFG.norm_eps, C=C, num_warps=1, enable_fp_fusion=False)
+    ref = rms_norm(x.bfloat16(), w, CFG.norm_eps).float()
+    bad = (y != ref).any(1)
+    assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
+
+
 @pytest.mark.parametrize("m, c, overlap, parts, in_step, spread", [
     (4, 512, True, 1, False, 2), (4, 128, True, 1, False, 2), (4, 512, True, 1, True, 2), (4, 128, True, 1, True, 2),
     (128, 512, False, 1, False, 2), (128, 512, False, kc.pool_parts(128, False), False, 2),
-    (4, 512, True, 1, True, 100), (128, 512, False, kc.pool_parts(128, False), False, 100)],
+    (4, 512, True, 1, True, 100), (128, 512, False, kc.pool_parts(128, False), False, 100),
+    (4, 512, True, 4, True, 2)],
     ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca", "hca-parts", "csa-in-step-wide",
-         "hca-parts-wide"])
-@pytest.mark.parametrize("warps", [2, 4])
+         "hca-parts-wide", "csa-in-step-chunks"])
+@pytest.mark.parametrize("warps", [1, 2, 4])
 def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, in_step: bool, spread: float,
                                      warps: int) -> None:
     """``pool_entry`` (``in_step``: ``pool_in_step``) == ``reference.pool_windows`` (torch's softmax + reduce

@@ -24,8 +24,10 @@ from dsv4.ops import torch_ops, triton_write
 from write_path_util import differences, make_cache, write_step
 cfg = dsv4.ModelConfig.preset("tiny")
 li = int(sys.argv[1])
-if len(sys.argv) > 2:  # split HCA entries over this many programs (on the GPU only from m = 64)
-    import dsv4.kernels.compressor as kc
+import dsv4.kernels.compressor as kc
+if len(sys.argv) > 2 and sys.argv[2] == "fused":  # CSA entries as entry programs of the fused launch
+    kc.CSA_ENTRY_KERNEL = False
+elif len(sys.argv) > 2:  # split HCA entries over this many programs (on the GPU only from m = 64)
     kc.pool_parts = lambda m, overlap, n=int(sys.argv[2]): 1 if overlap else n
 lay = Attention(dsv4.AttentionWeights.random(cfg, li, seed=1), cfg, li, backend="torch")
 ca, cb = make_cache(cfg, [li], "cpu", 4), make_cache(cfg, [li], "cpu", 4)
@@ -44,10 +46,12 @@ print("OK")
 """
 
 
-@pytest.mark.parametrize("li,parts", [(0, None), (1, None), (2, None), (2, 4)],
-                         ids=["swa", "csa", "hca16", "hca16-split4"])
-def test_interpreted_write_path_matches_torch(li: int, parts: int | None) -> None:
-    """``hca16-split4``: every HCA entry pooled by 4 programs (channel slices), the last to arrive finishing it."""
+@pytest.mark.parametrize("li,parts", [(0, None), (1, None), (1, "fused"), (2, None), (2, 4)],
+                         ids=["swa", "csa", "csa-fused", "hca16", "hca16-split4"])
+def test_interpreted_write_path_matches_torch(li: int, parts: int | str | None) -> None:
+    """``csa``: the entries past each request's first two through ``csa_entries`` (their own launch);
+    ``csa-fused``: as entry programs of the fused launch. ``hca16-split4``: every HCA entry pooled by 4 programs
+    (channel slices), the last to arrive finishing it."""
     here = os.path.dirname(__file__)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))

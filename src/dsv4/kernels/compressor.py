@@ -50,6 +50,7 @@ from torch import Tensor
 
 from .quant import (
     bf16_round,
+    divide_rn,
     expf,
     fp8_block_qdq,
     hadamard128,
@@ -211,27 +212,28 @@ def pool_entry(
 
 
 @triton.jit
-def pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C: tl.constexpr, M: tl.constexpr):
+def pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C: tl.constexpr, M: tl.constexpr, c0, CS: tl.constexpr):
     """``pool_entry`` of a CSA entry (m = 4, one thread per channel: ``NW`` = 0) whose 2m slots are all tokens of
-    this step — every entry past a request's first two. Same operations in the same order, but each slot row is
-    read once (``pool_entry`` reads the gates three times through the general slot sources, whose masked tail and
-    state loads and their 64-bit address arithmetic were half of a prefill chunk's instructions)."""
+    this step — every entry past a request's first two — for channels ``c0 … c0+CS−1`` of its ``C``: fp32 ``[CS]``.
+    Same operations in the same order, but each slot row is read once (``pool_entry`` reads the gates three times
+    through the general slot sources, whose masked tail and state loads and their 64-bit address arithmetic were
+    half of a prefill chunk's instructions)."""
     S: tl.constexpr = 2 * M
     W: tl.constexpr = 2 * C
     d = tl.arange(0, S)
-    col0 = tl.where(d < M, 0, C)  # slot d < m: previous window, first half of the columns
+    col0 = tl.where(d < M, 0, C) + c0  # slot d < m: previous window, first half of the columns
     row = (cu + (i - 1) * M + d - start).to(tl.int64)  # slot d is token (i − 1)·m + d
-    cols = tl.arange(0, C)[None, :]
+    cols = tl.arange(0, CS)[None, :]
     off = row[:, None] * W + col0[:, None] + cols
     z = tl.load(z_ptr + off) + tl.load(ape_ptr + ((d % M) * W + col0)[:, None] + cols)
     a = tl.load(a_ptr + off)
     mx = tl.maximum(tl.max(z, axis=0), FLT_LOWEST)
     e = expf(z - mx[None, :])
-    den = seq_accumulate_rows(tl.zeros([C], dtype=tl.float32), e, S)
-    w = softmax_weight(e, den[None, :], ZERO_FAST_DIVISION)
-    lo, hi = tl.split(tl.permute(tl.reshape(w * a, (2, M, C)), (1, 2, 0)))
-    acc = (tl.zeros([M, C], dtype=tl.float32) + lo) + hi  # accumulator j: slot j, then slot j + 4
-    return tl.reshape(seq_sum4_last(tl.trans(acc)), (C,))
+    den = seq_accumulate_rows(tl.zeros([CS], dtype=tl.float32), e, S)
+    w = divide_rn(e, den[None, :])  # den ∈ [1, 8]: the reciprocal once per channel
+    lo, hi = tl.split(tl.permute(tl.reshape(w * a, (2, M, CS)), (1, 2, 0)))
+    acc = (tl.zeros([M, CS], dtype=tl.float32) + lo) + hi  # accumulator j: slot j, then slot j + 4
+    return tl.reshape(seq_sum4_last(tl.trans(acc)), (CS,))
 
 
 # =========================================================================================== RMSNorm
@@ -328,7 +330,7 @@ def compress_entry(
     (``pool_in_step``).
     """
     if IN_STEP:
-        pooled = pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C, M)
+        pooled = pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, 0, C)
     else:
         pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
                             i, start, cu, slot, C, M, OVERLAP, NW, 0, C)
@@ -379,9 +381,10 @@ def lead_program(
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, end_ptr, cu_ptr, slots_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
-    MAXT: tl.constexpr,
+    MAXT: tl.constexpr, ENTRIES: tl.constexpr = True,
 ):
-    """Request ``b``: its first emitted entries (those that read the tail / state), then the state updates."""
+    """Request ``b``: its first emitted entries (those that read the tail / state; not with ``ENTRIES`` False:
+    ``csa_entries`` wrote them before this launch), then the state updates."""
     W: tl.constexpr = 2 * C if OVERLAP else C
     L: tl.constexpr = 2 if OVERLAP else 1
     start = tl.load(start_ptr + b)
@@ -391,7 +394,7 @@ def lead_program(
     num_emit = tl.load(num_emit_ptr)
     i0 = start // M
     i_end = end // M
-    for k in range(0, L):
+    for k in range(0, L if ENTRIES else 0):
         i = i0 + k
         if i < i_end:
             compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
@@ -557,9 +560,12 @@ def _write_before_attention_kernel(
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
     NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr, IN_STEP_POOL: tl.constexpr,
+    WINDOWS: tl.constexpr = True,
 ):
+    # WINDOWS False: the CSA launch of a long step after csa_entries (entries and window entries written there):
+    # the lead programs' state updates only
     pid = tl.program_id(0)
-    n_win = tl.cdiv(T, BT)
+    n_win = tl.cdiv(T, BT) if WINDOWS else 0
     if PARTS > 1:  # HCA, every entry split over PARTS programs; scratch row and counter per entry slot
         q = pid // PARTS
         row = scratch_ptr + q.to(tl.int64) * 512
@@ -581,7 +587,7 @@ def _write_before_attention_kernel(
         if pid < B:
             lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
                          mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
-                         main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT)
+                         main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT, WINDOWS)
         elif pid < B + n_entry:
             entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
                           inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
@@ -596,7 +602,7 @@ def _write_before_attention_kernel(
                     lead_program(q, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                  inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                  num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
-                                 NW_INDEX, MAXT)
+                                 NW_INDEX, MAXT, WINDOWS)
                 else:
                     entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                   inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
@@ -635,6 +641,18 @@ ZERO_FAST_DIVISION = tl.constexpr(True)
 #: CSA entries past a request's first two pool from their slot rows read once (``pool_in_step``); False: through
 #: ``pool_entry`` like the others (the previous kernel, for A/B timing; the bytes are the same).
 IN_STEP_POOLING = True
+
+
+#: CSA entries past a request's first two in their own launch, one warp each (``csa_entries``); False: as entry
+#: programs of the fused launch (for A/B timing; the bytes are the same).
+CSA_ENTRY_KERNEL = True
+
+
+def separate_csa_entries(m: int, overlap: bool, main: CompressorArgs, index: CompressorArgs | None) -> bool:
+    """Whether ``write_before_attention`` hands a long step's entries and window entries to ``csa_entries`` (CSA geometry:
+    m = 4 with overlap, 512-channel entries, 128-channel indexer keys) instead of launching entry programs."""
+    return (CSA_ENTRY_KERNEL and IN_STEP_POOLING and overlap and m == 4 and main.norm.shape[0] == 512
+            and (index is None or index.norm.shape[0] == 128))
 
 
 def pool_parts(m: int, overlap: bool) -> int:
@@ -710,6 +728,16 @@ def write_before_attention(
             or not scratch.is_contiguous():
         raise ValueError(f"scratch must be a contiguous float32 [>= {rows}, 512] tensor, got "
                          f"{scratch.dtype} {list(scratch.shape)}")
+    separate = n_entry > 0 and separate_csa_entries(m, overlap, main, index)
+    if separate:
+        # Every entry and the window entries: one-warp programs of their own launch (csa_entries), which reads the
+        # tails and previous-window state before this launch's lead programs update them.
+        from .csa_entries import write_csa_entries
+
+        write_csa_entries(kv, positions, inv_freq, out, batch, eps, main, index, n_entry,
+                          scratch[B * (1 + has_index):])
+        n_entry = 0
+        grid = (B * (1 + has_index),)
     dummy = main.tail_kv
     _write_before_attention_kernel[grid](
         kv, positions, inv_freq, out, T,
@@ -723,7 +751,7 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, IN_STEP_POOL=IN_STEP_POOLING,
-        num_warps=pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, IN_STEP_POOL=IN_STEP_POOLING, WINDOWS=not separate,
+        num_warps=4 if separate else pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
     )
     return out

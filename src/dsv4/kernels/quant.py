@@ -14,7 +14,8 @@ the GPU and in the Triton interpreter (whose float→float8 cast is unreliable; 
   7 add/subtract butterfly stages as ``formats.hadamard_transform`` (so the fp32 rounding is identical);
 * ``pack_nibbles``                       — two E2M1 codes per byte (even element in the low nibble).
 
-Bit-exactness notes: divisions use ``tl.math.div_rn`` (Triton's ``/`` is an approximate fp32 division), and the
+Bit-exactness notes: divisions use ``tl.math.div_rn`` or its own operations (``divide_rn``; Triton's ``/`` is an
+approximate fp32 division), divisions by a power-of-two scale multiply by its exact reciprocal, and the
 kernels that use these helpers are compiled with ``enable_fp_fusion=False`` so that no ``a*b + c`` is contracted
 into an FMA that torch would round twice.
 """
@@ -29,7 +30,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = [
-    "expf", "cosf", "sinf", "rsqrtf", "bf16_round", "with_sign_of",
+    "expf", "cosf", "sinf", "rsqrtf", "divide_rn", "bf16_round", "with_sign_of",
     "ue8m0_exponent", "exp2i", "e4m3_round", "fp8_block_qdq", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
     "pack_nibbles", "split_halves", "seq_sum4_last", "shuffle_down_sum",
 ]
@@ -62,6 +63,49 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 else:
     expf, cosf, sinf, rsqrtf = libdevice.exp, libdevice.cos, libdevice.sin, libdevice.rsqrt
+
+# ------------------------------------------------------------------------------------------- IEEE division
+#: Below this a dividend leaves ``divide_rn``'s fast path (a subset of the range where the hardware's ``FCHK``
+#: accepts the division; see ``divide_rn``).
+DIV_FAST_MIN: tl.constexpr = tl.constexpr(2.0**-64)
+DIV_FAST_MIN_BITS: tl.constexpr = tl.constexpr((127 - 64) << 23)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def divide_rn(e, den):
+        return tl.math.div_rn(e, den)
+
+else:
+
+    @triton.jit
+    def divide_rn(e, den):
+        """``e / den`` rounded as IEEE division (bit-equal to ``tl.math.div_rn``) for ``e`` ≥ 0 and a divisor that
+        is the same across ``e``'s first axis (``den`` broadcast from ``[1, C]``; a softmax's denominator in
+        ``[1, 8]``).
+
+        ``div.rn.f32`` compiles to a reciprocal (``MUFU.RCP`` refined by one Newton step), a quotient refined by
+        one residual step (three FMAs), and an ``FCHK`` test that sends divisions outside its safe range through
+        a slow-path subroutine. Here the reciprocal is computed once per divisor and the same FMAs run per element
+        — the same operations, so the same bits wherever ``FCHK`` takes the fast path, which it does for a
+        normal dividend ≥ 2⁻⁶⁴ and a divisor in [1, 8] (quotients far from the subnormal and overflow ranges).
+        A zero dividend gives +0 (what the division returns for a positive divisor). Anything else (tiny
+        dividends, a divisor outside [1, 8], NaN) is divided by ``tl.math.div_rn``, in a branch taken only by
+        warps that hold such an element.
+        """
+        y0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [den], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+        y = tl.fma(y0, tl.fma(-den, y0, 1.0), y0)
+        q0 = tl.fma(e, y, 0.0)
+        q = tl.fma(y, tl.fma(-den, q0, e), q0)  # e = +0 gives +0 here
+        den_ok = (den >= 1.0) & (den <= 8.0)  # NaN fails
+        # e's bits − 1 as unsigned is below bits(2⁻⁶⁴) − 1 exactly when 0 < e < 2⁻⁶⁴: one min over the tile
+        tiny = tl.min((e.to(tl.int32, bitcast=True) - 1).to(tl.uint32, bitcast=True)) < DIV_FAST_MIN_BITS - 1
+        if tiny | (tl.min(den_ok.to(tl.int32)) == 0):
+            slow = ((e > 0.0) & (e < DIV_FAST_MIN)) | ~den_ok
+            q = tl.where(slow, tl.math.div_rn(e, den), q)
+        return q
+
 
 INV_448: tl.constexpr = tl.constexpr(_fp32(1.0 / 448.0))
 INV_6: tl.constexpr = tl.constexpr(_fp32(1.0 / 6.0))
@@ -142,7 +186,8 @@ def fp8_block_qdq(v, AXIS: tl.constexpr):
     amax = tl.max(tl.abs(v), axis=AXIS)
     e = ue8m0_exponent(tl.maximum(amax, FP8_AMAX_FLOOR) * INV_448)
     s = tl.expand_dims(exp2i(e), AXIS)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -448.0), 448.0)
+    # v / s == v · 2⁻ᵉ exactly (both are the exact value rounded once; e ∈ [−22, 120], so 2⁻ᵉ is a normal fp32)
+    y = tl.minimum(tl.maximum(v * tl.expand_dims(exp2i(-e), AXIS), -448.0), 448.0)
     code, val = e4m3_round(y)
     return code, val * s, e + 127
 
@@ -173,7 +218,8 @@ def mxfp4_block_qdq(v, AXIS: tl.constexpr):
     amax = tl.max(tl.abs(v), axis=AXIS)
     e = ue8m0_exponent(tl.maximum(amax, MXFP4_AMAX_FLOOR) * INV_6)
     s = tl.expand_dims(exp2i(e), AXIS)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -6.0), 6.0)
+    # v / s == v · 2⁻ᵉ exactly (e ∈ [−126, 126]: 2⁻ᵉ is a normal fp32)
+    y = tl.minimum(tl.maximum(v * tl.expand_dims(exp2i(-e), AXIS), -6.0), 6.0)
     code, val = e2m1_round(y)
     return code, val * s, e + 127
 
