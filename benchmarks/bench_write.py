@@ -71,7 +71,7 @@ def _count_launches(fn) -> tuple[int, int]:
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    triton_k = [n for n in names if n.startswith(("_write_before", "_append_swa", "_window_entries"))]
+    triton_k = [n for n in names if n.startswith(("_write_before", "_csa_entries", "_append_swa", "_window_entries"))]
     return len(triton_k), len(names)
 
 

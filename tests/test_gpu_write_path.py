@@ -173,18 +173,19 @@ def test_rms_norm_order_matches_torch(C: int, rows: int) -> None:
 
 @triton.jit
 def _rms_rows_lanes_kernel(x_ptr, w_ptr, y_ptr, num_emit, eps, C: tl.constexpr):
-    """``csa_entries``' RMSNorm of row ``e`` (one warp): four 128-channel chunks (C = 512) or one (C = 128)."""
+    """``csa_entries``' RMSNorm of row ``e`` (one warp), as its entry programs run it: four 128-channel chunks
+    through ``add_chunk_squares`` / ``entry_rms_scale`` (C = 512), or ``rms_norm_128`` (C = 128)."""
     row = x_ptr + tl.program_id(0).to(tl.int64) * C
     out = y_ptr + tl.program_id(0).to(tl.int64) * C
     cols = tl.arange(0, 128)
     if C == 512:
-        y0, y1, y2, y3 = kce.rms_norm_512(kce.bf16_round(tl.load(row + cols)), kce.bf16_round(tl.load(row + 128 + cols)),
-                                          kce.bf16_round(tl.load(row + 256 + cols)),
-                                          kce.bf16_round(tl.load(row + 384 + cols)), w_ptr, eps, num_emit)
-        tl.store(out + cols, y0)
-        tl.store(out + 128 + cols, y1)
-        tl.store(out + 256 + cols, y2)
-        tl.store(out + 384 + cols, y3)
+        sums = kce.zero_square_sums()
+        for k in range(4):
+            sums = kce.add_chunk_squares(kce.bf16_round(tl.load(row + k * 128 + cols)), k, *sums)
+        r = kce.entry_rms_scale(*sums, num_emit, eps)
+        for k in range(4):
+            x = kce.bf16_round(tl.load(row + k * 128 + cols))
+            tl.store(out + k * 128 + cols, kce.bf16_round(tl.load(w_ptr + k * 128 + cols) * (x * r)))
     else:
         tl.store(out + cols, kce.rms_norm_128(kce.bf16_round(tl.load(row + cols)), w_ptr, eps))
 
@@ -192,8 +193,8 @@ def _rms_rows_lanes_kernel(x_ptr, w_ptr, y_ptr, num_emit, eps, C: tl.constexpr):
 @pytest.mark.parametrize("C", [512, 128])
 @pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 59, 300, 9438])
 def test_rms_norm_lanes_order_matches_torch(C: int, rows: int) -> None:
-    """``csa_entries``' register-only RMSNorm (``sum_sq_512`` / ``sum_sq_128``, one warp per row, told the step
-    emits ``rows`` entries) == ``reference.rms_norm`` of all rows at once."""
+    """``csa_entries``' register-only RMSNorm (one warp per row, told the step emits ``rows`` entries: all three of
+    torch's reduction orders for 512 channels) == ``reference.rms_norm`` of all rows at once."""
     g = torch.Generator(device="cuda").manual_seed(rows * C + 1)
     x = torch.randn(rows, C, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))
     w = 1 + 0.1 * torch.randn(C, generator=g, device="cuda")

@@ -35,6 +35,11 @@ between; no other program touches that request's tail or state. The entry progra
 request can emit more than the leads take (host-known from ``max_new``), so a decode step's grid has just the
 leads and the window blocks. Nothing here branches on the host on whether anything flushed.
 
+Long CSA steps (a request can emit more than two entries: prefill chunks) take two launches instead: first
+``csa_entries`` (every entry and the window entries, one warp per program, reading the old tails / state), then
+this kernel with the lead programs' state updates only (``WINDOWS`` False, ``ENTRIES`` False) — see
+``separate_csa_entries``.
+
 Pool page layouts (``n = block_size / m`` entries per block): KV ``[n × 576 data | n × 8 scales | pad]``;
 indexer ``[n × 64 packed E2M1 | n × 4 UE8M0]``.
 """
@@ -667,7 +672,8 @@ CSA_PREFILL_TOKENS = 256
 
 
 def pool_program_warps(m: int, overlap: bool = False, max_new: int = 1) -> int:
-    """Warps per program of the fused launch. The results do not depend on it: every order-sensitive sum is spelled
+    """Warps per program of the fused launch (when it has entry programs; the state-only launch of a long CSA step
+    takes 4). The results do not depend on it: every order-sensitive sum is spelled
     out. 2 for CSA-style (``overlap``) steps of more than ``CSA_PREFILL_TOKENS`` tokens per request — the programs
     hold 191 registers per thread at 4 warps (2 programs per SM), 255 at 2 (4 per SM), and a prefill chunk's
     latency-bound entry programs gain from the extra ones in flight (H200, V4-Flash CSA, write kernel: 8K chunk

@@ -1,22 +1,28 @@
-"""The CSA entries of a long step (a prefill chunk), one warp per entry: pool, RMSNorm, RoPE, quantize, write.
+"""A long CSA step's writes except the state updates, one warp per program: every emitted entry (pool, RMSNorm,
+RoPE, quantize, write; main entries and indexer keys) and the step's window entries.
 
-A CSA entry past a request's first two has all 2m = 8 pooling slots among the step's tokens (``pool_in_step``);
-a prefill chunk of T tokens emits T/4 of them per compressor (2,048 main entries and 2,048 indexer keys for an 8K
-chunk). ``compressor.write_before_attention`` launches this kernel for them, beside its fused launch (which keeps
-the leads, the tails and the window entries), whenever a request of the step can emit more entries than its lead
-takes; decode steps never do, so they keep their single launch.
+``compressor.write_before_attention`` launches this kernel whenever a request of a CSA step can emit more entries
+than its lead program takes (a prefill chunk: an 8K chunk emits 2,048 main entries and 2,048 indexer keys), then
+its own launch with the lead programs' state updates only (previous-window rotation, open-window tails) — after
+this one, which reads the old tails and state for each request's first two entries. Decode steps never emit that
+many, so they keep their single fused launch.
 
-Why its own launch: in the fused kernel every role shares the register allocation of the heaviest one (255 per
-thread at 2 warps, 4 programs per SM), and an entry's RMSNorm went through a shared-memory scratch row with
-barriers. Here a program is one warp and holds its entry in the arrangement torch's RMSNorm reduction reads
-(``sum_sq_512``): thread l holds channels ``128k + 4l + q`` (k = 0…3, q = 0…3), so every partial sum of squares
-is a register sum of the thread's own values, followed by one 32-lane shuffle tree. The 512 channels are pooled
-as four 128-channel chunks (``pool_in_step`` on a slice: every channel pools on its own, so the bits are those
-of the whole entry); the FP8 blocks (64 channels) are halves of a chunk, the RoPE pairs the upper half of the
-last one. The results are bit-identical to the fused kernel's entry programs and to the torch backend.
+Why its own launch (H100, V4-Flash CSA 8K chunk, 113.5 → 75.8 µs): in the fused kernel every role shares the
+register allocation of the heaviest one (255 per thread at 2 warps: 4 programs per SM), an entry's RMSNorm went
+through a shared-memory scratch row with barriers, and a request's two lead entries ran serially in its lead
+program (20 µs for an 8K chunk). Here a program is one warp and holds its entry in the arrangement torch's RMSNorm
+reduction reads (``add_chunk_squares``): thread l holds channels ``128k + 4l + q`` (k = 0…3, q = 0…3), so every partial
+sum of squares is a register sum of the thread's own values followed by one 32-lane shuffle tree. The 512
+channels are pooled as four 128-channel chunks in a loop (every channel pools on its own, so the bits are those of
+the whole entry; one copy of the pooling code — unrolled, the kernel waited on instruction fetch); the FP8 blocks
+(64 channels) are halves of a chunk, the RoPE pairs the upper half of the last one. Entries past a request's first
+two pool from the step's rows (``pool_in_step``), the first two through the general slot sources
+(``pool_entry``: tail, previous-window state). The bytes equal the fused kernel's and the torch backend's.
 
-Grid: ``2 · E_cap`` programs with the indexer's compressor (``E_cap`` = ``emit_capacity[4]``: main entries,
-then indexer keys), else ``E_cap``; padding rows and the leads' entries exit at once.
+Grid, in this order: ``E_cap`` main-entry programs (``E_cap`` = ``emit_capacity[4]``, the padded emit list;
+padding exits at once), ``E_cap`` indexer-key programs (with the indexer's compressor), ``⌈T/4⌉`` window-entry
+programs of 4 tokens. Roles in blocks, not interleaved: interleaving measured 77 → 86 µs on an H100 (three code
+paths competing for the instruction cache).
 """
 
 from __future__ import annotations
@@ -43,30 +49,48 @@ __all__ = ["write_csa_entries"]
 #: Tokens per window-entry program (one warp).
 WINDOW_BT = 4
 
-#: Entries per page row of the main pool: 448 E4M3 codes + 64 BF16 rope values; then 8 scale bytes per entry.
+#: Bytes of a main entry's row in its page: 448 E4M3 codes + 64 BF16 rope values (its 8 scale bytes follow the
+#: page's rows).
 DATA_BYTES: tl.constexpr = tl.constexpr(576)
 
 
 @triton.jit
-def sum_sq_512(x0, x1, x2, x3, num_emit):
-    """``Σ x²`` over a 512-channel entry in the order of torch's RMSNorm block reduction (see
-    ``compressor.rms_norm_bf16``): ``[1]`` fp32.
+def zero_square_sums():
+    """The running sums of ``add_chunk_squares`` before the first chunk."""
+    return (tl.zeros([32, 4], tl.float32), tl.zeros([32, 4], tl.float32), tl.zeros([32, 4], tl.float32),
+            tl.zeros([32], tl.float32), tl.zeros([32], tl.float32))
 
-    ``xk`` fp32 ``[128]``: channels ``128k … 128k+127``; thread l of the warp holds ``128k + 4l + q``, i.e. the
-    float4 vectors ``l + 32k`` torch's threads read. With ``BW`` threads per row thread t sums its vectors
+
+@triton.jit
+def add_chunk_squares(x, k, acc32, acc64_even, acc64_odd, p128_even, p128_odd):
+    """Chunk ``k`` (0…3) of a 512-channel entry into the running sums of squares of torch's RMSNorm block reduction
+    (see ``compressor.rms_norm_bf16``); returns the updated sums.
+
+    ``x`` fp32 ``[128]``: channels ``128k … 128k+127`` (BF16 values); thread l of the warp holds ``128k + 4l + q``,
+    i.e. the float4 vectors ``l + 32k`` torch's threads read. With ``BW`` threads per row thread t sums its vectors
     ``t, t + BW, …`` per vector lane, adds the four lanes in order, then the block halves its partials down to 32
-    (offsets BW/2 … 32) and a warp's shuffle-down tree finishes: BW = 32 (≥ 16 entries in the step), 64 (≥ 8),
-    128 (fewer). All three are sums of this thread's vectors; the step's count picks one on the device.
+    (offsets BW/2 … 32). So per lane l: BW = 32: ``seq4(((v0 + v1) + v2) + v3)`` (``acc32``); BW = 64:
+    ``seq4(v0 + v2) + seq4(v1 + v3)`` (``acc64_*``); BW = 128: ``(P0 + P2) + (P1 + P3)`` with ``Pk = seq4(vk)``
+    (``p128_*``) — all sums of this thread's own values, accumulated chunk by chunk in those orders (a leading
+    ``0 +`` is exact: squares are ≥ +0).
     """
-    v0 = tl.reshape(x0 * x0, (32, 4))
-    v1 = tl.reshape(x1 * x1, (32, 4))
-    v2 = tl.reshape(x2 * x2, (32, 4))
-    v3 = tl.reshape(x3 * x3, (32, 4))
-    bw32 = seq_sum4_last(((v0 + v1) + v2) + v3)
-    bw64 = seq_sum4_last(v0 + v2) + seq_sum4_last(v1 + v3)
-    bw128 = (seq_sum4_last(v0) + seq_sum4_last(v2)) + (seq_sum4_last(v1) + seq_sum4_last(v3))
+    v = tl.reshape(x * x, (32, 4))
+    odd = (k % 2) == 1
+    pk = seq_sum4_last(v)
+    return (acc32 + v, tl.where(odd, acc64_even, acc64_even + v), tl.where(odd, acc64_odd + v, acc64_odd),
+            tl.where(odd, p128_even, p128_even + pk), tl.where(odd, p128_odd + pk, p128_odd))
+
+
+@triton.jit
+def entry_rms_scale(acc32, acc64_even, acc64_odd, p128_even, p128_odd, num_emit, eps):
+    """``rsqrt(mean(x²) + eps)`` of a 512-channel entry from ``add_chunk_squares``' sums: ``Σ x²`` in the order
+    torch uses for a step emitting ``num_emit`` entries (BW = 32 threads per row from 16 entries, 64 from 8, else
+    128: chosen on the device), finished by the warp's shuffle-down tree. ``[1]`` fp32."""
+    bw32 = seq_sum4_last(acc32)
+    bw64 = seq_sum4_last(acc64_even) + seq_sum4_last(acc64_odd)
+    bw128 = p128_even + p128_odd
     part = tl.where(num_emit >= 16, bw32, tl.where(num_emit >= 8, bw64, bw128))
-    return shuffle_down_sum(part, 32, 5)
+    return rsqrtf(shuffle_down_sum(part, 32, 5) * (1.0 / 512) + eps)
 
 
 @triton.jit
@@ -74,16 +98,6 @@ def sum_sq_128(x):
     """``Σ x²`` over a 128-channel indexer key ``x`` fp32 ``[128]`` (thread l: channels ``4l + q``) in the order of
     torch's reduction: 32 threads per row, one float4 vector each, then the shuffle-down tree. ``[1]`` fp32."""
     return shuffle_down_sum(seq_sum4_last(tl.reshape(x * x, (32, 4))), 32, 5)
-
-
-@triton.jit
-def rms_norm_512(x0, x1, x2, x3, norm_ptr, eps, num_emit):
-    """``reference.rms_norm`` of a 512-channel entry held as four ``[128]`` chunks of BF16-valued fp32 (thread l:
-    channels ``128k + 4l + q``): the four normalized chunks, BF16-valued fp32."""
-    cols = tl.arange(0, 128)
-    r = rsqrtf(sum_sq_512(x0, x1, x2, x3, num_emit) * (1.0 / 512) + eps)
-    return (bf16_round(tl.load(norm_ptr + cols) * (x0 * r)), bf16_round(tl.load(norm_ptr + 128 + cols) * (x1 * r)),
-            bf16_round(tl.load(norm_ptr + 256 + cols) * (x2 * r)), bf16_round(tl.load(norm_ptr + 384 + cols) * (x3 * r)))
 
 
 @triton.jit
@@ -149,31 +163,16 @@ def main_entry(
 
     The four 128-channel chunks are pooled in a loop (one copy of the pooling code: the kernel is bound by its
     instruction fetch when unrolled); each chunk's BF16-rounded values go to this program's fp32 ``[512]``
-    ``scratch_ptr`` row and into the three candidate sums of squares of ``sum_sq_512`` (accumulated in its
-    orders), then come back for the normalization."""
+    ``scratch_ptr`` row and into the running sums of squares of torch's three reduction orders
+    (``add_chunk_squares``), then come back for the normalization."""
     cols = tl.arange(0, 128)
-    acc32 = tl.zeros([32, 4], tl.float32)  # ((v0 + v1) + v2) + v3, per vector lane
-    acc64_even = tl.zeros([32, 4], tl.float32)  # v0 + v2
-    acc64_odd = tl.zeros([32, 4], tl.float32)  # v1 + v3
-    p128_even = tl.zeros([32], tl.float32)  # P0 + P2 (P_k: chunk k's lanes summed in order)
-    p128_odd = tl.zeros([32], tl.float32)  # P1 + P3
+    sums = zero_square_sums()
     for k in range(4):
         x = bf16_round(pooled_chunk(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
                                     i, start, cu, slot, 512, k * 128))
         tl.store(scratch_ptr + k * 128 + cols, x)
-        v = tl.reshape(x * x, (32, 4))
-        acc32 = acc32 + v
-        odd = (k % 2) == 1
-        acc64_even = tl.where(odd, acc64_even, acc64_even + v)
-        acc64_odd = tl.where(odd, acc64_odd + v, acc64_odd)
-        pk = seq_sum4_last(v)
-        p128_even = tl.where(odd, p128_even, p128_even + pk)
-        p128_odd = tl.where(odd, p128_odd + pk, p128_odd)
-    bw32 = seq_sum4_last(acc32)
-    bw64 = seq_sum4_last(acc64_even) + seq_sum4_last(acc64_odd)
-    bw128 = p128_even + p128_odd
-    part = tl.where(num_emit >= 16, bw32, tl.where(num_emit >= 8, bw64, bw128))  # as sum_sq_512
-    r = rsqrtf(shuffle_down_sum(part, 32, 5) * (1.0 / 512) + eps)
+        sums = add_chunk_squares(x, k, *sums)
+    r = entry_rms_scale(*sums, num_emit, eps)
     tl.debug_barrier()  # the scratch row is read back below
     page, j, n_per_page = page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i)
     data = page + j * DATA_BYTES
@@ -241,8 +240,8 @@ def write_csa_entries(
     kv: Tensor, positions: Tensor, inv_freq: Tensor, kv_out: Tensor, batch, eps: float, main: CompressorArgs,
     index: CompressorArgs | None, n_entry: int, scratch: Tensor,
 ) -> None:
-    """One launch: every CSA entry (m = 4) of the step past each request's first two, main and (``index`` given)
-    indexer, and the step's window entries.
+    """One launch: every CSA entry (m = 4) the step emits, main and (``index`` given) indexer, and the step's window
+    entries. Launch it before ``write_before_attention``'s state updates (it reads the old tails and state).
 
     Args:
         kv: bf16 ``[T, 512]`` ``RMSNorm(W_kv x)``; positions: int64 ``[T]``; inv_freq: fp32 ``[32]`` RoPE inverse

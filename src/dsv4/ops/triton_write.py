@@ -1,11 +1,13 @@
 """Triton glue of the write path: ``window_entries``, ``compress`` and ``append_swa`` (see ``dsv4.ops.torch_ops``
 for the interface; same signatures and results, bit for bit on CUDA).
 
-Per layer and step the writes take two launches (plus the compressors' projection GEMMs, which stay torch
+Per layer and decode step the writes take two launches (plus the compressors' projection GEMMs, which stay torch
 matmuls computed exactly as ``reference.compressor.project`` does):
 
 1. before attention — ``compress`` (CSA/HCA layers: the window entries *and* the main and indexer compressors,
-   ``kernels.compressor.write_before_attention``) or ``window_entries`` (SWA layers, ``kernels.swa_write``);
+   ``kernels.compressor.write_before_attention``; a CSA step where a request emits more than two entries — a
+   prefill chunk — takes two: ``kernels.csa_entries`` for the entries and window entries, then the state
+   updates) or ``window_entries`` (SWA layers, ``kernels.swa_write``);
 2. after attention — ``append_swa``: the kept tokens' 584-B entries and positions into their rings.
 
 Graph-safe: the kernels read only fixed-shape ``StepBatch`` tensors (``emit_pad_*``, ``num_emit_device``; see
@@ -77,7 +79,7 @@ def compress(
     window_kv: Tensor,
 ) -> Tensor:
     """See ``torch_ops.compress``: the window entries (returned) and every compressor's accumulate + flush, in one
-    launch after the projection GEMMs."""
+    launch after the projection GEMMs (two for a CSA prefill chunk: ``kernels.csa_entries``, then the state)."""
     c_main = compressors[0][0].norm.shape[0] if compressors else 0
     roles = [role for _, role in compressors]
     ok = (
