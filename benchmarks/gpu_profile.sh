@@ -2,7 +2,8 @@
 # Hardware-counter profiles (ncu, Firecracker GPU machines) of the write-path kernel (HCA decode B=1 / 256, CSA
 # 8K-token prefill), the "filter" top-k (64 rows x 32K) and the sparse-attention kernels (Triton and Gluon) at Flash
 # CSA B=64: per-SASS-instruction stall samples as CSV, plus the summary sections.
-# Usage (repo root, GPU machine): bash benchmarks/gpu_profile.sh — outputs under $OUT (default ./out).
+# Usage (repo root, GPU machine): bash benchmarks/gpu_profile.sh — outputs under $OUT (default ./out); summarise a
+# NAME.sass.csv anywhere with python benchmarks/ncu_sass_summary.py.
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 NCU="ncu --clock-control none --section SourceCounters --section WarpStateStats --section LaunchStats --section Occupancy --section SpeedOfLight --section InstructionStats --section ComputeWorkloadAnalysis --import-source no"
