@@ -57,7 +57,7 @@ KERNELS = {
         "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",
         "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "count_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8",
         "eps": "fp32"},
-        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8, IN_STEP_POOL=True,
+        dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8,
              num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
     "csa_entries": ("dsv4.kernels.csa_entries:_csa_entries_kernel", {

@@ -49,7 +49,7 @@ print("OK")
 @pytest.mark.parametrize("li,parts", [(0, None), (1, None), (1, "fused"), (2, None), (2, 4)],
                          ids=["swa", "csa", "csa-fused", "hca16", "hca16-split4"])
 def test_interpreted_write_path_matches_torch(li: int, parts: int | str | None) -> None:
-    """``csa``: the entries past each request's first two through ``csa_entries`` (their own launch);
+    """``csa``: every entry and the window entries of a long step through ``csa_entries`` (their own launch);
     ``csa-fused``: as entry programs of the fused launch. ``hca16-split4``: every HCA entry pooled by 4 programs
     (channel slices), the last to arrive finishing it."""
     here = os.path.dirname(__file__)

@@ -37,7 +37,7 @@ leads and the window blocks. Nothing here branches on the host on whether anythi
 
 Long CSA steps (a request can emit more than two entries: prefill chunks) take two launches instead: first
 ``csa_entries`` (every entry and the window entries, one warp per program, reading the old tails / state), then
-this kernel with the lead programs' state updates only (``WINDOWS`` False, ``ENTRIES`` False) — see
+this kernel with the lead programs' state updates only (``STATE_ONLY``) — see
 ``separate_csa_entries``.
 
 Pool page layouts (``n = block_size / m`` entries per block): KV ``[n × 576 data | n × 8 scales | pad]``;
@@ -72,6 +72,10 @@ from .swa_write import rope_pairs, window_entries_block
 __all__ = ["CompressorArgs", "scratch_rows", "write_before_attention"]
 
 FLT_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
+
+#: Bytes of a main entry's row in its page: 448 E4M3 codes + 64 BF16 rope values (its 8 scale bytes follow the
+#: page's rows).
+DATA_BYTES: tl.constexpr = tl.constexpr(576)
 
 #: Threads per block of torch's CUDA reduce kernel (``ReduceConfig``'s ``MAX_NUM_THREADS``); the kernels here
 #: reproduce the reduction orders it implies (see ``pool_warps`` and ``rms_norm_bf16``).
@@ -344,6 +348,40 @@ def compress_entry(
 
 
 @triton.jit
+def page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i, M: tl.constexpr):
+    """Entry ``i`` of request ``b`` (ratio ``M``): ``(its page's base pointer, its row j in the page, entries per
+    page)``."""
+    first = i * M
+    blk = tl.load(block_tables_ptr + b.to(tl.int64) * bt_stride + first // block_size).to(tl.int64)
+    return pages_ptr + blk * page_bytes, (first % block_size) // M, block_size // M
+
+
+@triton.jit
+def store_fp8_blocks(y, data, scales, NBLK: tl.constexpr):
+    """Encode the 64-channel blocks of ``y`` fp32 ``[64·n]`` (BF16 values) as the torch backend does — FP8
+    quantize→dequantize, then the codes and scale bytes of the result — and store the first ``NBLK``: codes at
+    ``data`` (uint8 pointer), scale bytes at ``scales`` (a block past ``NBLK`` stores a zero scale byte)."""
+    NB: tl.constexpr = y.shape[0] // 64
+    blk = tl.arange(0, NB)
+    _, v1, _ = fp8_block_qdq(tl.reshape(y, (NB, 64)), 1)
+    code, _, ebyte = fp8_block_qdq(v1, 1)
+    tl.store(data + blk[:, None] * 64 + tl.arange(0, 64)[None, :], code.to(tl.uint8), mask=(blk < NBLK)[:, None])
+    tl.store(scales + blk, tl.where(blk < NBLK, ebyte, 0).to(tl.uint8))
+
+
+@triton.jit
+def store_mxfp4_key(key, packed, scales):
+    """An indexer key ``key`` fp32 ``[128]`` (BF16 values, rope dims rotated) as the torch backend encodes it —
+    Hadamard, MXFP4 quantize→dequantize, then the codes and scale bytes of the result: 64 packed bytes at
+    ``packed``, 4 UE8M0 bytes at ``scales`` (uint8 pointers)."""
+    h = tl.reshape(hadamard128(key), (4, 32))
+    _, v1, _ = mxfp4_block_qdq(h, 1)
+    code, _, ebyte = mxfp4_block_qdq(v1, 1)
+    tl.store(packed + tl.arange(0, 64), pack_nibbles(tl.reshape(code, (128,)), 128).to(tl.uint8))
+    tl.store(scales + tl.arange(0, 4), ebyte.to(tl.uint8))
+
+
+@triton.jit
 def finish_entry(
     pooled, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit,
     scratch_ptr, b, i, C: tl.constexpr, M: tl.constexpr, KIND: tl.constexpr, MAXT: tl.constexpr,
@@ -351,31 +389,15 @@ def finish_entry(
     """Entry ``i`` of request ``b`` from its pooled channels (fp32 ``[C]``): RMSNorm, RoPE, quantize, write."""
     y = rms_norm_bf16(pooled, tl.load(norm_ptr + tl.arange(0, C)), eps, num_emit, scratch_ptr, C, MAXT)
     head, rot = rope_last64(y, (i * M).to(tl.float32), inv_freq_ptr, C)
-    first = i * M
-    blk = tl.load(block_tables_ptr + b.to(tl.int64) * bt_stride + first // block_size).to(tl.int64)
-    n_per_page = block_size // M
-    j = (first % block_size) // M
-    page = pages_ptr + blk * page_bytes
+    page, j, n_per_page = page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i, M)
     if KIND == 0:
-        rows = tl.arange(0, 8)[:, None]
-        cols = tl.arange(0, 64)[None, :]
-        nope = tl.reshape(y, (8, 64))  # row 7 (the pre-RoPE rope dims) is ignored
-        _, v1, _ = fp8_block_qdq(nope, 1)
-        code, _, ebyte = fp8_block_qdq(v1, 1)  # the stored bytes encode the rounded values (as the torch backend)
-        nmask = (rows < 7) & (cols >= 0)
-        tl.store(page + j * 576 + rows * 64 + cols, code.to(tl.uint8), mask=nmask)
-        rdst = (page + j * 576 + 448 + tl.arange(0, 64) * 2).to(tl.pointer_type(tl.bfloat16))
+        # block 7 (the pre-RoPE rope dims) is not stored; the stored bytes encode the rounded values (as torch)
+        store_fp8_blocks(y, page + j * DATA_BYTES, page + n_per_page * DATA_BYTES + j * 8, 7)
+        rdst = (page + j * DATA_BYTES + 448 + tl.arange(0, 64) * 2).to(tl.pointer_type(tl.bfloat16))
         tl.store(rdst, rot.to(tl.bfloat16))
-        e8 = tl.arange(0, 8)
-        tl.store(page + n_per_page * 576 + j * 8 + e8, tl.where(e8 < 7, ebyte, 0).to(tl.uint8))
     else:
         key = tl.reshape(tl.trans(tl.join(head, rot)), (128,))  # [first 64 | rotated 64]
-        h = tl.reshape(hadamard128(key), (4, 32))
-        _, v1, _ = mxfp4_block_qdq(h, 1)
-        code, _, ebyte = mxfp4_block_qdq(v1, 1)
-        packed = pack_nibbles(tl.reshape(code, (128,)), 128)
-        tl.store(page + j * 64 + tl.arange(0, 64), packed.to(tl.uint8))
-        tl.store(page + n_per_page * 64 + j * 4 + tl.arange(0, 4), ebyte.to(tl.uint8))
+        store_mxfp4_key(key, page + j * 64, page + n_per_page * 64 + j * 4)
 
 
 # =========================================================================================== per-role programs
@@ -452,7 +474,7 @@ def entry_program(
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
-    MAXT: tl.constexpr, IN_STEP_POOL: tl.constexpr,
+    MAXT: tl.constexpr,
 ):
     """Emitted entry ``e`` of the padded list, unless it is padding or one its request's lead program takes."""
     L: tl.constexpr = 2 if OVERLAP else 1
@@ -466,7 +488,7 @@ def entry_program(
             compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
                            inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
                            tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT,
-                           OVERLAP and M == 4 and NW == 0 and IN_STEP_POOL)
+                           OVERLAP and M == 4 and NW == 0)
 
 
 # =========================================================================================== split entries
@@ -564,13 +586,13 @@ def _write_before_attention_kernel(
     ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
-    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr, IN_STEP_POOL: tl.constexpr,
-    WINDOWS: tl.constexpr = True,
+    NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr,
+    STATE_ONLY: tl.constexpr = False,
 ):
-    # WINDOWS False: the CSA launch of a long step after csa_entries (entries and window entries written there):
+    # STATE_ONLY: the CSA launch of a long step after csa_entries (which wrote every entry and the window entries):
     # the lead programs' state updates only
     pid = tl.program_id(0)
-    n_win = tl.cdiv(T, BT) if WINDOWS else 0
+    n_win = 0 if STATE_ONLY else tl.cdiv(T, BT)
     if PARTS > 1:  # HCA, every entry split over PARTS programs; scratch row and counter per entry slot
         q = pid // PARTS
         row = scratch_ptr + q.to(tl.int64) * 512
@@ -592,12 +614,12 @@ def _write_before_attention_kernel(
         if pid < B:
             lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
                          mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
-                         main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT, WINDOWS)
+                         main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT, not STATE_ONLY)
         elif pid < B + n_entry:
             entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
                           inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                           num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
-                          OVERLAP, 0, NW, MAXT, IN_STEP_POOL)
+                          OVERLAP, 0, NW, MAXT)
         elif pid < B + n_entry + n_win:
             window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
         else:
@@ -607,12 +629,12 @@ def _write_before_attention_kernel(
                     lead_program(q, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                  inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                  num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
-                                 NW_INDEX, MAXT, WINDOWS)
+                                 NW_INDEX, MAXT, not STATE_ONLY)
                 else:
                     entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                   inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                   num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
-                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT, IN_STEP_POOL)
+                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT)
 
 
 @dataclass
@@ -643,20 +665,16 @@ WINDOW_BT = 4
 #: first compile, so set it before any launch of the process (``bench_write.py --divide-zeros`` turns it off: A/B).
 ZERO_FAST_DIVISION = tl.constexpr(True)
 
-#: CSA entries past a request's first two pool from their slot rows read once (``pool_in_step``); False: through
-#: ``pool_entry`` like the others (the previous kernel, for A/B timing; the bytes are the same).
-IN_STEP_POOLING = True
-
-
 #: CSA entries past a request's first two in their own launch, one warp each (``csa_entries``); False: as entry
 #: programs of the fused launch (for A/B timing; the bytes are the same).
 CSA_ENTRY_KERNEL = True
 
 
 def separate_csa_entries(m: int, overlap: bool, main: CompressorArgs, index: CompressorArgs | None) -> bool:
-    """Whether ``write_before_attention`` hands a long step's entries and window entries to ``csa_entries`` (CSA geometry:
-    m = 4 with overlap, 512-channel entries, 128-channel indexer keys) instead of launching entry programs."""
-    return (CSA_ENTRY_KERNEL and IN_STEP_POOLING and overlap and m == 4 and main.norm.shape[0] == 512
+    """Whether ``write_before_attention`` hands a long step's entries and window entries to ``csa_entries`` (CSA
+    geometry: m = 4 with overlap, 512-channel entries, 128-channel indexer keys) instead of launching entry
+    programs."""
+    return (CSA_ENTRY_KERNEL and overlap and m == 4 and main.norm.shape[0] == 512
             and (index is None or index.norm.shape[0] == 128))
 
 
@@ -757,7 +775,7 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, IN_STEP_POOL=IN_STEP_POOLING, WINDOWS=not separate,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, STATE_ONLY=separate,
         num_warps=4 if separate else pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
     )
     return out

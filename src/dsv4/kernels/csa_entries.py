@@ -31,13 +31,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .compressor import CompressorArgs, pool_entry, pool_in_step
+from .compressor import (
+    DATA_BYTES,
+    CompressorArgs,
+    page_row,
+    pool_entry,
+    pool_in_step,
+    store_fp8_blocks,
+    store_mxfp4_key,
+)
 from .quant import (
     bf16_round,
-    fp8_block_qdq,
-    hadamard128,
-    mxfp4_block_qdq,
-    pack_nibbles,
     rsqrtf,
     seq_sum4_last,
     shuffle_down_sum,
@@ -48,10 +52,6 @@ __all__ = ["write_csa_entries"]
 
 #: Tokens per window-entry program (one warp).
 WINDOW_BT = 4
-
-#: Bytes of a main entry's row in its page: 448 E4M3 codes + 64 BF16 rope values (its 8 scale bytes follow the
-#: page's rows).
-DATA_BYTES: tl.constexpr = tl.constexpr(576)
 
 
 @triton.jit
@@ -118,18 +118,6 @@ def rope_upper_pairs(y, pos_f, inv_freq_ptr):
 
 
 @triton.jit
-def store_fp8_blocks(y, data, scales, NBLK: tl.constexpr):
-    """Encode the two 64-channel blocks of ``y`` fp32 ``[128]`` (BF16 values) as the torch backend does — FP8
-    quantize→dequantize, then the codes and scale bytes of the result — and store the first ``NBLK``: codes at
-    ``data`` (uint8 pointer), scale bytes at ``scales`` (a block past ``NBLK`` stores a zero scale byte)."""
-    blk = tl.arange(0, 2)
-    _, v1, _ = fp8_block_qdq(tl.reshape(y, (2, 64)), 1)
-    code, _, ebyte = fp8_block_qdq(v1, 1)
-    tl.store(data + blk[:, None] * 64 + tl.arange(0, 64)[None, :], code.to(tl.uint8), mask=(blk < NBLK)[:, None])
-    tl.store(scales + blk, tl.where(blk < NBLK, ebyte, 0).to(tl.uint8))
-
-
-@triton.jit
 def pooled_chunk(
     a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, i, start, cu, slot,
     C: tl.constexpr, c0,
@@ -144,14 +132,6 @@ def pooled_chunk(
         x = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, i, start, cu,
                        slot, C, 4, True, 0, c0, 128)
     return x
-
-
-@triton.jit
-def page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i):
-    """Entry ``i`` of request ``b`` (m = 4): ``(its page's base pointer, its row j in the page, entries per page)``."""
-    first = i * 4
-    blk = tl.load(block_tables_ptr + b.to(tl.int64) * bt_stride + first // block_size).to(tl.int64)
-    return pages_ptr + blk * page_bytes, (first % block_size) // 4, block_size // 4
 
 
 @triton.jit
@@ -174,7 +154,7 @@ def main_entry(
         sums = add_chunk_squares(x, k, *sums)
     r = entry_rms_scale(*sums, num_emit, eps)
     tl.debug_barrier()  # the scratch row is read back below
-    page, j, n_per_page = page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i)
+    page, j, n_per_page = page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i, 4)
     data = page + j * DATA_BYTES
     scales = page + n_per_page * DATA_BYTES + j * 8
     for k in range(3):
@@ -198,12 +178,8 @@ def index_entry(
                                 i, start, cu, slot, 128, 0))
     y = rms_norm_128(x, norm_ptr, eps)
     re, im, _ = rope_upper_pairs(y, (i * 4).to(tl.float32), inv_freq_ptr)
-    h = tl.reshape(hadamard128(tl.reshape(tl.join(re, im), (128,))), (4, 32))
-    _, v1, _ = mxfp4_block_qdq(h, 1)
-    code, _, ebyte = mxfp4_block_qdq(v1, 1)
-    page, j, n_per_page = page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i)
-    tl.store(page + j * 64 + tl.arange(0, 64), pack_nibbles(tl.reshape(code, (128,)), 128).to(tl.uint8))
-    tl.store(page + n_per_page * 64 + j * 4 + tl.arange(0, 4), ebyte.to(tl.uint8))
+    page, j, n_per_page = page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i, 4)
+    store_mxfp4_key(tl.reshape(tl.join(re, im), (128,)), page + j * 64, page + n_per_page * 64 + j * 4)
 
 
 @triton.jit
