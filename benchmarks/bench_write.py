@@ -44,7 +44,7 @@ def _setup(cfg, li, plan_start: dict[str, int], plan: dict[str, int]):
 def _bytes(cfg, kind, batch, m) -> float:
     T, B = batch.num_tokens, batch.num_requests
     total = T * 512 * 2 * 2  # window: read kv, write kv_new
-    kept = int(batch.ring_keep.sum())
+    kept = batch.ring_rows.shape[0]
     total += kept * (1024 + 584 + 4)  # append: read kv_new, write entry + position
     if kind == "swa":
         return total
@@ -114,7 +114,7 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
 
                     kernels = lambda: swa_write.append_swa(  # noqa: E731
                         swa_write.window_entries(kv_in, batch.positions, inv), layer.ring, layer.ring_positions,
-                        batch.token_slots, batch.ring_slots, batch.ring_keep, batch.positions, batch.window)
+                        batch.token_slots, batch.ring_slots, batch.ring_rows, batch.positions, batch.window)
                 else:
                     from dsv4.kernels import compressor as kc, swa_write
 
@@ -131,7 +131,7 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                         kv = kc.write_before_attention(kv_in, batch.positions, inv, batch, m, kind == "csa",
                                                        cfg.norm_eps, args["kv"], args.get("index"))
                         swa_write.append_swa(kv, layer.ring, layer.ring_positions, batch.token_slots,
-                                             batch.ring_slots, batch.ring_keep, batch.positions, batch.window)
+                                             batch.ring_slots, batch.ring_rows, batch.positions, batch.window)
 
                 if profile_calls:
                     for _ in range(profile_calls):
@@ -142,15 +142,18 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                 # kernels' GPU time: CUDA-graph replays, L2 flushed before each (eager: Python launches included)
                 t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=True, graph=True)
                 extra = {}
-                if kind == "csa" and "prefill" in name:  # A/B: entries as programs of the fused launch (before)
+                if "prefill" in name:  # A/B: the long step's previous layouts, same tree and inputs
                     from dsv4.kernels import compressor as kc
 
-                    kc.CSA_ENTRY_KERNEL = False
-                    try:
-                        extra["us_fused_entries"] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
-                                                                    flush_l2=True, graph=True)
-                    finally:
-                        kc.CSA_ENTRY_KERNEL = True
+                    for key, flag, value in {"csa": [("us_fused_entries", "CSA_ENTRY_KERNEL", False)],
+                                             "hca": [("us_general_pool", "HCA_STEP_POOL", False)]}.get(kind, []):
+                        default = getattr(kc, flag)
+                        setattr(kc, flag, value)
+                        try:
+                            extra[key] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
+                                                         flush_l2=True, graph=True)
+                        finally:
+                            setattr(kc, flag, default)
                 t_k_eager = time_cuda(kernels, warmup=1, iters=10 if quick else 30, flush_l2=True)
                 t_op = time_cuda(op, warmup=2, iters=10 if quick else 30)
                 t_torch = time_cuda(lambda: op(torch_ops), warmup=0 if quick else 1, iters=1 if quick else 10)
@@ -164,7 +167,7 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                 print(f"{row['name']:<34} {row['us']:9.1f} us {nbytes / 1e6:9.2f} MB {row['gbps']:8.0f} GB/s "
                       f"{100 * row['roofline_frac']:6.1f}% (eager {t_k_eager * 1e6:7.1f} us) | op {t_op * 1e6:8.1f} us torch {t_torch * 1e6:9.1f} us "
                       f"| launches triton {n_tri} all {n_all}"
-                      + (f" | entries in the fused launch {extra['us_fused_entries']:.1f} us" if extra else ""),
+                      + "".join(f" | {k[3:].replace('_', ' ')} {v:.1f} us" for k, v in extra.items()),
                       flush=True)
                 del cache
     return rows

@@ -16,7 +16,7 @@ prof() {  # name, kernel regex, command...
   grep -E "Duration|Registers Per|Achieved Occupancy|No Eligible|Stall|Local|Issue Slots|Executed Ipc|Pipe" "$O/$name.txt" | head -30
   wc -c "$O/$name.sass.csv"
 }
-# TARGETS selects among: write_hca write_hca256 write_csa_prefill csa_entries scores topk attn_csa attn_gluon (default: write_hca and
+# TARGETS selects among: write_hca write_hca256 write_csa_prefill hca_prefill swa_prefill (both kernels of the step) csa_entries scores topk attn_csa attn_gluon (default: write_hca and
 # the attention ones); BATCH the attention batch (default 64);
 # VARIANT the Gluon kernel's sparse_attention_fwd keywords (JSON); KERNELS its kernel-name regex; COUNT launches.
 GLUON='{"impl": "gluon"}'
@@ -28,6 +28,10 @@ for target in ${TARGETS:-write_hca attn_csa attn_gluon}; do
       --only "v4-flash hca decode B=256" --profile-calls 4 ;;
     write_csa_prefill) prof write_csa_prefill '_write_before' python3 benchmarks/bench_write.py \
       --only "v4-flash csa prefill 8K" --profile-calls 4 ;;
+    hca_prefill) COUNT=3 prof hca_prefill '_write_before|_append_swa|_window_entries' python3 benchmarks/bench_write.py \
+      --only "v4-flash hca prefill 8K" --profile-calls 3 ;;
+    swa_prefill) COUNT=2 prof swa_prefill '_window_entries|_append_swa' python3 benchmarks/bench_write.py \
+      --only "v4-flash swa prefill 8K" --profile-calls 3 ;;
     csa_entries) prof csa_entries '_csa_entries' python3 benchmarks/bench_write.py \
       --only "v4-flash csa prefill 8K" --profile-calls 4 ;;
     scores) prof scores '_scores' python3 benchmarks/ab_scores.py --profile-calls 4 ;;

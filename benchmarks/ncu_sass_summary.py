@@ -31,18 +31,24 @@ def _opcode(source: str) -> str:
 
 
 def summarise(path: str, share: float = 0.8) -> str:
-    """The report for one ``--page source --print-source sass --csv`` export; segments below ``share`` % of the
-    instructions and of the samples are left out."""
+    """The report for one ``--page source --print-source sass --csv`` export, one section per kernel it holds;
+    segments below ``share`` % of the instructions and of the samples are left out."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
+    starts = [i for i, r in enumerate(rows) if r[:1] == ["Kernel Name"]] or [0]
+    return "\n\n".join(_summarise_kernel(path, rows[a:b], share) for a, b in zip(starts, starts[1:] + [len(rows)]))
+
+
+def _summarise_kernel(path: str, rows: list[list[str]], share: float) -> str:
+    name = rows[0][1] if rows[0][:1] == ["Kernel Name"] else "?"
     header = next(r for r in rows if "Address" in r and "Source" in r)
-    data = rows[rows.index(header) + 1:]
+    data = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
     col = {h: i for i, h in enumerate(header)}
     executed = [_number(r[col["Instructions Executed"]]) for r in data]
     samples = [_number(r[col["Warp Stall Sampling (All Samples)"]]) for r in data]
     sources = [r[col["Source"]] for r in data]
     total_exec, total_samples = sum(executed) or 1.0, sum(samples) or 1.0
-    out = [f"{path}: {int(sum(executed)):,} warp instructions executed, {int(sum(samples)):,} stall samples"]
+    out = [f"{path} [{name}]: {int(sum(executed)):,} warp instructions executed, {int(sum(samples)):,} stall samples"]
 
     by_op: collections.Counter = collections.Counter()
     by_op_samples: collections.Counter = collections.Counter()

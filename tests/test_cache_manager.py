@@ -68,6 +68,8 @@ class Model:
         assert batch.ring_slots.tolist() == [p % win for p in pos]
         keep = [p >= self.tokens[plan[b][0]] + plan[b][1] - win for b, p in zip(tok_req, pos)]
         assert batch.ring_keep.tolist() == keep
+        assert batch.ring_rows.tolist() == [t for t, k in enumerate(keep) if k]
+        assert len(keep) == 0 or batch.ring_rows.dtype == torch.int64
         for b in range(len(plan)):  # the kept ring slots of one request are distinct
             kept = [p % win for bb, p, k in zip(tok_req, pos, keep) if bb == b and k]
             assert len(kept) == len(set(kept))

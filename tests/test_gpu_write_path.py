@@ -148,8 +148,11 @@ def _pool_rows_kernel(a_ptr, z_ptr, ape_ptr, out_ptr, C: tl.constexpr, M: tl.con
     i = tl.program_id(0) + 1  # entries 1 … n−1 of a sequence starting at 0: every slot comes from the step's rows
     CS: tl.constexpr = C // PARTS  # channel slice of this program (axis 1)
     c0 = tl.program_id(1) * CS
-    if IN_STEP:
+    if IN_STEP and OVERLAP:
         pooled = kc.pool_in_step(a_ptr, z_ptr, ape_ptr, i, 0, 0, C, M, c0, CS)
+    elif IN_STEP:  # HCA: pool_entry's step-rows path (the fused launch's entry programs)
+        pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, False, NW, c0,
+                               CS, True)
     else:
         pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0,
                                CS)
@@ -209,17 +212,19 @@ def test_rms_norm_lanes_order_matches_torch(C: int, rows: int) -> None:
     (4, 512, True, 1, False, 2), (4, 128, True, 1, False, 2), (4, 512, True, 1, True, 2), (4, 128, True, 1, True, 2),
     (128, 512, False, 1, False, 2), (128, 512, False, kc.pool_parts(128, False), False, 2),
     (4, 512, True, 1, True, 100), (128, 512, False, kc.pool_parts(128, False), False, 100),
-    (4, 512, True, 4, True, 2)],
+    (4, 512, True, 4, True, 2), (128, 512, False, 8, True, 2), (128, 512, False, 8, True, 5.5),
+    (128, 512, False, 8, True, 100)],
     ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca", "hca-parts", "csa-in-step-wide",
-         "hca-parts-wide", "csa-in-step-chunks"])
+         "hca-parts-wide", "csa-in-step-chunks", "hca-in-step", "hca-in-step-mixed", "hca-in-step-wide"])
 @pytest.mark.parametrize("warps", [1, 2, 4])
 def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, in_step: bool, spread: float,
                                      warps: int) -> None:
-    """``pool_entry`` (``in_step``: ``pool_in_step``) == ``reference.pool_windows`` (torch's softmax + reduce
-    kernels) for every channel of 63 entries, bit for bit; ``parts``: each entry pooled in that many channel slices,
-    one program each; ``warps`` per program (``pool_program_warps`` picks 2 or 4; the order may not depend on it);
-    ``spread``: the gates' standard deviation (100: most ``exp(z − max)`` underflow to 0, ``softmax_weight``'s
-    shortcut)."""
+    """``pool_entry`` (``in_step``: ``pool_in_step`` for CSA, ``pool_entry``'s step-rows path for HCA) ==
+    ``reference.pool_windows`` (torch's softmax + reduce kernels) for every channel of 63 entries, bit for bit;
+    ``parts``: each entry pooled in that many channel slices, one program each; ``warps`` per program
+    (``pool_program_warps`` picks 2 or 4; the order may not depend on it); ``spread``: the gates' standard deviation
+    (100: most ``exp(z − max)`` underflow to 0, ``softmax_weight``'s shortcut; HCA in-step: 2 takes the reciprocal
+    division, 100 the general one, 5.5 both, slice by slice)."""
     n, width = 64, 2 * c if overlap else c
     g = torch.Generator(device="cuda").manual_seed(m + c)
     a = torch.randn(n * m, width, generator=g, device="cuda") * 3
@@ -234,5 +239,8 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
                                       IN_STEP=in_step, num_warps=warps, enable_fp_fusion=False)
     if spread > 10:  # the shortcut's case must occur
         assert (torch.exp(gate - gate.amax(1, keepdim=True)) == 0).float().mean() > 0.3
+    if in_step and not overlap and spread == 5.5:  # slices of both kinds: within EXP_FAST_GAP or not
+        gap = (gate.amin(1) - gate.amax(1))[1:].unflatten(1, (parts, -1)).amin(2)
+        assert bool((gap >= -40).any()) and bool((gap < -40).any())
     bad = (out != ref).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"

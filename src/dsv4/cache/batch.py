@@ -85,6 +85,9 @@ class StepBatch:
         ring_keep: bool [T] — the token is among its request's last ``window`` positions of this step, i.e. its
             window entry survives the step and must be written to the ring (the others would be overwritten by
             later tokens of the same step; writing only these keeps ring writes collision-free).
+        ring_rows: int64 [K] — the indices of the kept tokens (``ring_keep.nonzero()``), K = Σ_b min(num_new[b],
+            window): the ring commit's rows, so its grid covers K tokens, not T (an 8K-token prefill chunk keeps
+            128). Depends only on ``num_new``, like the other fixed-shape tensors.
         entries_before[m]: int64 [B] — entries the request had before the step, ``start // m``.
         entries_after[m]: int64 [B] — entries after the step, ``end // m``.
         entries_to_emit[m]: int64 [B] — ``entries_after − entries_before``.
@@ -122,6 +125,7 @@ class StepBatch:
     block_tables: Tensor
     ring_slots: Tensor
     ring_keep: Tensor
+    ring_rows: Tensor
     entries_before: dict[int, Tensor] = field(default_factory=dict)
     entries_after: dict[int, Tensor] = field(default_factory=dict)
     entries_to_emit: dict[int, Tensor] = field(default_factory=dict)
@@ -140,7 +144,7 @@ class StepBatch:
     #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
     _STATIC = (
         "token_request", "positions", "cu_seqlens", "start_pos", "end_pos", "slots", "token_slots", "ring_slots",
-        "ring_keep",
+        "ring_keep", "ring_rows",
     )
     _PER_RATIO_STATIC = (
         "entries_before", "entries_after", "entries_to_emit", "cu_emit", "visible_entries", "emit_pad_request",
@@ -300,6 +304,7 @@ def build_step_batch(
         per_m["emit_pad_entry"][m] = pad_entry
         per_m["num_emit_device"][m] = torch.tensor([E], dtype=torch.int32)
 
+    keep = positions >= end[req] - window
     dev = torch.device(device)
     to = lambda t: t.to(dev)  # noqa: E731
     return StepBatch(
@@ -322,6 +327,7 @@ def build_step_batch(
         token_slots=to(slot_t[req]),
         block_tables=to(tables.to(torch.int32)),
         ring_slots=to(positions % window),
-        ring_keep=to(positions >= end[req] - window),
+        ring_keep=to(keep),
+        ring_rows=to(keep.nonzero().squeeze(1)),
         **{k: {m: to(t) for m, t in d.items()} for k, d in per_m.items()},
     )

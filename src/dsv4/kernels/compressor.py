@@ -54,13 +54,16 @@ import triton.language as tl
 from torch import Tensor
 
 from .quant import (
+    DIV_FAST_DEN_MAX,
     bf16_round,
+    divide_by_reciprocal,
     divide_rn,
     expf,
     fp8_block_qdq,
     hadamard128,
     mxfp4_block_qdq,
     pack_nibbles,
+    reciprocal_rn,
     rsqrtf,
     seq_accumulate_rows,
     seq_sum4_last,
@@ -144,7 +147,29 @@ def load_slots(
     return z, a
 
 
+@triton.jit
+def load_step_slots(
+    k0, NR: tl.constexpr, LOAD_A: tl.constexpr, a_ptr, z_ptr, ape_ptr, i, start, cu,
+    C: tl.constexpr, M: tl.constexpr, c0, CS: tl.constexpr,
+):
+    """``load_slots`` of an entry without overlap whose slots are all tokens of the step (``i·m ≥ start``: every
+    HCA entry but a request's first in a step): slot d is step row ``cu + i·m − start + d``; no tail sources, no
+    masks."""
+    d = k0 + tl.arange(0, NR)
+    cols = c0 + tl.arange(0, CS)[None, :]
+    off = (cu + i * M - start + d).to(tl.int64)[:, None] * C + cols
+    z = tl.load(z_ptr + off) + tl.load(ape_ptr + d[:, None] * C + cols)
+    a = z
+    if LOAD_A:
+        a = tl.load(a_ptr + off)
+    return z, a
+
+
 # =========================================================================================== pooling
+#: A softmax over slots whose gates all lie within this of the channel's max has every ``exp(z − max)`` ≥ e⁻⁴⁰
+#: > 2⁻⁶⁴: in the range where ``divide_by_reciprocal`` equals the IEEE division.
+EXP_FAST_GAP: tl.constexpr = tl.constexpr(-40.0)
+
 @triton.jit
 def softmax_weight(e, den, ZERO_FAST: tl.constexpr):
     """``e / den`` rounded as IEEE division (``tl.math.div_rn``): a slot's softmax weight, ``e = exp(z − max)``.
@@ -172,6 +197,7 @@ def pool_entry(
     a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
     i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, NW: tl.constexpr, c0, CS: tl.constexpr,
+    IN_STEP: tl.constexpr = False,
 ):
     """``Σ_slot softmax_slot(z)·a`` of entry ``i`` as torch computes ``(gate.softmax(1) * kv).sum(1)``, channels
     ``c0 … c0+CS−1`` of its ``C``: fp32 ``[CS]`` (every channel is pooled on its own: a slice is exact).
@@ -180,28 +206,58 @@ def pool_entry(
     accumulator d mod 4), else the number of warps it splits them over (warp y, accumulator i takes slots
     ``y + NW·i + 4·NW·k``; the warps' partials are then halved pairwise, offsets NW/2 … 1). See
     ``pool_warps`` for how the launcher derives it.
+
+    ``IN_STEP`` (no overlap): every slot is a token of the step (``load_step_slots``), and the softmax weights
+    divide by each channel's reciprocal (``divide_by_reciprocal``) when the whole slice is in that division's exact
+    range — every gate within ``EXP_FAST_GAP`` of its channel's max, one test per entry —, else as below.
     """
     S: tl.constexpr = 2 * M if OVERLAP else M
     CH: tl.constexpr = 4 if NW == 0 else 4 * NW
-    # softmax max (order-free)
-    mx = tl.full([CS], FLT_LOWEST, tl.float32)
-    for k in range(0, S // CH):
-        z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
-        mx = tl.maximum(mx, tl.max(z, axis=0))
+    N: tl.constexpr = S // CH
+    # softmax max (order-free: elementwise over the tiles, one reduction over the rows after the loop — the rows
+    # span the program's warps); IN_STEP: the min too, for the division's range test
+    mx_rows = tl.full([CH, CS], FLT_LOWEST, tl.float32)
+    mn_rows = tl.full([CH, CS], float("inf"), tl.float32)
+    for k in range(0, N):
+        if IN_STEP:
+            z = load_step_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)[0]
+            mn_rows = tl.minimum(mn_rows, z)
+        else:
+            z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                              prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
+        mx_rows = tl.maximum(mx_rows, z)
+    mx = tl.max(mx_rows, axis=0)
+    mn = tl.min(mn_rows, axis=0)
     # softmax denominator: a sequential sum over the slots, slot 0 first (a tile of CH slots per iteration,
     # added row by row in order)
     den = tl.zeros([CS], dtype=tl.float32)
-    for k in range(0, S // CH):
-        z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
+    for k in range(0, N):
+        if IN_STEP:
+            z = load_step_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)[0]
+        else:
+            z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                              prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
         den = seq_accumulate_rows(den, expf(z - mx[None, :]), CH)
+    fast = False
+    rcp = den
+    if IN_STEP:  # den ∈ [1, S] unless a gate is NaN / infinite (then the test fails)
+        in_range = (den >= 1.0) & (den <= DIV_FAST_DEN_MAX) & (mn - mx >= EXP_FAST_GAP)
+        fast = tl.min(in_range.to(tl.int32), axis=0) == 1
+        rcp = reciprocal_rn(den)
     # weighted sum: accumulator row j collects slots j, j + CH, j + 2·CH, … in order
     acc = tl.zeros([CH, CS], dtype=tl.float32)
-    for k in range(0, S // CH):
-        z, a = load_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
-        acc = acc + softmax_weight(expf(z - mx[None, :]), den[None, :], ZERO_FAST_DIVISION) * a
+    for k in range(0, N):
+        if IN_STEP:
+            z, a = load_step_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)
+        else:
+            z, a = load_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                              prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
+        e = expf(z - mx[None, :])
+        if fast:
+            w = divide_by_reciprocal(e, den[None, :], rcp[None, :])
+        else:
+            w = softmax_weight(e, den[None, :], ZERO_FAST_DIVISION)
+        acc = acc + w * a
     if NW == 0:
         # one thread per channel, 4 accumulators: ((acc0 + acc1) + acc2) + acc3
         pooled = tl.reshape(seq_sum4_last(tl.trans(acc)), (CS,))
@@ -508,13 +564,14 @@ def last_arrival(count_ptr, parts):
 @triton.jit
 def pool_slice(
     part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start, cu, slot,
-    C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr,
+    C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr, IN_STEP: tl.constexpr = False,
 ):
-    """Pool channel slice ``part`` of ``PARTS`` of HCA entry ``i`` into its place in the entry's scratch row."""
+    """Pool channel slice ``part`` of ``PARTS`` of HCA entry ``i`` into its place in the entry's scratch row
+    (``IN_STEP``: every slot is a token of the step, see ``pool_entry``)."""
     CS: tl.constexpr = C // PARTS
     c0 = part * CS
     pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, tail_kv_ptr, tail_gate_ptr,
-                        i, start, cu, slot, C, M, False, NW, c0, CS)
+                        i, start, cu, slot, C, M, False, NW, c0, CS, IN_STEP)
     tl.store(scratch_ptr + c0 + tl.arange(0, CS), pooled)
 
 
@@ -563,15 +620,18 @@ def entry_part_program(
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr, count_ptr,
     start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
     C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr, MAXT: tl.constexpr,
+    STEP_POOL: tl.constexpr = True,
 ):
-    """``entry_program`` of an HCA entry split over ``PARTS`` programs (padding and the leads' entries: none)."""
+    """``entry_program`` of an HCA entry split over ``PARTS`` programs (padding and the leads' entries: none).
+    Such an entry's slots are all tokens of the step; ``STEP_POOL`` pools them as such (``pool_entry``'s
+    ``IN_STEP``)."""
     b = tl.load(emit_req_ptr + e)
     if b >= 0:
         i = tl.load(emit_entry_ptr + e)
         start = tl.load(start_ptr + b)
         if i >= start // M + 1:
             pool_slice(part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start,
-                       tl.load(cu_ptr + b).to(tl.int64), tl.load(slots_ptr + b), C, M, NW, PARTS)
+                       tl.load(cu_ptr + b).to(tl.int64), tl.load(slots_ptr + b), C, M, NW, PARTS, STEP_POOL)
             if last_arrival(count_ptr, PARTS):
                 finish_from_scratch(scratch_ptr, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr,
                                     bt_stride, block_size, eps, tl.load(num_emit_ptr), b, i, C, M, MAXT)
@@ -587,7 +647,7 @@ def _write_before_attention_kernel(
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
     NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr,
-    STATE_ONLY: tl.constexpr = False,
+    STATE_ONLY: tl.constexpr = False, STEP_POOL: tl.constexpr = True,
 ):
     # STATE_ONLY: the CSA launch of a long step after csa_entries (which wrote every entry and the window entries):
     # the lead programs' state updates only
@@ -604,7 +664,7 @@ def _write_before_attention_kernel(
             entry_part_program(q - B, pid % PARTS, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr,
                                inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                num_emit_ptr, row, count_ptr + q, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
-                               emit_entry_ptr, C, M, NW, PARTS, MAXT)
+                               emit_entry_ptr, C, M, NW, PARTS, MAXT, STEP_POOL)
         else:
             window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - (B + n_entry) * PARTS) * BT, T, BT)
     else:
@@ -664,6 +724,10 @@ WINDOW_BT = 4
 #: ``softmax_weight``'s zero shortcut. A global constexpr of the kernels: Triton refuses a changed global after the
 #: first compile, so set it before any launch of the process (``bench_write.py --divide-zeros`` turns it off: A/B).
 ZERO_FAST_DIVISION = tl.constexpr(True)
+
+#: HCA entries past a request's first pooled from the step's rows with the per-channel reciprocal division
+#: (``pool_entry``'s ``IN_STEP``); False: through the general slot sources (for A/B timing; the bytes are the same).
+HCA_STEP_POOL = True
 
 #: CSA entries past a request's first two in their own launch, one warp each (``csa_entries``); False: as entry
 #: programs of the fused launch (for A/B timing; the bytes are the same).
@@ -775,7 +839,7 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, STATE_ONLY=separate,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, STATE_ONLY=separate, STEP_POOL=HCA_STEP_POOL,
         num_warps=4 if separate else pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
     )
     return out

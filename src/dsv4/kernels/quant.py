@@ -30,7 +30,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = [
-    "expf", "cosf", "sinf", "rsqrtf", "divide_rn", "bf16_round", "with_sign_of",
+    "expf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round",
+    "with_sign_of",
     "ue8m0_exponent", "exp2i", "e4m3_round", "fp8_block_qdq", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
     "pack_nibbles", "split_halves", "seq_sum4_last", "shuffle_down_sum",
 ]
@@ -69,42 +70,63 @@ else:
 #: accepts the division; see ``divide_rn``).
 DIV_FAST_MIN: tl.constexpr = tl.constexpr(2.0**-64)
 DIV_FAST_MIN_BITS: tl.constexpr = tl.constexpr((127 - 64) << 23)
+#: Divisors in ``[1, DIV_FAST_DEN_MAX]`` keep the fast path (a softmax denominator over at most 256 slots): with a
+#: dividend in ``[2⁻⁶⁴, 1]`` every operand and quotient is a normal far from the subnormal and overflow ranges.
+DIV_FAST_DEN_MAX: tl.constexpr = tl.constexpr(256.0)
 
 if os.environ.get("TRITON_INTERPRET") == "1":
 
     @triton.jit
-    def divide_rn(e, den):
+    def reciprocal_rn(den):
+        return den
+
+    @triton.jit
+    def divide_by_reciprocal(e, den, y):
         return tl.math.div_rn(e, den)
 
 else:
 
     @triton.jit
-    def divide_rn(e, den):
-        """``e / den`` rounded as IEEE division (bit-equal to ``tl.math.div_rn``) for ``e`` ≥ 0 and a divisor that
-        is the same across ``e``'s first axis (``den`` broadcast from ``[1, C]``; a softmax's denominator in
-        ``[1, 8]``).
-
-        ``div.rn.f32`` compiles to a reciprocal (``MUFU.RCP`` refined by one Newton step), a quotient refined by
-        one residual step (three FMAs), and an ``FCHK`` test that sends divisions outside its safe range through
-        a slow-path subroutine. Here the reciprocal is computed once per divisor and the same FMAs run per element
-        — the same operations, so the same bits wherever ``FCHK`` takes the fast path, which it does for a
-        normal dividend ≥ 2⁻⁶⁴ and a divisor in [1, 8] (quotients far from the subnormal and overflow ranges).
-        A zero dividend gives +0 (what the division returns for a positive divisor). Anything else (tiny
-        dividends, a divisor outside [1, 8], NaN) is divided by ``tl.math.div_rn``, in a branch taken only by
-        warps that hold such an element.
-        """
+    def reciprocal_rn(den):
+        """``div.rn.f32``'s reciprocal of ``den``: ``MUFU.RCP`` refined by one Newton step (for
+        ``divide_by_reciprocal``; computed once per divisor)."""
         y0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [den], dtype=tl.float32, is_pure=True,
                                        pack=1)
-        y = tl.fma(y0, tl.fma(-den, y0, 1.0), y0)
+        return tl.fma(y0, tl.fma(-den, y0, 1.0), y0)
+
+    @triton.jit
+    def divide_by_reciprocal(e, den, y):
+        """``e / den`` by ``div.rn.f32``'s fast path given ``y = reciprocal_rn(den)``: a quotient refined by one
+        residual step (three FMAs). Bit-equal to ``tl.math.div_rn`` where the hardware's ``FCHK`` takes the fast
+        path — e.g. a dividend in ``[2⁻⁶⁴, 1]`` or +0 and a divisor in ``[1, DIV_FAST_DEN_MAX]``; the caller
+        guarantees it (``e = +0`` gives +0)."""
         q0 = tl.fma(e, y, 0.0)
-        q = tl.fma(y, tl.fma(-den, q0, e), q0)  # e = +0 gives +0 here
-        den_ok = (den >= 1.0) & (den <= 8.0)  # NaN fails
-        # e's bits − 1 as unsigned is below bits(2⁻⁶⁴) − 1 exactly when 0 < e < 2⁻⁶⁴: one min over the tile
-        tiny = tl.min((e.to(tl.int32, bitcast=True) - 1).to(tl.uint32, bitcast=True)) < DIV_FAST_MIN_BITS - 1
-        if tiny | (tl.min(den_ok.to(tl.int32)) == 0):
-            slow = ((e > 0.0) & (e < DIV_FAST_MIN)) | ~den_ok
-            q = tl.where(slow, tl.math.div_rn(e, den), q)
-        return q
+        return tl.fma(y, tl.fma(-den, q0, e), q0)
+
+
+@triton.jit
+def divide_rn(e, den):
+    """``e / den`` rounded as IEEE division (bit-equal to ``tl.math.div_rn``) for ``e`` ≥ 0 and a divisor that
+    is the same across ``e``'s first axis (``den`` broadcast from ``[1, C]``; a softmax's denominator).
+
+    ``div.rn.f32`` compiles to a reciprocal (``MUFU.RCP`` refined by one Newton step), a quotient refined by
+    one residual step (three FMAs), and an ``FCHK`` test that sends divisions outside its safe range through
+    a slow-path subroutine. Here the reciprocal is computed once per divisor (``reciprocal_rn``) and the same
+    FMAs run per element (``divide_by_reciprocal``) — the same operations, so the same bits wherever ``FCHK``
+    takes the fast path, which it does for a normal dividend ≥ 2⁻⁶⁴ and a divisor in [1, ``DIV_FAST_DEN_MAX``]
+    (quotients far from the subnormal and overflow ranges). A zero dividend gives +0 (what the division returns
+    for a positive divisor). Anything else (tiny dividends, a divisor outside that range, NaN) is divided by
+    ``tl.math.div_rn``, in a branch taken only by programs that hold such an element. (The interpreter runs
+    ``div_rn`` throughout.)
+    """
+    q = divide_by_reciprocal(e, den, reciprocal_rn(den))
+    den_ok = (den >= 1.0) & (den <= DIV_FAST_DEN_MAX)  # NaN fails
+    # e's bits − 1 as unsigned is below bits(2⁻⁶⁴) − 1 exactly when 0 < e < 2⁻⁶⁴: one min over the tile
+    tiny = tl.min((e.to(tl.int32, bitcast=True) - 1).to(tl.uint32, bitcast=True)) < DIV_FAST_MIN_BITS - 1
+    if tiny | (tl.min(den_ok.to(tl.int32)) == 0):
+        slow = ((e > 0.0) & (e < DIV_FAST_MIN)) | ~den_ok
+        q = tl.where(slow, tl.math.div_rn(e, den), q)
+    return q
 
 
 INV_448: tl.constexpr = tl.constexpr(_fp32(1.0 / 448.0))

@@ -114,18 +114,12 @@ def encode_kv_entries_store(
 
 @triton.jit
 def _append_swa_kernel(
-    kvn_ptr, ring_ptr, ring_pos_ptr, token_slots_ptr, ring_slots_ptr, keep_ptr, pos_ptr,
-    T, ring_page_bytes, WINDOW: tl.constexpr, BT: tl.constexpr,
+    kvn_ptr, ring_ptr, ring_pos_ptr, token_slots_ptr, ring_slots_ptr, rows_ptr, pos_ptr,
+    K, ring_page_bytes, WINDOW: tl.constexpr, BT: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
-    inb = tok < T
-    tok64 = tok.to(tl.int64)
-    keep = tl.load(keep_ptr + tok64, mask=inb, other=0) != 0
-    m = inb & keep
-    if tl.max(m.to(tl.int32), axis=0) == 0:
-        # a prefill chunk keeps only its last `window` tokens: most programs have nothing to encode (H200, 8K-token
-        # chunk: 16.5 µs of encoding masked-off tokens before this exit)
-        return
+    k = tl.program_id(0) * BT + tl.arange(0, BT)
+    m = k < K
+    tok64 = tl.load(rows_ptr + k, mask=m, other=0)
     slot = tl.load(token_slots_ptr + tok64, mask=m, other=0)
     j = tl.load(ring_slots_ptr + tok64, mask=m, other=0)
     page = slot * ring_page_bytes
@@ -166,19 +160,21 @@ def window_entries(kv: Tensor, positions: Tensor, inv_freq: Tensor, tokens_per_p
 
 def append_swa(
     kv_new: Tensor, ring: Tensor, ring_positions: Tensor, token_slots: Tensor, ring_slots: Tensor,
-    ring_keep: Tensor, positions: Tensor, window: int,
+    ring_rows: Tensor, positions: Tensor, window: int,
 ) -> None:
-    """Commit the kept tokens' entries into their rings (one launch).
+    """Commit the kept tokens' entries into their rings (one launch over the kept tokens only).
 
     Args:
         kv_new: bf16 ``[T, 512]`` contiguous, the entries as stored (``window_entries``' output).
         ring: uint8 ``[R, ring_page_bytes]``; ring_positions: int32 ``[R, window]`` (both written in place).
-        token_slots, ring_slots: int64 ``[T]``; ring_keep: bool ``[T]``; positions: int64 ``[T]``.
+        token_slots, ring_slots: int64 ``[T]``; positions: int64 ``[T]``.
+        ring_rows: int64 ``[K]``, the tokens to write (``StepBatch.ring_rows``: each request's last ``window``
+            tokens of the step, so no two write the same ring slot).
     """
-    T = kv_new.shape[0]
-    if T == 0:
+    K = ring_rows.shape[0]
+    if K == 0:
         return
-    _append_swa_kernel[(triton.cdiv(T, APPEND_BT),)](
-        kv_new, ring, ring_positions, token_slots, ring_slots, ring_keep.view(torch.uint8),
-        positions, T, ring.shape[1], WINDOW=window, BT=APPEND_BT, num_warps=4, enable_fp_fusion=False,
+    _append_swa_kernel[(triton.cdiv(K, APPEND_BT),)](
+        kv_new, ring, ring_positions, token_slots, ring_slots, ring_rows,
+        positions, K, ring.shape[1], WINDOW=window, BT=APPEND_BT, num_warps=4, enable_fp_fusion=False,
     )

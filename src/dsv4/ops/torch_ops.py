@@ -86,10 +86,10 @@ def window_keys(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> tuple[Te
 def append_swa(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> None:
     """Write this step's window entries into each request's ring (slot ``p mod W``) with their positions.
 
-    Only a request's last ``W`` tokens of the step are written (``batch.ring_keep``): earlier ones would be
+    Only a request's last ``W`` tokens of the step are written (``batch.ring_rows``): earlier ones would be
     overwritten within the same step, so the writes never collide.
     """
-    keep = batch.ring_keep.nonzero().squeeze(1)
+    keep = batch.ring_rows
     slots, ring_slots = batch.token_slots[keep], batch.ring_slots[keep]
     layer.schema.kv_storage.write(layer.ring, slots, ring_slots, kv_new[keep].float())
     layer.ring_positions[slots, ring_slots] = batch.positions[keep].to(layer.ring_positions.dtype)

@@ -128,6 +128,6 @@ def append_swa(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> None:
     ):
         return torch_ops.append_swa(layer, batch, kv_new)
     swa_write.append_swa(
-        kv_new.contiguous(), layer.ring, layer.ring_positions, batch.token_slots, batch.ring_slots, batch.ring_keep,
+        kv_new.contiguous(), layer.ring, layer.ring_positions, batch.token_slots, batch.ring_slots, batch.ring_rows,
         batch.positions, batch.window,
     )
