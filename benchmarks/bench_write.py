@@ -142,18 +142,24 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                 # kernels' GPU time: CUDA-graph replays, L2 flushed before each (eager: Python launches included)
                 t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=True, graph=True)
                 extra = {}
-                if "prefill" in name:  # A/B: the long step's previous layouts, same tree and inputs
-                    from dsv4.kernels import compressor as kc
+                if "prefill" in name:  # A/B: the long step's other layouts / launch options, same tree and inputs
+                    from dsv4.kernels import compressor as kc, swa_write
 
-                    for key, flag, value in {"csa": [("us_fused_entries", "CSA_ENTRY_KERNEL", False)],
-                                             "hca": [("us_general_pool", "HCA_STEP_POOL", False)]}.get(kind, []):
-                        default = getattr(kc, flag)
-                        setattr(kc, flag, value)
+                    for key, flags in {"csa": [("us_fused_entries", {(kc, "CSA_ENTRY_KERNEL"): False})],
+                                       "hca": [("us_general_pool", {(kc, "HCA_STEP_POOL"): False})],
+                                       "swa": [("us_window_bt2", {(swa_write, "WINDOW_BT"): 2}),
+                                               ("us_window_bt8", {(swa_write, "WINDOW_BT"): 8}),
+                                               ("us_append_bt1", {(swa_write, "APPEND_BT"): 1}),
+                                               ("us_append_bt2", {(swa_write, "APPEND_BT"): 2})]}.get(kind, []):
+                        defaults = {mf: getattr(*mf) for mf in flags}
+                        for (mod, f), v in flags.items():
+                            setattr(mod, f, v)
                         try:
                             extra[key] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
                                                          flush_l2=True, graph=True)
                         finally:
-                            setattr(kc, flag, default)
+                            for (mod, f), v in defaults.items():
+                                setattr(mod, f, v)
                 t_k_eager = time_cuda(kernels, warmup=1, iters=10 if quick else 30, flush_l2=True)
                 t_op = time_cuda(op, warmup=2, iters=10 if quick else 30)
                 t_torch = time_cuda(lambda: op(torch_ops), warmup=0 if quick else 1, iters=1 if quick else 10)
