@@ -165,6 +165,22 @@ def load_step_slots(
     return z, a
 
 
+@triton.jit
+def slot_tile(
+    k0, NR: tl.constexpr, LOAD_A: tl.constexpr,
+    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+    i, start, cu, slot,
+    C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, c0, CS: tl.constexpr, IN_STEP: tl.constexpr,
+):
+    """``load_step_slots`` when ``IN_STEP`` (no overlap), else ``load_slots``: ``(z, a)`` fp32 ``[NR, CS]``."""
+    if IN_STEP:
+        z, a = load_step_slots(k0, NR, LOAD_A, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)
+    else:
+        z, a = load_slots(k0, NR, LOAD_A, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
+    return z, a
+
+
 # =========================================================================================== pooling
 #: A softmax over slots whose gates all lie within this of the channel's max has every ``exp(z − max)`` ≥ e⁻⁴⁰
 #: > 2⁻⁶⁴: in the range where ``divide_by_reciprocal`` equals the IEEE division.
@@ -219,12 +235,10 @@ def pool_entry(
     mx_rows = tl.full([CH, CS], FLT_LOWEST, tl.float32)
     mn_rows = tl.full([CH, CS], float("inf"), tl.float32)
     for k in range(0, N):
+        z, _ = slot_tile(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                         prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS, IN_STEP)
         if IN_STEP:
-            z = load_step_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)[0]
             mn_rows = tl.minimum(mn_rows, z)
-        else:
-            z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                              prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
         mx_rows = tl.maximum(mx_rows, z)
     mx = tl.max(mx_rows, axis=0)
     mn = tl.min(mn_rows, axis=0)
@@ -232,11 +246,8 @@ def pool_entry(
     # added row by row in order)
     den = tl.zeros([CS], dtype=tl.float32)
     for k in range(0, N):
-        if IN_STEP:
-            z = load_step_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)[0]
-        else:
-            z, _ = load_slots(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                              prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
+        z, _ = slot_tile(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                         prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS, IN_STEP)
         den = seq_accumulate_rows(den, expf(z - mx[None, :]), CH)
     fast = False
     rcp = den
@@ -247,11 +258,8 @@ def pool_entry(
     # weighted sum: accumulator row j collects slots j, j + CH, j + 2·CH, … in order
     acc = tl.zeros([CH, CS], dtype=tl.float32)
     for k in range(0, N):
-        if IN_STEP:
-            z, a = load_step_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)
-        else:
-            z, a = load_slots(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
-                              prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
+        z, a = slot_tile(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                         prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS, IN_STEP)
         e = expf(z - mx[None, :])
         if fast:
             w = divide_by_reciprocal(e, den[None, :], rcp[None, :])
