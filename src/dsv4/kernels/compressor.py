@@ -658,7 +658,7 @@ def _write_before_attention_kernel(
     STATE_ONLY: tl.constexpr = False, STEP_POOL: tl.constexpr = True,
 ):
     # STATE_ONLY: the CSA launch of a long step after csa_entries (which wrote every entry and the window entries):
-    # the lead programs' state updates only
+    # the lead programs' state updates only, no entry code compiled in (156 -> 108 registers per thread)
     pid = tl.program_id(0)
     n_win = 0 if STATE_ONLY else tl.cdiv(T, BT)
     if PARTS > 1:  # HCA, every entry split over PARTS programs; scratch row and counter per entry slot
@@ -683,7 +683,7 @@ def _write_before_attention_kernel(
             lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
                          mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
                          main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT, not STATE_ONLY)
-        elif pid < B + n_entry:
+        elif not STATE_ONLY and pid < B + n_entry:
             entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
                           inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                           num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
@@ -698,7 +698,7 @@ def _write_before_attention_kernel(
                                  inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                  num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
                                  NW_INDEX, MAXT, not STATE_ONLY)
-                else:
+                elif not STATE_ONLY:
                     entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                   inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                   num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
