@@ -33,7 +33,8 @@ Grid of the fused launch (program ids in this order):
 Reads of a tail happen before its writes because both are done by the same program (lead) with a barrier
 between; no other program touches that request's tail or state. The entry programs are launched only when a
 request can emit more than the leads take (host-known from ``max_new``), so a decode step's grid has just the
-leads and the window blocks. Nothing here branches on the host on whether anything flushed.
+leads and the window blocks — and its binary no entry-program code (the ``ENTRIES`` constexpr: fewer registers,
+a smaller kernel). Nothing here branches on the host on whether anything flushed.
 
 Long CSA steps (a request can emit more than two entries: prefill chunks) take two launches instead: first
 ``csa_entries`` (every entry and the window entries, one warp per program, reading the old tails / state), then
