@@ -213,9 +213,10 @@ def test_rms_norm_lanes_order_matches_torch(C: int, rows: int) -> None:
     (128, 512, False, 1, False, 2), (128, 512, False, kc.pool_parts(128, False), False, 2),
     (4, 512, True, 1, True, 100), (128, 512, False, kc.pool_parts(128, False), False, 100),
     (4, 512, True, 4, True, 2), (128, 512, False, 8, True, 2), (128, 512, False, 8, True, 5.5),
-    (128, 512, False, 8, True, 100)],
+    (128, 512, False, 8, True, 100), (128, 512, False, 8, True, 0.01)],
     ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca", "hca-parts", "csa-in-step-wide",
-         "hca-parts-wide", "csa-in-step-chunks", "hca-in-step", "hca-in-step-mixed", "hca-in-step-wide"])
+         "hca-parts-wide", "csa-in-step-chunks", "hca-in-step", "hca-in-step-mixed", "hca-in-step-wide",
+         "hca-in-step-flat"])
 @pytest.mark.parametrize("warps", [1, 2, 4])
 def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, in_step: bool, spread: float,
                                      warps: int) -> None:
@@ -224,12 +225,13 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
     ``parts``: each entry pooled in that many channel slices, one program each; ``warps`` per program
     (``pool_program_warps`` picks 2 or 4; the order may not depend on it); ``spread``: the gates' standard deviation
     (100: most ``exp(z − max)`` underflow to 0, ``softmax_weight``'s shortcut; HCA in-step: 2 takes the reciprocal
-    division, 100 the general one, 5.5 both, slice by slice)."""
+    division, 100 the general one, 5.5 both, slice by slice, 0.01 — position bias scaled down too — denominators
+    near 128)."""
     n, width = 64, 2 * c if overlap else c
     g = torch.Generator(device="cuda").manual_seed(m + c)
     a = torch.randn(n * m, width, generator=g, device="cuda") * 3
     z = torch.randn(n * m, width, generator=g, device="cuda") * spread
-    ape = torch.randn(m, width, generator=g, device="cuda")
+    ape = torch.randn(m, width, generator=g, device="cuda") * min(spread, 1.0)  # spread < 1: a flat softmax
     zb = z + ape[torch.arange(n * m, device="cuda") % m]
     kv, gate = overlap_slots(a, zb, m) if overlap else (a.unflatten(0, (n, m)), zb.unflatten(0, (n, m)))
     ref = pool_windows(kv, gate)[1:]
@@ -242,5 +244,7 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
     if in_step and not overlap and spread == 5.5:  # slices of both kinds: within EXP_FAST_GAP or not
         gap = (gate.amin(1) - gate.amax(1))[1:].unflatten(1, (parts, -1)).amin(2)
         assert bool((gap >= -40).any()) and bool((gap < -40).any())
+    if spread < 1:  # softmax denominators near the slot count (the reciprocal division's largest divisors)
+        assert bool((torch.exp(gate - gate.amax(1, keepdim=True)).sum(1) > 0.9 * gate.shape[1]).all())
     bad = (out != ref).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"
