@@ -14,6 +14,7 @@ the number of Triton launches of a step (counted with the profiler).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 
@@ -73,6 +74,30 @@ def _count_launches(fn) -> tuple[int, int]:
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     triton_k = [n for n in names if n.startswith(("_write_before", "_csa_entries", "_append_swa", "_window_entries"))]
     return len(triton_k), len(names)
+
+
+def _prefill_variants(kind: str) -> list[tuple[str, dict]]:
+    """A/B variants timed next to a prefill row: (result key, {(module, attribute): value})."""
+    from dsv4.kernels import compressor as kc, swa_write
+
+    return {"csa": [("us_fused_entries", {(kc, "CSA_ENTRY_KERNEL"): False})],
+            "hca": [("us_general_pool", {(kc, "HCA_STEP_POOL"): False})],
+            "swa": [("us_window_bt2", {(swa_write, "WINDOW_BT"): 2}), ("us_window_bt8", {(swa_write, "WINDOW_BT"): 8}),
+                    ("us_append_bt1", {(swa_write, "APPEND_BT"): 1}),
+                    ("us_append_bt2", {(swa_write, "APPEND_BT"): 2})]}.get(kind, [])
+
+
+@contextlib.contextmanager
+def _module_flags(flags: dict):
+    """Set module attributes ``{(module, name): value}`` for the block, then restore them."""
+    saved = {mf: getattr(*mf) for mf in flags}
+    try:
+        for (mod, name), value in flags.items():
+            setattr(mod, name, value)
+        yield
+    finally:
+        for (mod, name), value in saved.items():
+            setattr(mod, name, value)
 
 
 def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) -> list[dict]:
@@ -143,23 +168,10 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                 t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=True, graph=True)
                 extra = {}
                 if "prefill" in name:  # A/B: the long step's other layouts / launch options, same tree and inputs
-                    from dsv4.kernels import compressor as kc, swa_write
-
-                    for key, flags in {"csa": [("us_fused_entries", {(kc, "CSA_ENTRY_KERNEL"): False})],
-                                       "hca": [("us_general_pool", {(kc, "HCA_STEP_POOL"): False})],
-                                       "swa": [("us_window_bt2", {(swa_write, "WINDOW_BT"): 2}),
-                                               ("us_window_bt8", {(swa_write, "WINDOW_BT"): 8}),
-                                               ("us_append_bt1", {(swa_write, "APPEND_BT"): 1}),
-                                               ("us_append_bt2", {(swa_write, "APPEND_BT"): 2})]}.get(kind, []):
-                        defaults = {mf: getattr(*mf) for mf in flags}
-                        for (mod, f), v in flags.items():
-                            setattr(mod, f, v)
-                        try:
+                    for key, flags in _prefill_variants(kind):
+                        with _module_flags(flags):
                             extra[key] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
                                                          flush_l2=True, graph=True)
-                        finally:
-                            for (mod, f), v in defaults.items():
-                                setattr(mod, f, v)
                 t_k_eager = time_cuda(kernels, warmup=1, iters=10 if quick else 30, flush_l2=True)
                 t_op = time_cuda(op, warmup=2, iters=10 if quick else 30)
                 t_torch = time_cuda(lambda: op(torch_ops), warmup=0 if quick else 1, iters=1 if quick else 10)

@@ -33,7 +33,7 @@ Grid of the fused launch (program ids in this order):
 Reads of a tail happen before its writes because both are done by the same program (lead) with a barrier
 between; no other program touches that request's tail or state. The entry programs are launched only when a
 request can emit more than the leads take (host-known from ``max_new``), so a decode step's grid has just the
-leads and the window blocks — and its binary no entry-program code (the ``ENTRIES`` constexpr: fewer registers,
+leads and the window blocks — and its binary no entry-program code (the ``ENTRY_PROGRAMS`` constexpr: fewer registers,
 a smaller kernel). Nothing here branches on the host on whether anything flushed.
 
 Long CSA steps (a request can emit more than two entries: prefill chunks) take two launches instead: first
@@ -656,10 +656,10 @@ def _write_before_attention_kernel(
     xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
     NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr,
-    STATE_ONLY: tl.constexpr = False, STEP_POOL: tl.constexpr = True, ENTRIES: tl.constexpr = True,
+    STATE_ONLY: tl.constexpr = False, STEP_POOL: tl.constexpr = True, ENTRY_PROGRAMS: tl.constexpr = True,
 ):
     # STATE_ONLY: the CSA launch of a long step after csa_entries (which wrote every entry and the window entries):
-    # the lead programs' state updates only. ENTRIES: the grid has entry programs (n_entry > 0); without, their
+    # the lead programs' state updates only. ENTRY_PROGRAMS: the grid has entry programs (n_entry > 0); without, their
     # code is not compiled in (a smaller binary and allocation: the state-only launch 156 -> 108 registers)
     pid = tl.program_id(0)
     n_win = 0 if STATE_ONLY else tl.cdiv(T, BT)
@@ -670,7 +670,7 @@ def _write_before_attention_kernel(
             lead_part_program(q, pid % PARTS, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr, inv_freq_ptr,
                               mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
                               row, count_ptr + q, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, NW, PARTS, MAXT)
-        elif ENTRIES and q < B + n_entry:
+        elif ENTRY_PROGRAMS and q < B + n_entry:
             entry_part_program(q - B, pid % PARTS, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr,
                                inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                num_emit_ptr, row, count_ptr + q, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
@@ -685,7 +685,7 @@ def _write_before_attention_kernel(
             lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
                          mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
                          main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT, not STATE_ONLY)
-        elif ENTRIES and pid < B + n_entry:
+        elif ENTRY_PROGRAMS and pid < B + n_entry:
             entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
                           inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                           num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
@@ -700,7 +700,7 @@ def _write_before_attention_kernel(
                                  inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                  num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
                                  NW_INDEX, MAXT, not STATE_ONLY)
-                elif ENTRIES:
+                elif ENTRY_PROGRAMS:
                     entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
                                   inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                   num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
@@ -849,7 +849,8 @@ def write_before_attention(
         x.prev_gate if has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=c, M=m, OVERLAP=overlap, HAS_INDEX=has_index, BT=WINDOW_BT,
         NW=pool_warps(2 * m if overlap else m, TORCH_REDUCE_MAX_THREADS), NW_INDEX=pool_warps(2 * m, TORCH_REDUCE_MAX_THREADS),
-        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, STATE_ONLY=separate, STEP_POOL=HCA_STEP_POOL, ENTRIES=n_entry > 0,
+        MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=parts, STATE_ONLY=separate, STEP_POOL=HCA_STEP_POOL,
+        ENTRY_PROGRAMS=n_entry > 0,
         num_warps=4 if separate else pool_program_warps(m, overlap, batch.max_new), enable_fp_fusion=False,
     )
     return out

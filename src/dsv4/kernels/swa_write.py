@@ -19,7 +19,6 @@ bytes + a zero pad byte).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
