@@ -7,10 +7,12 @@ spending GPU time::
 
     python benchmarks/sm90_resources.py attention                       # Flash CSA decode, split partials
     python benchmarks/sm90_resources.py attention '{"BLOCK_N": 32}'     # constexpr / num_warps / num_stages overrides
+    python benchmarks/sm90_resources.py attention_ws '{"PRODUCER_REGS": 136}'  # warp-specialized, HCA
     python benchmarks/sm90_resources.py write                           # HCA write path (entries in 8 parts)
     python benchmarks/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1}'
     python benchmarks/sm90_resources.py csa_entries                     # CSA entries of a prefill chunk
 
+``--ptx PATH`` writes the PTX and prints ``ptxas``'s own report of it (e.g. why it serialises ``wgmma``).
 ``--sass PATH`` also writes the disassembly (count ``STL``/``LDL`` for spills in loops, ``LDG.E.128`` for
 vectorised loads).
 """
@@ -29,29 +31,33 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+#: the sparse-attention kernels' pointer dtypes and the strides a launch specialises as divisible by 16
+_ATTENTION_ARGS = {
+    "q_ptr": "*bf16", "kv_new_ptr": "*bf16", "ring_ptr": "*u8", "ring_pos_ptr": "*i32", "pool_ptr": "*u8",
+    "block_tables_ptr": "*i32", "idx_ptr": "*i32", "visible_ptr": "*i64", "token_request_ptr": "*i32",
+    "positions_ptr": "*i64", "cu_seqlens_ptr": "*i32", "start_pos_ptr": "*i64", "token_slots_ptr": "*i64",
+    "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
+    "plse_ptr": "*fp32", "qk_scale": "fp32"}
+_ATTENTION_DIV16 = {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
+                    "stride_ot", "stride_oh", "stride_lt"}
+
 #: kernel → (import path, pointer dtypes by argument, default constexprs + num_warps / num_stages, int args ≡ 0 mod 16)
 KERNELS = {
-    "attention": ("dsv4.kernels.sparse_attention:_sparse_attention_kernel", {
-        "q_ptr": "*bf16", "kv_new_ptr": "*bf16", "ring_ptr": "*u8", "ring_pos_ptr": "*i32", "pool_ptr": "*u8",
-        "block_tables_ptr": "*i32", "idx_ptr": "*i32", "visible_ptr": "*i64", "token_request_ptr": "*i32",
-        "positions_ptr": "*i64", "cu_seqlens_ptr": "*i32", "start_pos_ptr": "*i64", "token_slots_ptr": "*i64",
-        "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
-        "plse_ptr": "*fp32", "qk_scale": "fp32"},
+    "attention": ("dsv4.kernels.sparse_attention:_sparse_attention_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, BLOCK_H=64, BLOCK_N=64,
              BF16_MATH=True, INTERPRET=False, num_warps=8, num_stages=1),
-        {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
-         "stride_ot", "stride_oh", "stride_lt"}),
-    "attention_sm90": ("dsv4.kernels.sparse_attention_sm90:_sparse_attention_sm90_kernel", {
-        "q_ptr": "*bf16", "kv_new_ptr": "*bf16", "ring_ptr": "*u8", "ring_pos_ptr": "*i32", "pool_ptr": "*u8",
-        "block_tables_ptr": "*i32", "idx_ptr": "*i32", "visible_ptr": "*i64", "token_request_ptr": "*i32",
-        "positions_ptr": "*i64", "cu_seqlens_ptr": "*i32", "start_pos_ptr": "*i64", "token_slots_ptr": "*i64",
-        "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
-        "plse_ptr": "*fp32", "qk_scale": "fp32"},
+        _ATTENTION_DIV16),
+    "attention_sm90": ("dsv4.kernels.sparse_attention_sm90:_sparse_attention_sm90_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, num_warps=8),
-        {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
-         "stride_ot", "stride_oh", "stride_lt"}),
+        _ATTENTION_DIV16),
+    "attention_ws": ("dsv4.kernels.sparse_attention_sm90_ws:_sparse_attention_ws_kernel", _ATTENTION_ARGS,
+        dict(WINDOW=128, RATIO=128, BLOCK_SIZE=256, PAGE_ENTRIES=2, MODE=2, SPLIT=True, PRODUCER_REGS=152,
+             num_warps=8),
+        _ATTENTION_DIV16),
     "dequant_sm90": ("dsv4.kernels.sparse_attention_sm90:_dequant_probe_kernel",
         {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=8), set()),
+    "dequant_ws": ("dsv4.kernels.sparse_attention_sm90_ws:_dequant_probe_kernel",
+        {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=4), set()),
     "write": ("dsv4.kernels.compressor:_write_before_attention_kernel", {
         "kv_ptr": "*bf16", "pos_ptr": "*i64", "kv_out_ptr": "*bf16", "start_ptr": "*i64", "end_ptr": "*i64",
         "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",
@@ -92,7 +98,8 @@ KERNELS = {
 }
 
 
-def resources(kernel: str, overrides: dict | None = None, sass_path: str | None = None) -> dict:
+def resources(kernel: str, overrides: dict | None = None, sass_path: str | None = None,
+              ptx_path: str | None = None) -> dict:
     """Compile ``kernel`` (a key of ``KERNELS``) for sm_90 and return ``{regs, stack, shared}`` (bytes)."""
     target, types, defaults, div16 = KERNELS[kernel]
     module, name = target.split(":")
@@ -120,6 +127,13 @@ def resources(kernel: str, overrides: dict | None = None, sass_path: str | None 
         with open(sass_path, "w") as out:
             out.write(subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout)
     os.unlink(f.name)
+    if ptx_path:
+        with open(ptx_path, "w") as out:
+            out.write(compiled.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(cuobjdump), "ptxas")
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, ptx_path], capture_output=True,
+                                text=True)
+        print(report.stdout + report.stderr)
     return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "shared": compiled.metadata.shared}
 
 
@@ -128,8 +142,9 @@ def main() -> None:
     ap.add_argument("kernel", choices=list(KERNELS))
     ap.add_argument("overrides", nargs="?", default="{}", help="JSON: constexprs, num_warps, num_stages, maxnreg")
     ap.add_argument("--sass", help="also write the SASS here")
+    ap.add_argument("--ptx", help="also write the PTX here and print ptxas's report of it")
     a = ap.parse_args()
-    r = resources(a.kernel, json.loads(a.overrides), a.sass)
+    r = resources(a.kernel, json.loads(a.overrides), a.sass, a.ptx)
     print(f"{a.kernel} {a.overrides}: {r['regs']} registers/thread, {r['stack']} B stack (spills), "
           f"{r['shared']} B shared memory")
 

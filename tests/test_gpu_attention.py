@@ -105,6 +105,7 @@ def make_case(
 # case below runs once per variant; the benchmark's ``--variants`` takes the same dicts.
 VARIANTS = {
     "default": {},  # the Gluon kernel on Hopper, else the Triton one
+    "ws": {"impl": "gluon_ws"},  # the warp-specialized Gluon kernel (Hopper only)
     "triton": {"impl": "triton"},
     "fill": {"split_policy": "fill"},
     "prefetch": {"impl": "triton", "prefetch": True},
@@ -132,7 +133,7 @@ def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tupl
     """
     from dsv4.formats.fp8 import e4m3_decode
     from dsv4.kernels import sparse_attention as sa
-    from dsv4.kernels import sparse_attention_sm90
+    from dsv4.kernels import sparse_attention_sm90, sparse_attention_sm90_ws
 
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randperm(64 * 448, generator=g) % 256).to(torch.uint8).view(64, 448)
@@ -149,7 +150,8 @@ def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tupl
     out = torch.empty(64, 512, dtype=torch.bfloat16, device=device)
     interpret = device != "cuda"
     if options.get("impl", "auto") != "triton" and sparse_attention_sm90.available(torch.device(device)):
-        sparse_attention_sm90.dequant_probe(pages.to(device), out)
+        gluon = sparse_attention_sm90_ws if options.get("impl") == "gluon_ws" else sparse_attention_sm90
+        gluon.dequant_probe(pages.to(device), out)
         return out.float().cpu(), expected
     probe = sa._dequant_probe_kernel
     probe[(1,)](pages.to(device), out, BF16_MATH=options.get("bf16_math", True) and not interpret,

@@ -6,7 +6,8 @@ interpreter on installs without triton (CI).
 
 from __future__ import annotations
 
-__all__ = ["DEQUANT_E4M3", "E4M3_TABLE_HI", "E4M3_TABLE_LO", "UNPACK_KEYS", "unpack_keys_ptx"]
+__all__ = ["DEQUANT_E4M3", "DEQUANT_E4M3_WORDS", "E4M3_TABLE_HI", "E4M3_TABLE_LO", "UNPACK_KEYS", "dequant_e4m3_ptx",
+           "unpack_keys_ptx"]
 
 #: E4M3 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (``E4M3_TABLE_LO``) and 2, 3, 4, 6 (``E4M3_TABLE_HI``) times
 #: 2**-5, one per byte (magnitude code 0 in the lowest byte of ``E4M3_TABLE_LO``): the lookup table of the MXFP4 key
@@ -57,28 +58,33 @@ def unpack_keys_ptx(lo: str = "$3", hi: str = "$7") -> str:
 
 UNPACK_KEYS = unpack_keys_ptx()
 
-#: Four E4M3 codes → four BF16 values ``code · 2**(e − 127)``, exact (``dsv4.kernels.sparse_attention_sm90``'s key
-#: dequantization): ``$0`` / ``$1`` out (BF16 pairs of codes 0-1 / 2-3, in the input's byte order), ``$2`` the four
-#: code bytes, ``$3`` the BF16 pair ``2**(min(e, 134) − 7)``, ``$5`` the pair ``2**(max(e, 134) − 134)`` (``$4`` /
-#: ``$6`` repeat them: each BF16 operand packs four equal values). Per pair of codes ``b``: ``prmt`` spreads them to
-#: the two 16-bit halves, ``(b & 0x80)·15 + b`` shifted left by 4 is ``(b & 0x7F) << 4 | (b & 0x80) << 8`` — the
-#: BF16 with the code's exponent and mantissa fields in place, i.e. its value times ``2**-120`` (subnormal codes
-#: land on BF16 subnormals, still exact) — and two multiplies by powers of two restore and scale it, rounding once
-#: (the first is exact: at most ``448 · 2**7``). The second is ``× 1`` unless ``e > 134`` (values of 2**15 and up).
-DEQUANT_E4M3 = """
+def dequant_e4m3_ptx(s1: str, s2: str) -> str:
+    """Four E4M3 codes → four BF16 values ``code · 2**(e − 127)``, exact (the Gluon attention kernels' key
+    dequantization): ``$0`` / ``$1`` out (BF16 pairs of codes 0-1 / 2-3, in the input's byte order), ``$2`` the
+    four code bytes, ``s1`` the BF16 pair ``2**(min(e, 134) − 7)``, ``s2`` the pair ``2**(max(e, 134) − 134)``.
+
+    Per pair of codes ``b``: ``prmt`` spreads them to the two 16-bit halves, ``(b & 0x80)·15 + b`` shifted left by
+    4 is ``(b & 0x7F) << 4 | (b & 0x80) << 8`` — the BF16 with the code's exponent and mantissa fields in place,
+    i.e. its value times ``2**-120`` (subnormal codes land on BF16 subnormals, still exact) — and two multiplies by
+    powers of two restore and scale it, rounding once (the first is exact: at most ``448 · 2**7``). The second is
+    ``× 1`` unless ``e > 134`` (values of 2**15 and up)."""
+    half = """
+        and.b32 u, t, 0x00800080;
+        mad.lo.u32 u, u, 15, t;
+        shl.b32 u, u, 4;
+        mul.rn.bf16x2 u, u, {s1};
+        mul.rn.bf16x2 {out}, u, {s2};"""
+    return ("""
         {
         .reg .b32 t, u;
-        prmt.b32 t, $2, 0, 0x4140;
-        and.b32 u, t, 0x00800080;
-        mad.lo.u32 u, u, 15, t;
-        shl.b32 u, u, 4;
-        mul.rn.bf16x2 u, u, $3;
-        mul.rn.bf16x2 $0, u, $5;
-        prmt.b32 t, $2, 0, 0x4342;
-        and.b32 u, t, 0x00800080;
-        mad.lo.u32 u, u, 15, t;
-        shl.b32 u, u, 4;
-        mul.rn.bf16x2 u, u, $3;
-        mul.rn.bf16x2 $1, u, $5;
+        prmt.b32 t, $2, 0, 0x4140;""" + half.format(s1=s1, s2=s2, out="$0") + """
+        prmt.b32 t, $2, 0, 0x4342;""" + half.format(s1=s1, s2=s2, out="$1") + """
         }
-        """
+        """)
+
+
+#: ``dequant_e4m3_ptx`` for four uint8 elements (Triton's ``pack=4``: each BF16 scale operand packs four equal
+#: values into two registers, ``$3``/``$4`` and ``$5``/``$6``; ``sparse_attention_sm90``).
+DEQUANT_E4M3 = dequant_e4m3_ptx("$3", "$5")
+#: ``dequant_e4m3_ptx`` for one int32 word of four codes and int32 scale pairs (``sparse_attention_sm90_ws``).
+DEQUANT_E4M3_WORDS = dequant_e4m3_ptx("$3", "$4")

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import sparse_attention_sm90
+from . import sparse_attention_sm90, sparse_attention_sm90_ws
 
 __all__ = ["sparse_attention_fwd", "num_sms", "choose_splits"]
 
@@ -576,10 +576,13 @@ def sparse_attention_fwd(
             HCA-1M B=64 504 vs 659) and equal on prefill (never split).
         prefetch: locate chunk ``c+1``'s compressed entries (index, block table, scales) during chunk ``c``.
         dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
-        impl: ``"auto"`` (``"gluon"`` on a GPU of compute capability 9.x with Gluon available, else ``"triton"``),
-            ``"triton"`` this module's kernel, or ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90``
-            (asynchronous copies of the raw keys one chunk ahead; needs compute capability 9.x; ``block_h``,
-            ``block_n``, ``num_warps``, ``num_stages``, ``prefetch`` and ``dequant`` do not apply to it).
+        impl: ``"auto"`` (on a GPU of compute capability 9.x with Gluon available ``"gluon"``, or ``"gluon_ws"``
+            from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split; else ``"triton"``), ``"triton"`` this
+            module's kernel, ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90`` (asynchronous copies of the
+            raw keys one chunk ahead), or ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
+            (a producer partition dequantizes while the consumers compute; q and kv_new strides multiples of 8).
+            The Gluon kernels need compute capability 9.x; ``block_h``, ``block_n``, ``num_warps``,
+            ``num_stages``, ``prefetch`` and ``dequant`` do not apply to them.
     Returns:
         ``(o [T, H, 512], lse fp32 [T, H])``: ``o`` with the inverse RoPE applied, ``lse`` with the sink.
     """
@@ -606,18 +609,24 @@ def sparse_attention_fwd(
     if mode != MODE_WINDOW and pool is None:
         raise ValueError("compressed entries need the pool pages")
 
-    if impl == "auto":
+    auto = impl == "auto"
+    if auto:
         impl = "gluon" if sparse_attention_sm90.available(q.device) else "triton"
-    elif impl not in ("gluon", "triton"):
+    elif impl not in ("gluon", "gluon_ws", "triton"):
         raise ValueError(f"unknown impl {impl!r}")
-    if impl == "gluon" and not sparse_attention_sm90.available(q.device):
-        raise ValueError(f"impl='gluon' needs a CUDA device of compute capability 9.x, got {q.device}")
-    if impl == "gluon":
+    gluon = impl in ("gluon", "gluon_ws")
+    if gluon and not sparse_attention_sm90.available(q.device):
+        raise ValueError(f"impl={impl!r} needs a CUDA device of compute capability 9.x, got {q.device}")
+    rows_in_words = q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and kv_new.stride(0) % 8 == 0
+    if impl == "gluon_ws" and not rows_in_words:
+        raise ValueError("impl='gluon_ws' reads q and kv_new rows as 16-byte words: their strides must be "
+                         f"multiples of 8, got q {tuple(q.stride())}, kv_new {tuple(kv_new.stride())}")
+    if gluon:
         block_h, block_n = sparse_attention_sm90.BLOCK_H, sparse_attention_sm90.BLOCK_N
     if min_chunks is None:
         # Gluon: a split of one chunk pays off (H100, Flash CSA B=1 / 8: 24.7 / 27.1 -> 20.1 / 23.6 us; neutral at
         # the other shapes); the Triton kernel's per-program start is dearer.
-        min_chunks = 1 if impl == "gluon" else 2
+        min_chunks = 1 if gluon else 2
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
     max_chunks = triton.cdiv(window, block_n) + triton.cdiv(num_compressed, block_n)
@@ -626,6 +635,9 @@ def sparse_attention_fwd(
     else:
         per = triton.cdiv(max_chunks, max(1, min(num_splits, max_chunks)))
         splits = triton.cdiv(max_chunks, per)
+
+    if auto and impl == "gluon" and rows_in_words and per >= sparse_attention_sm90_ws.WS_MIN_CHUNKS:
+        impl = "gluon_ws"  # long splits: the warp-specialized kernel (its module docstring)
 
     if splits > 1:
         if workspace is not None:
@@ -667,6 +679,8 @@ def sparse_attention_fwd(
                     MODE=int(mode), SPLIT=splits > 1)
     if impl == "gluon":
         sparse_attention_sm90.launch(grid, args, geometry)
+    elif impl == "gluon_ws":
+        sparse_attention_sm90_ws.launch(grid, args, geometry)
     else:
         _sparse_attention_kernel[grid](
             *args, **geometry, BLOCK_H=block_h, BLOCK_N=block_n, INTERPRET=interpret,

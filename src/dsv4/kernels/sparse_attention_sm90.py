@@ -186,7 +186,7 @@ if _HAVE_GLUON:
         """int32 ``[64, NB]`` UE8M0 exponents of blocks ``FIRST … FIRST+NB−1`` from each key's scale word
         (``scales`` int64 ``[64]``, byte ``b`` = block ``b``)."""
         word = (scales >> (32 * (FIRST // 4))).to(gl.int32)  # the 32-bit half holding these blocks
-        blk = gl.arange(0, NB, layout=gl.SliceLayout(0, BLK_L))
+        blk = gl.arange(0, NB, layout=gl.SliceLayout(0, scales.type.layout.parent))
         return (gl.expand_dims(word, 1) >> gl.expand_dims((FIRST % 4 + blk) * 8, 0)) & 0xFF
 
     @gluon.jit
@@ -268,6 +268,32 @@ if _HAVE_GLUON:
         return o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)
 
     @gluon.jit
+    def _program_token(token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H):
+        """The program's query: ``(t, head block, split, request, position, the request's first position this
+        step, its first row in the step, its ring slot)`` from the grid ``(T · ceil(H / 64), splits)`` and the
+        ``StepBatch`` fields (all int64 but the head block and split)."""
+        head_blocks = gl.cdiv(H, BH)
+        t = (gl.program_id(0) // head_blocks).to(gl.int64)
+        req = gl.load(token_request_ptr + t).to(gl.int64)
+        return (t, gl.program_id(0) % head_blocks, gl.program_id(1), req, gl.load(positions_ptr + t).to(gl.int64),
+                gl.load(start_pos_ptr + req).to(gl.int64), gl.load(cu_seqlens_ptr + req).to(gl.int64),
+                gl.load(token_slots_ptr + t).to(gl.int64))
+
+    @gluon.jit
+    def _split_chunks(t, split, visible_ptr, num_compressed, chunks_per_split, WINDOW_CHUNKS: gl.constexpr,
+                      MODE: gl.constexpr):
+        """``(compressed keys of token t, first chunk, end chunk)`` of this split: the window's chunks, then the
+        compressed keys' (``MODE_ALL``: the token's visible entries; ``MODE_LIST``: its list's width)."""
+        if MODE == MODE_ALL:
+            n_comp = gl.minimum(gl.load(visible_ptr + t).to(gl.int32), num_compressed)
+        elif MODE == MODE_LIST:
+            n_comp = num_compressed
+        else:
+            n_comp = 0
+        c_begin = split * chunks_per_split
+        return n_comp, c_begin, gl.minimum(c_begin + chunks_per_split, WINDOW_CHUNKS + gl.cdiv(n_comp, BN))
+
+    @gluon.jit
     def _sparse_attention_sm90_kernel(
         q_ptr, stride_qt, stride_qh,  # [T, H, 512] bf16
         kv_new_ptr, stride_kvt,  # [T, 512] bf16
@@ -296,15 +322,8 @@ if _HAVE_GLUON:
         VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         WINDOW_CHUNKS: gl.constexpr = (WINDOW + BN - 1) // BN
 
-        head_blocks = gl.cdiv(H, BH)
-        t = (gl.program_id(0) // head_blocks).to(gl.int64)
-        hb = gl.program_id(0) % head_blocks
-        split = gl.program_id(1)
-        req = gl.load(token_request_ptr + t).to(gl.int64)
-        pos = gl.load(positions_ptr + t).to(gl.int64)
-        start = gl.load(start_pos_ptr + req).to(gl.int64)
-        first_row = gl.load(cu_seqlens_ptr + req).to(gl.int64)
-        slot = gl.load(token_slots_ptr + t).to(gl.int64)
+        t, hb, split, req, pos, start, first_row, slot = _program_token(
+            token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H)
 
         # Dims in four groups (0-255, 256-383, 384-447, rope 448-511), each its own tile.
         q0 = gl.allocate_shared_memory(gl.bfloat16, [BH, 256], TILE_SL)
@@ -332,15 +351,8 @@ if _HAVE_GLUON:
         _load_q_group(q_ptr, q_rows, heads < H, q2, 6, 1)
         _load_q_group(q_ptr, q_rows, heads < H, q3, 7, 1)
 
-        if MODE == MODE_ALL:
-            n_comp = gl.minimum(gl.load(visible_ptr + t).to(gl.int32), num_compressed)
-        elif MODE == MODE_LIST:
-            n_comp = num_compressed
-        else:
-            n_comp = 0
-        total = WINDOW_CHUNKS + gl.cdiv(n_comp, BN)
-        c_begin = split * chunks_per_split
-        c_end = gl.minimum(c_begin + chunks_per_split, total)
+        n_comp, c_begin, c_end = _split_chunks(t, split, visible_ptr, num_compressed, chunks_per_split,
+                                               WINDOW_CHUNKS, MODE)
 
         # Prologue: chunk c_begin in flight, the lookups of c_begin+1 done, the entries of c_begin+2 requested.
         e0 = _chunk_entries(c_begin, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
@@ -414,9 +426,20 @@ if _HAVE_GLUON:
         async_copy.wait_group(0)
         l_i = gl.sum(l_acc, 1)
 
+        _write_output(o0, o1, o2, o3, m_i, l_i, q0, q1, q2, heads, t, hb, H, pos, split, num_splits, sink_ptr,
+                      inv_freq_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, SPLIT)
+
+    @gluon.jit
+    def _write_output(o0, o1, o2, o3, m_i, l_i, q0, q1, q2, heads, t, hb, H, pos, split, num_splits, sink_ptr,
+                      inv_freq_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr,
+                      SPLIT: gl.constexpr):
+        """The program's result from its accumulators (``o0 … o3`` FP32 ``[64, dims]``, running max ``m_i`` and sum
+        ``l_i`` per head, base 2; ``heads`` int ``[64]``): with ``SPLIT`` the partial o/l and its log-sum-exp (an
+        empty split: lse −inf, o 0), else the sink applied, the BF16 output staged through the query tiles ``q0 …
+        q2`` (free once the last S = Q·Kᵀ is done) for 16-byte stores, the rope dims rotated back, and the lse."""
+        HL: gl.constexpr = heads.type.layout
         head_ok = heads < H
         if SPLIT:
-            # Partial: o/l and its log-sum-exp (base 2); an empty split has lse −inf and o 0.
             has = l_i > 0
             inv = 1.0 / gl.where(has, l_i, 1.0)
             plse = gl.where(has, gl.where(m_i == float("-inf"), 0.0, m_i) + gl.log2(gl.where(has, l_i, 1.0)),
@@ -426,14 +449,13 @@ if _HAVE_GLUON:
             _store_group(o1, inv, po_ptr, row * 512, head_ok, 4)
             _store_group(o2, inv, po_ptr, row * 512, head_ok, 6)
             _store_group(o3, inv, po_ptr, row * 512, head_ok, 7)
-            gl.store(plse_ptr + row, gl.convert_layout(plse, KEY_L), mask=head_ok)
+            gl.store(plse_ptr + row, gl.convert_layout(plse, HL), mask=head_ok)
         else:
             sink = gl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
-            m_use = gl.convert_layout(gl.where(m_i == float("-inf"), 0.0, m_i), KEY_L)
-            denom = gl.convert_layout(l_i, KEY_L) + gl.exp2(sink - m_use)
+            m_use = gl.convert_layout(gl.where(m_i == float("-inf"), 0.0, m_i), HL)
+            denom = gl.convert_layout(l_i, HL) + gl.exp2(sink - m_use)
             gl.store(lse_ptr + t * stride_lt + heads, (m_use + gl.log2(denom)) * 0.6931471805599453, mask=head_ok)
             inv = 1.0 / denom
-            # Through the query tiles (free now: the last S = Q·Kᵀ is done), then 16-byte coalesced stores.
             q0.store(_rescale(o0, inv).to(gl.bfloat16))
             q1.store(_rescale(o1, inv).to(gl.bfloat16))
             q2.store(_rescale(o2, inv).to(gl.bfloat16))
