@@ -18,7 +18,8 @@ prof() {  # name, kernel regex, command...
 }
 # TARGETS selects among: write_hca write_hca256 write_csa_prefill hca_prefill swa_prefill (both kernels of the step) csa_entries scores topk attn_csa attn_gluon (default: write_hca and
 # the attention ones); BATCH the attention batch (default 64);
-# VARIANT the Gluon kernel's sparse_attention_fwd keywords (JSON); KERNELS its kernel-name regex; COUNT launches.
+# VARIANT the Gluon kernel's sparse_attention_fwd keywords (JSON); KERNELS its kernel-name regex; SHAPE its
+# bench_attention shape (default flash_csa); COUNT launches.
 GLUON='{"impl": "gluon"}'
 for target in ${TARGETS:-write_hca attn_csa attn_gluon}; do
   case $target in
@@ -39,7 +40,7 @@ for target in ${TARGETS:-write_hca attn_csa attn_gluon}; do
     attn_csa) prof attn_csa '_sparse_attention_kernel' python3 benchmarks/profile_attention.py --shape flash_csa \
       --batch ${BATCH:-64} --calls 4 ;;
     attn_gluon) prof attn_gluon "${KERNELS:-_sparse_attention_sm90_kernel}" python3 benchmarks/profile_attention.py \
-      --shape flash_csa --batch ${BATCH:-64} --calls 4 --variant "${VARIANT:-$GLUON}" ;;
+      --shape ${SHAPE:-flash_csa} --batch ${BATCH:-64} --calls 4 --variant "${VARIANT:-$GLUON}" ;;
   esac
 done
 rm -f "$O"/*.ncu-rep
