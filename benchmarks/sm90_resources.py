@@ -41,7 +41,8 @@ _ATTENTION_ARGS = {
 _ATTENTION_DIV16 = {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
                     "stride_ot", "stride_oh", "stride_lt"}
 
-#: kernel → (import path, pointer dtypes by argument, default constexprs + num_warps / num_stages, int args ≡ 0 mod 16)
+#: kernel → (import path, pointer dtypes by argument, default constexprs + num_warps / num_stages,
+#: int args ≡ 0 mod 16)
 KERNELS = {
     "attention": ("dsv4.kernels.sparse_attention:_sparse_attention_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, BLOCK_H=64, BLOCK_N=64,

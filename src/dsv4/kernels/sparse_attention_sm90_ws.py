@@ -6,7 +6,8 @@ looks up, loads and dequantizes each 64-key chunk into one of two BF16 key buffe
 (8 warps = 2 warpgroups) runs S = Q·Kᵀ, the online softmax and O = O·α + P·K on the other; the two hand the
 buffers over through mbarriers (``k_ready`` / ``k_free``):
 
-    producer, chunk c:  wait k_free[c % 2] → dequantize chunk c (registers → buffer), refilling each 64-dim
+    producer, chunk c:  wait k_free[c % 2] → chunk c's scale words (copied by cp.async an iteration ago) →
+                        start the copy of c+1's → dequantize chunk c (registers → buffer), refilling each 64-dim
                         block's registers with chunk c+1's as soon as it is stored → arrive k_ready[c % 2];
                         block tables of c+2, entries of c+3
     consumer, chunk c:  wait k_ready[c % 2] → S = Q·Kᵀ → softmax → P → O += P·K → arrive k_free[c % 2]
@@ -18,10 +19,12 @@ swizzle permutes 16-byte pieces, the same for either element type). The softmax 
 chunk (per-element sums, as in ``sparse_attention_sm90``, need 16 more consumer registers: slower here).
 
 Registers: the producer's are ``launch(producer_regs=…)`` per thread (default ``PRODUCER_REGS``), the consumers
-get the rest of the 64K. Measured on an H100 (``benchmarks/RESULTS.md``): faster than ``sparse_attention_sm90``
-when a program runs many chunks (Flash HCA at 1M context, B ≥ 64: 65+ chunks per split), slower on short key
-lists (CSA decode: 10 chunks), so ``sparse_attention_fwd``'s ``impl="auto"`` picks it from ``WS_MIN_CHUNKS``
-chunks per split.
+get the rest of the 64K. A value loaded in one producer iteration and carried into the next is copied between
+registers at the loop's end, and that copy waits for the load: hence the scale words through shared memory (the
+lookups still pay it). Measured on an H100 (``benchmarks/RESULTS.md``): faster than ``sparse_attention_sm90``
+when a program runs many chunks (Flash HCA at 1M context, B ≥ 64: 65+ chunks per split; 8-14%), slower on short
+key lists (CSA decode: 10 chunks) and prefill, so ``sparse_attention_fwd``'s ``impl="auto"`` picks it from
+``WS_MIN_CHUNKS`` chunks per split.
 
 Needs a CUDA device of compute capability 9.x (``sparse_attention_sm90.available()``); no interpreter path.
 """
@@ -42,6 +45,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from .sparse_attention_sm90 import _block_exponents, _program_token, _rescale, _split_chunks, _write_output
 
@@ -184,13 +189,21 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _request_chunk(address):
-        """All of a chunk's raw bytes into registers: ``(blocks 0 … 6, rope, scales int64 [64], valid int1 [64])``
-        (see ``_request_block``, ``_chunk_address``)."""
+        """All of a chunk's codes and rope values into registers: ``(blocks 0 … 6, rope, valid int1 [64])`` (see
+        ``_request_block``, ``_chunk_address``; the scale words go through ``_copy_scales``)."""
         words, rows, ok, scale_ptrs, valid = address
         return (_request_block(address, 0), _request_block(address, 1), _request_block(address, 2),
                 _request_block(address, 3), _request_block(address, 4), _request_block(address, 5),
-                _request_block(address, 6), _request_block(address, 7), gl.load(scale_ptrs, mask=ok, other=0),
-                valid)
+                _request_block(address, 6), _request_block(address, 7), valid)
+
+    @gluon.jit
+    def _copy_scales(address, dst):
+        """Asynchronous copy of a chunk's 64 scale words (``_chunk_address``) into ``dst`` (int64 ``[64]``, shared
+        memory; keys not read are zeros). Loaded into registers instead, the words would be copied between
+        registers at the loop's end, and that copy waits for the load (ncu: the producer's top stall)."""
+        words, rows, ok, scale_ptrs, valid = address
+        async_copy.async_copy_global_to_shared(dst, scale_ptrs, mask=ok)
+        async_copy.commit_group()
 
     @gluon.jit
     def _bf16_pair(bits):
@@ -203,8 +216,8 @@ if _HAVE_GLUON:
         four E4M3 codes, ``e`` int32 ``[64, NB]`` each block's UE8M0 exponent. Returns int32 ``[64, NB·32]``: the
         BF16 pairs in the codes' order."""
         e3 = gl.expand_dims(e, 2)
-        # Two power-of-two multipliers, both BF16: 2^(min(e,134)−7) restores the code's 2^−120 bias, 2^(max(e,134)−134)
-        # completes scales beyond BF16's largest power (1 for every e ≤ 134).
+        # Two power-of-two multipliers, both BF16: 2^(min(e,134)−7) restores the code's 2^−120 bias,
+        # 2^(max(e,134)−134) completes scales beyond BF16's largest power (1 for every e ≤ 134).
         s1, _ = gl.broadcast(_bf16_pair((gl.minimum(e3, 134) + 120) << 7), codes)
         s2, _ = gl.broadcast(_bf16_pair((gl.maximum(e3, 134) - 7) << 7), codes)
         lo, hi = gl.inline_asm_elementwise(DEQUANT_PTX, "=r,=r,r,r,r", [codes, s1, s2],
@@ -232,16 +245,15 @@ if _HAVE_GLUON:
         tile.slice(col, 64, dim=1)._reinterpret(gl.int32, [BN, 32], WORDS_SL).store(k)
 
     @gluon.jit
-    def _dequantize_chunk(c, chunk, following, pos, start, kv_new_words, kv_row_words, k0, k1, k2, k3,
+    def _dequantize_chunk(c, chunk, scales, following, pos, start, kv_new_words, kv_row_words, k0, k1, k2, k3,
                           WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
         """Chunk ``c``'s raw bytes ``chunk`` (``_request_chunk``'s registers) as the BF16 tiles ``k0 … k3`` (dims
         0-255, 256-383, 384-447, 448-511), one 64-dim block at a time; window keys of this step from ``kv_new``
         (``kv_new_words``: the request's first row, as words; ``kv_row_words``: the row stride in words). Each
         block's registers are refilled with the same block of the next chunk (at ``following``) as soon as they
-        are used, so those bytes have a whole chunk's time to arrive. Returns the next chunk's registers."""
-        w0, w1, w2, w3, w4, w5, w6, rope, scales, valid = chunk
-        words, rows, ok, scale_ptrs, next_valid = following
-        next_scales = gl.load(scale_ptrs, mask=ok, other=0)
+        are used, so those bytes have a whole chunk's time to arrive. ``scales`` int64 ``[64]``: the chunk's scale
+        words. Returns the next chunk's registers."""
+        w0, w1, w2, w3, w4, w5, w6, rope, valid = chunk
         is_window = c < WINDOW_CHUNKS
         fresh, new_row = _fresh_rows(c, pos, start, WINDOW)
         fresh = fresh & is_window
@@ -262,7 +274,7 @@ if _HAVE_GLUON:
         w6 = _request_block(following, 6)
         _dequantize_block(rope, k3, 0, scales, fresh, new_rows, kv_new_words, is_window, 7, True)
         rope = _request_block(following, 7)
-        return w0, w1, w2, w3, w4, w5, w6, rope, next_scales, next_valid
+        return w0, w1, w2, w3, w4, w5, w6, rope, following[4]
 
     @gluon.jit
     def _load_q_group(q_words, row_off, head_ok, dst, FIRST: gl.constexpr, NB: gl.constexpr):
@@ -272,7 +284,7 @@ if _HAVE_GLUON:
         dst._reinterpret(gl.int32, [BH, NB * 32], WORDS_SL).store(gl.reshape(q, [BH, NB * 32]))
 
     @gluon.jit
-    def _producer(k0, k1, k2, k3, valid_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
+    def _producer(k0, k1, k2, k3, valid_smem, scale_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
                   ring_row, ring_pos_row, idx_row, bt_row, kv_new_words, kv_row_words, pool_ptr, stride_page,
                   WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                   PAGE_ENTRIES: gl.constexpr, MODE: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
@@ -284,8 +296,10 @@ if _HAVE_GLUON:
         e0 = _chunk_entries(c_begin, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
         b0 = _chunk_blocks(c_begin, e0, bt_row, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
         e1 = _chunk_entries(c_begin + 1, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
-        chunk = _request_chunk(_chunk_address(c_begin, c_begin < c_end, e0, b0, pos, start, ring_row, pool_ptr,
-                                              stride_page, WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS))
+        first = _chunk_address(c_begin, c_begin < c_end, e0, b0, pos, start, ring_row, pool_ptr, stride_page,
+                               WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
+        _copy_scales(first, scale_smem.index(0))
+        chunk = _request_chunk(first)
         b1 = _chunk_blocks(c_begin + 1, e1, bt_row, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
         e2 = _chunk_entries(c_begin + 2, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
         for c in range(c_begin, c_end):
@@ -294,9 +308,16 @@ if _HAVE_GLUON:
             following = _chunk_address(c + 1, c + 1 < c_end, e1, b1, pos, start, ring_row, pool_ptr, stride_page,
                                        WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
             mbarrier.wait(k_free.index(buf), ((i // 2) & 1) ^ 1)  # the first use of each buffer passes
-            valid_smem.index(buf).store(chunk[9].to(gl.int32))
-            chunk = _dequantize_chunk(c, chunk, following, pos, start, kv_new_words, kv_row_words, k0.index(buf),
-                                      k1.index(buf), k2.index(buf), k3.index(buf), WINDOW, WINDOW_CHUNKS)
+            # This chunk's scale words (copied an iteration ago; the barrier publishes every thread's copies and
+            # ends the last iteration's reads of the other slot), then the next chunk's into that slot.
+            async_copy.wait_group(0)
+            gl.thread_barrier()
+            scales = scale_smem.index(buf).load(KEY_L)
+            _copy_scales(following, scale_smem.index(1 - buf))
+            valid_smem.index(buf).store(chunk[8].to(gl.int32))
+            chunk = _dequantize_chunk(c, chunk, scales, following, pos, start, kv_new_words, kv_row_words,
+                                      k0.index(buf), k1.index(buf), k2.index(buf), k3.index(buf), WINDOW,
+                                      WINDOW_CHUNKS)
             fence_async_shared()
             mbarrier.arrive(k_ready.index(buf))
             b1 = _chunk_blocks(c + 2, e2, bt_row, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
@@ -407,6 +428,7 @@ if _HAVE_GLUON:
         k3 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], TILE_SL)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], TILE_SL)
         valid_smem = gl.allocate_shared_memory(gl.int32, [2, BN], VEC_SL)
+        scale_smem = gl.allocate_shared_memory(gl.int64, [2, BN], VEC_SL)
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
@@ -421,7 +443,7 @@ if _HAVE_GLUON:
             (_consumer, (q0, q1, q2, q3, k0, k1, k2, k3, p_smem, valid_smem, k_ready, k_free, c_begin, c_end,
                          t, hb, H, pos, split, num_splits, qk_scale, sink_ptr, inv_freq_ptr, o_ptr, stride_ot,
                          stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, q_ptr, stride_qt, stride_qh, SPLIT)),
-            (_producer, (k0, k1, k2, k3, valid_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
+            (_producer, (k0, k1, k2, k3, valid_smem, scale_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
                          ring_ptr + slot * stride_ring, ring_pos_ptr + slot * stride_rpos, idx_ptr + t * stride_idx,
                          block_tables_ptr + req * stride_bt,
                          (kv_new_ptr + first_row * stride_kvt).to(gl.pointer_type(gl.int32)), stride_kvt // 2,
@@ -440,7 +462,8 @@ if _HAVE_GLUON:
     @gluon.jit
     def _dequant_probe_kernel(pages_ptr, out_ptr):
         """Test probe: the key tiles the kernel forms from 64 entries (``pages_ptr``: 64 × 576 data bytes, then
-        64 × 8 scale bytes) → BF16 ``out_ptr`` ``[64, 512]``, through the same conversion as ``_dequantize_group``."""
+        64 × 8 scale bytes) → BF16 ``out_ptr`` ``[64, 512]``, through the same conversion as
+        ``_dequantize_block``."""
         rows = gl.arange(0, BN, layout=KEY_L).to(gl.int64)
         words = pages_ptr.to(gl.pointer_type(gl.int32))
         out_words = out_ptr.to(gl.pointer_type(gl.int32))
