@@ -120,6 +120,17 @@ if _HAVE_GLUON:
         return block
 
     @gluon.jit
+    def _copy_blocks(c, raw, bt_row, dst, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                     WINDOW_CHUNKS: gl.constexpr):
+        """``_chunk_blocks`` of chunk ``c`` as an asynchronous copy into ``dst`` (int32 ``[64]``, shared memory;
+        keys without an entry get 0, which ``_chunk_address`` ignores): read back an iteration later, so no
+        loaded value is carried in registers across the producer's loop. Window chunks copy nothing."""
+        if c >= WINDOW_CHUNKS:
+            async_copy.async_copy_global_to_shared(dst, bt_row + gl.maximum(raw, 0) * RATIO // BLOCK_SIZE,
+                                                   mask=raw >= 0)
+        async_copy.commit_group()
+
+    @gluon.jit
     def _fresh_rows(c, pos, start, WINDOW: gl.constexpr):
         """Window chunk ``c``: which keys are this step's tokens (read from ``kv_new``), and their rows there."""
         j = c * BN + gl.arange(0, BN, layout=KEY_L)
@@ -284,13 +295,14 @@ if _HAVE_GLUON:
         dst._reinterpret(gl.int32, [BH, NB * 32], WORDS_SL).store(gl.reshape(q, [BH, NB * 32]))
 
     @gluon.jit
-    def _producer(k0, k1, k2, k3, valid_smem, scale_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
+    def _producer(k0, k1, k2, k3, valid_smem, scale_smem, block_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
                   ring_row, ring_pos_row, idx_row, bt_row, kv_new_words, kv_row_words, pool_ptr, stride_page,
                   WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                   PAGE_ENTRIES: gl.constexpr, MODE: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
         """Producer partition: chunk ``c`` of the split dequantized into key buffer ``(c − c_begin) % 2`` once the
         consumers have freed it (``k_free``), announced by ``k_ready``. Chunk c+1's bytes are requested block by
-        block while chunk c is dequantized, its block tables one chunk and its entries two chunks earlier. Row
+        block while chunk c is dequantized, its scale words and block tables (``cp.async`` into ``scale_smem`` /
+        ``block_smem`` pairs) one chunk and its entries two chunks earlier. Row
         pointers: the token's ring page and ring slots, its entry list, its request's block table and first
         ``kv_new`` row (as words, ``kv_row_words`` apart)."""
         e0 = _chunk_entries(c_begin, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
@@ -300,29 +312,30 @@ if _HAVE_GLUON:
                                WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
         _copy_scales(first, scale_smem.index(0))
         chunk = _request_chunk(first)
-        b1 = _chunk_blocks(c_begin + 1, e1, bt_row, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+        _copy_blocks(c_begin + 1, e1, bt_row, block_smem.index(1), RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
         e2 = _chunk_entries(c_begin + 2, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
         for c in range(c_begin, c_end):
             i = c - c_begin
             buf = i % 2
-            following = _chunk_address(c + 1, c + 1 < c_end, e1, b1, pos, start, ring_row, pool_ptr, stride_page,
-                                       WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
             mbarrier.wait(k_free.index(buf), ((i // 2) & 1) ^ 1)  # the first use of each buffer passes
-            # This chunk's scale words (copied an iteration ago; the barrier publishes every thread's copies and
-            # ends the last iteration's reads of the other slot), then the next chunk's into that slot.
+            # What was copied an iteration ago: this chunk's scale words, the next chunk's blocks (the barrier
+            # publishes every thread's copies and ends the last iteration's reads of the slots written below).
             async_copy.wait_group(0)
             gl.thread_barrier()
             scales = scale_smem.index(buf).load(KEY_L)
+            b1 = block_smem.index(1 - buf).load(KEY_L)
+            following = _chunk_address(c + 1, c + 1 < c_end, e1, b1, pos, start, ring_row, pool_ptr, stride_page,
+                                       WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
             _copy_scales(following, scale_smem.index(1 - buf))
+            _copy_blocks(c + 2, e2, bt_row, block_smem.index(buf), RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+            e1 = e2
+            e2 = _chunk_entries(c + 3, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
             valid_smem.index(buf).store(chunk[8].to(gl.int32))
             chunk = _dequantize_chunk(c, chunk, scales, following, pos, start, kv_new_words, kv_row_words,
                                       k0.index(buf), k1.index(buf), k2.index(buf), k3.index(buf), WINDOW,
                                       WINDOW_CHUNKS)
             fence_async_shared()
             mbarrier.arrive(k_ready.index(buf))
-            b1 = _chunk_blocks(c + 2, e2, bt_row, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
-            e1 = e2
-            e2 = _chunk_entries(c + 3, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
 
     @gluon.jit
     def _consumer(q0, q1, q2, q3, k0, k1, k2, k3, p_smem, valid_smem, k_ready, k_free, c_begin, c_end,
@@ -429,6 +442,7 @@ if _HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], TILE_SL)
         valid_smem = gl.allocate_shared_memory(gl.int32, [2, BN], VEC_SL)
         scale_smem = gl.allocate_shared_memory(gl.int64, [2, BN], VEC_SL)
+        block_smem = gl.allocate_shared_memory(gl.int32, [2, BN], VEC_SL)
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
@@ -443,7 +457,7 @@ if _HAVE_GLUON:
             (_consumer, (q0, q1, q2, q3, k0, k1, k2, k3, p_smem, valid_smem, k_ready, k_free, c_begin, c_end,
                          t, hb, H, pos, split, num_splits, qk_scale, sink_ptr, inv_freq_ptr, o_ptr, stride_ot,
                          stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, q_ptr, stride_qt, stride_qh, SPLIT)),
-            (_producer, (k0, k1, k2, k3, valid_smem, scale_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
+            (_producer, (k0, k1, k2, k3, valid_smem, scale_smem, block_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
                          ring_ptr + slot * stride_ring, ring_pos_ptr + slot * stride_rpos, idx_ptr + t * stride_idx,
                          block_tables_ptr + req * stride_bt,
                          (kv_new_ptr + first_row * stride_kvt).to(gl.pointer_type(gl.int32)), stride_kvt // 2,
