@@ -6,10 +6,10 @@ looks up, loads and dequantizes each 64-key chunk into one of two BF16 key buffe
 (8 warps = 2 warpgroups) runs S = Q·Kᵀ, the online softmax and O = O·α + P·K on the other; the two hand the
 buffers over through mbarriers (``k_ready`` / ``k_free``):
 
-    producer, chunk c:  wait k_free[c % 2] → chunk c's scale words (copied by cp.async an iteration ago) →
-                        start the copy of c+1's → dequantize chunk c (registers → buffer), refilling each 64-dim
-                        block's registers with chunk c+1's as soon as it is stored → arrive k_ready[c % 2];
-                        block tables of c+2, entries of c+3
+    producer, chunk c:  wait k_free[c % 2] → chunk c's scale words and c+1's block tables (copied by cp.async
+                        an iteration ago) → start the copies of c+1's scale words and c+2's block tables →
+                        dequantize chunk c (registers → buffer), refilling each 64-dim block's registers with
+                        chunk c+1's as soon as it is stored → arrive k_ready[c % 2]; entries of c+3
     consumer, chunk c:  wait k_ready[c % 2] → S = Q·Kᵀ → softmax → P → O += P·K → arrive k_free[c % 2]
 
 Raw bytes move as 32-bit words (four E4M3 codes or two BF16 values; a register tile of bytes would hold one byte
@@ -20,11 +20,11 @@ chunk (per-element sums, as in ``sparse_attention_sm90``, need 16 more consumer 
 
 Registers: the producer's are ``launch(producer_regs=…)`` per thread (default ``PRODUCER_REGS``), the consumers
 get the rest of the 64K. A value loaded in one producer iteration and carried into the next is copied between
-registers at the loop's end, and that copy waits for the load: hence the scale words through shared memory (the
-lookups still pay it). Measured on an H100 (``benchmarks/RESULTS.md``): faster than ``sparse_attention_sm90``
-when a program runs many chunks (Flash HCA at 1M context, B ≥ 64: 65+ chunks per split; 8-14%), slower on short
-key lists (CSA decode: 10 chunks) and prefill, so ``sparse_attention_fwd``'s ``impl="auto"`` picks it from
-``WS_MIN_CHUNKS`` chunks per split.
+registers at the loop's end, and that copy waits for the load: hence the scale words and block tables through
+shared memory (CSA's entry lists still pay it). Measured on an H100 (``benchmarks/RESULTS.md``): faster than
+``sparse_attention_sm90`` when a program runs many chunks (Flash HCA at 1M context, B ≥ 64: 65+ chunks per split;
+10-18%), about equal or slower on short key lists (CSA decode: 10 chunks) and prefill, so
+``sparse_attention_fwd``'s ``impl="auto"`` picks it from ``WS_MIN_CHUNKS`` chunks per split.
 
 Needs a CUDA device of compute capability 9.x (``sparse_attention_sm90.available()``); no interpreter path.
 """
@@ -295,7 +295,8 @@ if _HAVE_GLUON:
         dst._reinterpret(gl.int32, [BH, NB * 32], WORDS_SL).store(gl.reshape(q, [BH, NB * 32]))
 
     @gluon.jit
-    def _producer(k0, k1, k2, k3, valid_smem, scale_smem, block_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
+    def _producer(k0, k1, k2, k3, valid_smem, scale_smem, block_smem, k_ready, k_free, c_begin, c_end, n_comp,
+                  pos, start,
                   ring_row, ring_pos_row, idx_row, bt_row, kv_new_words, kv_row_words, pool_ptr, stride_page,
                   WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                   PAGE_ENTRIES: gl.constexpr, MODE: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
@@ -457,7 +458,8 @@ if _HAVE_GLUON:
             (_consumer, (q0, q1, q2, q3, k0, k1, k2, k3, p_smem, valid_smem, k_ready, k_free, c_begin, c_end,
                          t, hb, H, pos, split, num_splits, qk_scale, sink_ptr, inv_freq_ptr, o_ptr, stride_ot,
                          stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, q_ptr, stride_qt, stride_qh, SPLIT)),
-            (_producer, (k0, k1, k2, k3, valid_smem, scale_smem, block_smem, k_ready, k_free, c_begin, c_end, n_comp, pos, start,
+            (_producer, (k0, k1, k2, k3, valid_smem, scale_smem, block_smem, k_ready, k_free, c_begin, c_end,
+                         n_comp, pos, start,
                          ring_ptr + slot * stride_ring, ring_pos_ptr + slot * stride_rpos, idx_ptr + t * stride_idx,
                          block_tables_ptr + req * stride_bt,
                          (kv_new_ptr + first_row * stride_kvt).to(gl.pointer_type(gl.int32)), stride_kvt // 2,
