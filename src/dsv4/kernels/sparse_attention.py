@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 from . import sparse_attention_sm90, sparse_attention_sm90_ws
 
-__all__ = ["sparse_attention_fwd", "num_sms", "choose_splits"]
+__all__ = ["sparse_attention_fwd", "num_sms", "choose_impl", "choose_splits"]
 
 HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
 LOG2E = 1.4426950408889634
@@ -509,6 +509,30 @@ def choose_splits(programs: int, max_chunks: int, sms: int, min_chunks: int = 2,
     return -(-max_chunks // per), per
 
 
+def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: int) -> str:
+    """The kernel ``sparse_attention_fwd`` runs for ``impl`` (its argument): ``"auto"`` is ``"triton"`` off Hopper,
+    else ``"gluon_ws"`` (``sparse_attention_sm90_ws``) from ``WS_MIN_CHUNKS`` chunks per split when the q / kv_new
+    rows can be read as 16-byte words (``rows_in_words``), else ``"gluon"``; an explicit choice is checked.
+
+    Raises:
+        ValueError: an unknown ``impl``, a Gluon kernel without a Hopper GPU (``hopper``), or ``"gluon_ws"``
+            without ``rows_in_words``.
+    """
+    if impl == "auto":
+        if not hopper:
+            return "triton"
+        ws = rows_in_words and chunks_per_split >= sparse_attention_sm90_ws.WS_MIN_CHUNKS
+        return "gluon_ws" if ws else "gluon"
+    if impl not in ("gluon", "gluon_ws", "triton"):
+        raise ValueError(f"unknown impl {impl!r}")
+    if impl != "triton" and not hopper:
+        raise ValueError(f"impl={impl!r} needs a CUDA device of compute capability 9.x")
+    if impl == "gluon_ws" and not rows_in_words:
+        raise ValueError("impl='gluon_ws' reads q and kv_new rows as 16-byte words: their strides must be "
+                         "multiples of 8")
+    return impl
+
+
 def sparse_attention_fwd(
     q: torch.Tensor,
     kv_new: torch.Tensor,
@@ -609,18 +633,14 @@ def sparse_attention_fwd(
     if mode != MODE_WINDOW and pool is None:
         raise ValueError("compressed entries need the pool pages")
 
-    auto = impl == "auto"
-    if auto:
-        impl = "gluon" if sparse_attention_sm90.available(q.device) else "triton"
-    elif impl not in ("gluon", "gluon_ws", "triton"):
-        raise ValueError(f"unknown impl {impl!r}")
-    gluon = impl in ("gluon", "gluon_ws")
-    if gluon and not sparse_attention_sm90.available(q.device):
-        raise ValueError(f"impl={impl!r} needs a CUDA device of compute capability 9.x, got {q.device}")
+    hopper = sparse_attention_sm90.available(q.device)
     rows_in_words = q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and kv_new.stride(0) % 8 == 0
-    if impl == "gluon_ws" and not rows_in_words:
-        raise ValueError("impl='gluon_ws' reads q and kv_new rows as 16-byte words: their strides must be "
-                         f"multiples of 8, got q {tuple(q.stride())}, kv_new {tuple(kv_new.stride())}")
+    try:
+        choose_impl(impl, hopper, rows_in_words, 0)  # validates before anything is computed
+    except ValueError as err:
+        raise ValueError(f"{err} (device {q.device}, q strides {tuple(q.stride())}, kv_new strides "
+                         f"{tuple(kv_new.stride())})") from None
+    gluon = impl in ("gluon", "gluon_ws") or (impl == "auto" and hopper)
     if gluon:
         block_h, block_n = sparse_attention_sm90.BLOCK_H, sparse_attention_sm90.BLOCK_N
     if min_chunks is None:
@@ -636,8 +656,7 @@ def sparse_attention_fwd(
         per = triton.cdiv(max_chunks, max(1, min(num_splits, max_chunks)))
         splits = triton.cdiv(max_chunks, per)
 
-    if auto and impl == "gluon" and rows_in_words and per >= sparse_attention_sm90_ws.WS_MIN_CHUNKS:
-        impl = "gluon_ws"  # long splits: the warp-specialized kernel (its module docstring)
+    impl = choose_impl(impl, hopper, rows_in_words, per)
 
     if splits > 1:
         if workspace is not None:

@@ -1,0 +1,64 @@
+"""Which sparse-attention kernel ``sparse_attention_fwd`` runs (``choose_impl``), on the CPU.
+
+The rule behind ``impl="auto"`` (measured on an H100, ``benchmarks/RESULTS.md``): the Triton kernel off Hopper; on
+Hopper the serial Gluon kernel, or the warp-specialized one from ``WS_MIN_CHUNKS`` chunks per split when the query
+and new-entry rows can be read as 16-byte words. Explicit choices are checked, with clear errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from dsv4.kernels import sparse_attention_sm90_ws  # noqa: E402
+from dsv4.kernels.sparse_attention import choose_impl  # noqa: E402
+
+LONG = sparse_attention_sm90_ws.WS_MIN_CHUNKS
+
+
+@pytest.mark.parametrize("hopper, rows_in_words, chunks, want", [
+    (False, True, LONG, "triton"),
+    (False, False, 1, "triton"),
+    (True, True, 1, "gluon"),
+    (True, True, LONG - 1, "gluon"),
+    (True, True, LONG, "gluon_ws"),
+    (True, True, 10 * LONG, "gluon_ws"),
+    (True, False, 10 * LONG, "gluon"),  # rows not 16-byte aligned: the serial kernel reads them as they are
+])
+def test_auto(hopper: bool, rows_in_words: bool, chunks: int, want: str) -> None:
+    assert choose_impl("auto", hopper, rows_in_words, chunks) == want
+
+
+@pytest.mark.parametrize("impl", ["triton", "gluon", "gluon_ws"])
+def test_explicit_choices_are_kept(impl: str) -> None:
+    assert choose_impl(impl, True, True, 1) == impl
+    assert choose_impl(impl, True, True, 10 * LONG) == impl
+
+
+@pytest.mark.parametrize("impl, hopper, rows_in_words, message", [
+    ("flash", True, True, "unknown impl"),
+    ("gluon", False, True, "compute capability 9.x"),
+    ("gluon_ws", False, True, "compute capability 9.x"),
+    ("gluon_ws", True, False, "multiples of 8"),
+])
+def test_bad_choices(impl: str, hopper: bool, rows_in_words: bool, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        choose_impl(impl, hopper, rows_in_words, LONG)
+
+
+def test_errors_name_the_tensors() -> None:
+    """Through ``sparse_attention_fwd`` (CPU tensors: no Hopper), the error names the device and strides."""
+    import torch
+
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+
+    q = torch.zeros(1, 4, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 512, dtype=torch.bfloat16)
+    i64 = torch.zeros(1, dtype=torch.int64)
+    i32 = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"compute capability 9\.x \(device cpu, q strides \(2048, 512, 1\)"):
+        sparse_attention_fwd(q, kv, torch.zeros(1, 584 * 128, dtype=torch.uint8),
+                             torch.zeros(1, 128, dtype=torch.int32), None, torch.zeros(1, 1, dtype=torch.int32), i32,
+                             i64, torch.zeros(2, dtype=torch.int32), i64, i64, torch.zeros(4), torch.zeros(32), 1.0,
+                             window=128, impl="gluon")
