@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 from dsv4.kernels import sparse_attention_sm90_ws  # noqa: E402
-from dsv4.kernels.sparse_attention import choose_impl  # noqa: E402
+from dsv4.kernels.sparse_attention import choose_impl, rows_are_words  # noqa: E402
 
 LONG = sparse_attention_sm90_ws.WS_MIN_CHUNKS
 
@@ -62,3 +62,16 @@ def test_errors_name_the_tensors() -> None:
                              torch.zeros(1, 128, dtype=torch.int32), None, torch.zeros(1, 1, dtype=torch.int32), i32,
                              i64, torch.zeros(2, dtype=torch.int32), i64, i64, torch.zeros(4), torch.zeros(32), 1.0,
                              window=128, impl="gluon")
+
+
+def test_rows_are_words() -> None:
+    """Strides in multiples of 8 BF16 elements and 16-byte aligned bases; a view one element in is neither."""
+    import torch
+
+    q = torch.zeros(3, 4, 520, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 520, dtype=torch.bfloat16)
+    assert rows_are_words(q[:, :, :512], kv[:, :512])
+    assert not rows_are_words(q[:, :, 1:513], kv[:, :512])  # base 2 bytes in
+    assert not rows_are_words(q[:, :, :512], kv[:, 4:516])  # base 8 bytes in
+    odd = torch.zeros(3, 4 * 514, dtype=torch.bfloat16).view(3, 4, 514)[:, :, :512]  # head stride 514
+    assert not rows_are_words(odd, kv[:, :512])

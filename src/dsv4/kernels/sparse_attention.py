@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 from . import sparse_attention_sm90, sparse_attention_sm90_ws
 
-__all__ = ["sparse_attention_fwd", "num_sms", "choose_impl", "choose_splits"]
+__all__ = ["sparse_attention_fwd", "num_sms", "choose_impl", "choose_splits", "rows_are_words"]
 
 HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
 LOG2E = 1.4426950408889634
@@ -509,6 +509,14 @@ def choose_splits(programs: int, max_chunks: int, sms: int, min_chunks: int = 2,
     return -(-max_chunks // per), per
 
 
+def rows_are_words(q: torch.Tensor, kv_new: torch.Tensor) -> bool:
+    """Whether every query row (``q`` ``[T, H, 512]``) and new-entry row (``kv_new`` ``[T, 512]``) starts 16-byte
+    aligned, so ``sparse_attention_sm90_ws`` can read them as 16-byte words: strides in multiples of 8 BF16
+    elements and base addresses multiples of 16."""
+    return (q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and kv_new.stride(0) % 8 == 0
+            and q.data_ptr() % 16 == 0 and kv_new.data_ptr() % 16 == 0)
+
+
 def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: int) -> str:
     """The kernel ``sparse_attention_fwd`` runs for ``impl`` (its argument): ``"auto"`` is ``"triton"`` off Hopper,
     else ``"gluon_ws"`` (``sparse_attention_sm90_ws``) from ``WS_MIN_CHUNKS`` chunks per split when the q / kv_new
@@ -529,7 +537,7 @@ def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: 
         raise ValueError(f"impl={impl!r} needs a CUDA device of compute capability 9.x")
     if impl == "gluon_ws" and not rows_in_words:
         raise ValueError("impl='gluon_ws' reads q and kv_new rows as 16-byte words: their strides must be "
-                         "multiples of 8")
+                         "multiples of 8 and their data 16-byte aligned")
     return impl
 
 
@@ -604,7 +612,8 @@ def sparse_attention_fwd(
             from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split; else ``"triton"``), ``"triton"`` this
             module's kernel, ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90`` (asynchronous copies of the
             raw keys one chunk ahead), or ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
-            (a producer partition dequantizes while the consumers compute; q and kv_new strides multiples of 8).
+            (a producer partition dequantizes while the consumers compute; q and kv_new rows 16-byte aligned:
+            ``rows_are_words``).
             The Gluon kernels need compute capability 9.x; ``block_h``, ``block_n``, ``num_warps``,
             ``num_stages``, ``prefetch`` and ``dequant`` do not apply to them.
     Returns:
@@ -634,7 +643,7 @@ def sparse_attention_fwd(
         raise ValueError("compressed entries need the pool pages")
 
     hopper = sparse_attention_sm90.available(q.device)
-    rows_in_words = q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and kv_new.stride(0) % 8 == 0
+    rows_in_words = rows_are_words(q, kv_new)
     try:
         choose_impl(impl, hopper, rows_in_words, 0)  # validates before anything is computed
     except ValueError as err:
