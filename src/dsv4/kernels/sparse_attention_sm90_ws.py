@@ -110,9 +110,9 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _chunk_blocks(c, raw, bt_row, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
-        """Second lookup of chunk ``c`` (one chunk before its bytes): int32 ``[64]`` each compressed entry's
-        physical block from the request's block table ``bt_row`` (−1 = unmapped or no entry); window chunks need
-        none (zeros)."""
+        """Second lookup of the split's first chunk ``c`` (the producer's prologue; later chunks' go through
+        ``_copy_blocks``): int32 ``[64]`` each compressed entry's physical block from the request's block table
+        ``bt_row`` (−1 = unmapped or no entry); window chunks need none (zeros)."""
         if c < WINDOW_CHUNKS:
             block = gl.zeros([BN], gl.int32, layout=KEY_L)
         else:
