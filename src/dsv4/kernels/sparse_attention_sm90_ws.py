@@ -90,7 +90,7 @@ if _HAVE_GLUON:
     @gluon.jit
     def _chunk_entries(c, pos, start, n_comp, ring_pos_row, idx_row,
                        WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr, MODE: gl.constexpr):
-        """First lookup of chunk ``c`` (two chunks before its bytes, consumed by ``_chunk_blocks``): int32 ``[64]``
+        """First lookup of chunk ``c`` (two chunks before its bytes, consumed by ``_copy_blocks``): int32 ``[64]``
         the position each window slot holds (``ring_pos_row``: the token's ring slots), or each compressed key's
         entry index (``idx_row``: the token's entry list; −1 = none)."""
         n = gl.arange(0, BN, layout=KEY_L)
