@@ -644,12 +644,11 @@ def sparse_attention_fwd(
 
     hopper = sparse_attention_sm90.available(q.device)
     rows_in_words = rows_are_words(q, kv_new)
-    try:
-        choose_impl(impl, hopper, rows_in_words, 0)  # validates before anything is computed
+    try:  # validates before anything is computed; either Gluon kernel takes the same tiling
+        gluon = choose_impl(impl, hopper, rows_in_words, 0) != "triton"
     except ValueError as err:
         raise ValueError(f"{err} (device {q.device}, q strides {tuple(q.stride())}, kv_new strides "
                          f"{tuple(kv_new.stride())})") from None
-    gluon = impl in ("gluon", "gluon_ws") or (impl == "auto" and hopper)
     if gluon:
         block_h, block_n = sparse_attention_sm90.BLOCK_H, sparse_attention_sm90.BLOCK_N
     if min_chunks is None:

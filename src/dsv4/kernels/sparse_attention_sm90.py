@@ -118,9 +118,10 @@ if _HAVE_GLUON:
         return block
 
     @gluon.jit
-    def _fresh_rows(c, pos, start, WINDOW: gl.constexpr):
-        """Window chunk ``c``: which keys are this step's tokens (read from ``kv_new``), and their rows there."""
-        j = c * BN + gl.arange(0, BN, layout=KEY_L)
+    def _fresh_rows(c, pos, start, WINDOW: gl.constexpr, KL: gl.constexpr = KEY_L):
+        """Window chunk ``c``: which keys are this step's tokens (read from ``kv_new``), and their rows there
+        (``[64]`` vectors in layout ``KL``)."""
+        j = c * BN + gl.arange(0, BN, layout=KL)
         p = pos - (WINDOW - 1) + j
         fresh = (j < WINDOW) & (p >= start)
         return fresh, gl.maximum(p - start, 0)

@@ -48,7 +48,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .sparse_attention_sm90 import _block_exponents, _program_token, _rescale, _split_chunks, _write_output
+    from .sparse_attention_sm90 import (_block_exponents, _fresh_rows, _program_token, _rescale, _split_chunks,
+                                        _write_output)
 
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -129,14 +130,6 @@ if _HAVE_GLUON:
             async_copy.async_copy_global_to_shared(dst, bt_row + gl.maximum(raw, 0) * RATIO // BLOCK_SIZE,
                                                    mask=raw >= 0)
         async_copy.commit_group()
-
-    @gluon.jit
-    def _fresh_rows(c, pos, start, WINDOW: gl.constexpr):
-        """Window chunk ``c``: which keys are this step's tokens (read from ``kv_new``), and their rows there."""
-        j = c * BN + gl.arange(0, BN, layout=KEY_L)
-        p = pos - (WINDOW - 1) + j
-        fresh = (j < WINDOW) & (p >= start)
-        return fresh, gl.maximum(p - start, 0)
 
     @gluon.jit
     def _word_offsets(rows, FIRST: gl.constexpr, NB: gl.constexpr, W: gl.constexpr):
@@ -266,7 +259,7 @@ if _HAVE_GLUON:
         words. Returns the next chunk's registers."""
         w0, w1, w2, w3, w4, w5, w6, rope, valid = chunk
         is_window = c < WINDOW_CHUNKS
-        fresh, new_row = _fresh_rows(c, pos, start, WINDOW)
+        fresh, new_row = _fresh_rows(c, pos, start, WINDOW, KEY_L)
         fresh = fresh & is_window
         new_rows = gl.multiple_of(new_row * kv_row_words, 4)
         _dequantize_block(w0, k0, 0, scales, fresh, new_rows, kv_new_words, is_window, 0, False)
