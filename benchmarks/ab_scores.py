@@ -1,17 +1,19 @@
 """A/B of the indexer scores kernel: this tree's against a baseline copy, same inputs, same run, same device.
 
-The baseline is a directory holding an older ``dsv4/kernels/indexer.py`` and the ``ptx.py`` it imports (e.g.
-``git show REV:src/dsv4/kernels/indexer.py > DIR/indexer.py``, same for ``ptx.py``); it is loaded as a package of
-its own next to ``dsv4``. Both kernels read the same random MXFP4 pool; each gets the same query channels in its
-own operand order (``--baseline-order``: ``even-odd`` for kernels before the nibble-order conversion, ``natural``
-for this tree's ``mxfp4_operand_channels``). Three launches per shape: the baseline, this tree's Triton kernel
-(``GLUON=False``) and this tree's default (the Gluon kernel for single-token decode on sm_90). Scores are compared
+The baseline is a directory holding an older ``dsv4/kernels/indexer.py`` and the ``ptx.py`` (and
+``indexer_sm90.py``) it imports (e.g. ``git show REV:src/dsv4/kernels/indexer.py > DIR/indexer.py``, same for the
+others); it is loaded as a package of its own next to ``dsv4``. Both kernels read the same random MXFP4 pool; each
+gets the same query channels in its own operand order (``--baseline-order``: ``even-odd`` for kernels before the
+nibble-order conversion, ``natural`` for this tree's ``mxfp4_operand_channels``). Launches per shape: the baseline
+(if given), this tree's kernel with each of ``--variants``' launch options (default: the Triton kernel,
+``GLUON=False``) and this tree's default (the Gluon kernel for single-token decode on sm_90). Scores are compared
 (largest difference relative to the row's largest score: they differ only in the MMA's accumulation order) and
-timed as CUDA-graph replays with L2 flushed (decode) or
-eagerly (prefill chunks).
+timed as CUDA-graph replays with L2 flushed (decode) or eagerly (prefill chunks).
 
-Usage: ``python benchmarks/ab_scores.py --baseline DIR [--baseline-order even-odd] [--json out.json]``;
-``--profile-calls N`` only calls this tree's kernel at B=64 × 128K (``gpu_profile.sh``'s ``scores`` target).
+Usage: ``python benchmarks/ab_scores.py [--baseline DIR] [--baseline-order even-odd] [--variants JSON]
+[--decode-only] [--json out.json]`` (``--variants '{"uncapped": {"maxnreg": 0}}'``: this tree's kernel with other
+launch options); ``--profile-calls N`` only calls this tree's kernel at B=64 × 128K (``gpu_profile.sh``'s
+``scores`` target).
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true",
                     help="also time this tree's default with the launch options SWEEP (B=64 and B=8, 128K decode)")
+    ap.add_argument("--variants", default='{"triton": {"GLUON": false}}',
+                    help="JSON {tag: config}: this tree's index_scores with these configs, timed beside the baseline "
+                         "(if any) and the default")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill shape (e.g. variants with maxnreg)")
     ap.add_argument("--json")
     a = ap.parse_args()
     from dsv4.kernels import indexer as new
@@ -84,19 +90,21 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"profiled {label}: {a.profile_calls} calls")
         return
-    if not a.baseline:
-        ap.error("--baseline is required (unless --profile-calls)")
-    old = load_baseline(a.baseline)
     bw = measure_copy_bandwidth()
     env = environment()
     print(f"{env['device']}: copy {bw / 1e12:.2f} TB/s")
-    variants = (("baseline", old, a.baseline_order, None), ("triton", new, "natural", {"GLUON": False}),
-                ("default", new, "natural", None))
-    print("| shape | " + " | ".join(f"{v[0]} µs" for v in variants) + " | speedup default/baseline | key MB | "
+    variants = [(tag, new, "natural", config) for tag, config in json.loads(a.variants).items()]
+    if a.baseline:
+        variants.insert(0, ("baseline", load_baseline(a.baseline), a.baseline_order, None))
+    variants.append(("default", new, "natural", None))
+    first = variants[0][0]
+    print("| shape | " + " | ".join(f"{v[0]} µs" for v in variants) + f" | speedup default/{first} | key MB | "
           "% copy bw (default) | max diff / row max |")
     print("|---" * (len(variants) + 5) + "|")
     rows = []
     for label, batch, context, tokens in SHAPES:
+        if a.decode_only and tokens > 1:
+            continue
         s = _setup(batch, context, tokens, "mxfp4")
         chans = torch.cat([s["q"][:, 0], s["q"][:, 1]], dim=-1)  # [T, HP, 128]: any channel order will do
         outs, times = {}, {}
@@ -114,7 +122,7 @@ def main() -> None:
             times[tag] = time_cuda(fn, warmup=10, iters=a.iters, graph=tokens == 1) * 1e6
         vis = s["visible"]
         live = torch.arange(s["entries"], device=vis.device)[None, :] < vis[:, None]
-        o = outs["baseline"].float()
+        o = outs[first].float()
         row_max = torch.where(live, o.abs(), 0).amax(dim=1, keepdim=True).clamp_min(1e-30)
         worst, unwritten = 0.0, 0
         for tag in outs:
@@ -128,7 +136,7 @@ def main() -> None:
                    max_diff_rel_row_max=worst, unwritten=unwritten, device=env["device"])
         rows.append(row)
         print(f"| {label} | " + " | ".join(f"{times[v[0]]:.1f}" for v in variants)
-              + f" | {times['baseline'] / times['default']:.2f}x | {key_bytes / 1e6:.1f} | "
+              + f" | {times[first] / times['default']:.2f}x | {key_bytes / 1e6:.1f} | "
               f"{row['pct_copy_default']:.0f} | {worst:.1e}{' UNWRITTEN ' + str(unwritten) if unwritten else ''} |",
               flush=True)
         del s, outs

@@ -388,13 +388,18 @@ def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -
         visible = torch.arange(bits.shape[1], device="cuda")[None, :] < batch.visible_entries[M][:, None]
         assert torch.equal(live, visible), sms  # every visible score written, nothing else
         assert torch.equal(bits[live], ref_bits[:, : bits.shape[1]][live]), sms
+    # without the register cap (ptxas's own allocation): the same bits
+    bits = _mxfp4_score_bits(layer, batch, q, w, num_sms=12,
+                             config={"maxnreg": 0, "PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1})
+    live = ~torch.isnan(bits.view(torch.bfloat16))
+    assert torch.equal(bits[live], ref_bits[:, : bits.shape[1]][live])
     # the Triton kernel on the same step
     pick = kidx.pick_scores_config
     monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "GLUON": False})
     buf.fill_(float("nan"))
     got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
-    assert len(calls) == 5  # the default launch and the four splits; GLUON=False took the Triton kernel
+    assert len(calls) == 6  # the default launch, four splits, one uncapped; GLUON=False took the Triton kernel
 
 
 @pytest.mark.gpu

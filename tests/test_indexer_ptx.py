@@ -106,9 +106,9 @@ def _e4m3_byte(x: float) -> int:
 
 def _oracle(nibble: int, d: int) -> int:
     """E4M3 byte of E2M1 code ``nibble`` times ``2**(d − 5)``; zeros (a zero magnitude, or any code of a flushed
-    block) are +0 whatever their sign."""
+    block) keep the code's sign (−0 is 0x80: torch's cast of ``-0.0``)."""
     mag = 0.0 if d < 0 else E2M1_MAGNITUDES[nibble & 7] * 2.0 ** (d - 5)
-    return _e4m3_byte(-mag if nibble & 8 and mag else mag)
+    return _e4m3_byte(-mag if nibble & 8 else mag)
 
 
 def _tables(d: int) -> tuple[int, int]:
@@ -121,17 +121,24 @@ def _tables(d: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("d", list(range(-1, 12)))
 def test_unpack_keys_ptx_every_byte(d: int) -> None:
-    """Every packed byte value in every byte position, every block shift (and a flushed block): ``$0`` holds the
-    word's nibbles 0–3 and ``$1`` its nibbles 4–7, in order (nibble ``2i`` / ``2i + 1`` = low / high of byte i)."""
+    """Every packed byte value in every byte position and every sign pattern of a word's eight nibbles, every block
+    shift (and a flushed block): ``$0`` holds the word's nibbles 0–3 and ``$1`` its nibbles 4–7, in order (nibble
+    ``2i`` / ``2i + 1`` = low / high of byte i)."""
+    import random
+
     lo, hi = _tables(d)
+    words = []
     for base in range(0, 256, 4):
         word = sum(((base + i) & 0xFF) << (8 * i) for i in range(4))
-        words = [word, ((word << 8) | (word >> 24)) & MASK32]  # each value also in the next byte position
-        for w in words:
-            regs = run_ptx(UNPACK_KEYS, {"$2": w, "$3": lo, "$7": hi})
-            for j in range(8):
-                out = regs["$0"] if j < 4 else regs["$1"]
-                assert (out >> (8 * (j % 4))) & 0xFF == _oracle((w >> (4 * j)) & 15, d), (hex(w), j)
+        words += [word, ((word << 8) | (word >> 24)) & MASK32]  # each value also in the next byte position
+    # every sign pattern of the eight nibbles over random magnitudes (the bytes above share their sign bits)
+    rng = random.Random(d)
+    words += [sum(((signs >> j & 1) << 3 | rng.randrange(8)) << (4 * j) for j in range(8)) for signs in range(256)]
+    for w in words:
+        regs = run_ptx(UNPACK_KEYS, {"$2": w, "$3": lo, "$7": hi})
+        for j in range(8):
+            out = regs["$0"] if j < 4 else regs["$1"]
+            assert (out >> (8 * (j % 4))) & 0xFF == _oracle((w >> (4 * j)) & 15, d), (hex(w), j)
 
 
 def test_lop3_model() -> None:

@@ -26,7 +26,7 @@ block exponents span at most 11 binades (always, in practice: the Hadamard rotat
 more than 2**11 below its vector's largest is flushed to zero (its contribution is below 2**-11 of the largest
 block's). The E2M1 → E4M3 conversion of the packed key bytes is one inline-PTX function (``UNPACK_KEYS_PTX``): each
 block's shift is added once to an 8-entry table of E4M3 bytes (``_block_tables``), and ``prmt`` looks four
-magnitudes up at a time (11 instructions per four packed bytes, ``ptx.UNPACK_KEYS``); under the Triton interpreter
+magnitudes up at a time (9 instructions per four packed bytes, ``ptx.UNPACK_KEYS``); under the Triton interpreter
 the same bytes come from plain integer arithmetic, and ``tests/test_indexer_ptx.py`` executes the PTX itself on the
 CPU. The relu and head weight run as ``(x + |x|) · w/2`` (``_head_sum``): the same bits, on the FMA pipe.
 
@@ -120,12 +120,12 @@ def _block_tables(e, e_max):
 
 @triton.jit
 def _e4m3_from_table(c, lo, hi):
-    """E4M3 byte of the E2M1 code ``c`` (int32 0…15, sign in bit 3) by the block's tables ``lo`` / ``hi`` (+0 for
-    every zero)."""
+    """E4M3 byte of the E2M1 code ``c`` (int32 0…15, sign in bit 3) by the block's tables ``lo`` / ``hi`` (the sign
+    kept on zeros: −0 for a negative code, as the PTX gives it)."""
     mag = c & 7
     table = tl.where(mag < 4, lo, hi)
     byte = (table >> ((mag & 3) * 8)) & 0xFF
-    return (byte | tl.where(byte != 0, (c & 8) << 4, 0)).to(tl.uint8)  # zeros are +0, as the PTX gives them
+    return (byte | ((c & 8) << 4)).to(tl.uint8)
 
 
 @triton.jit
@@ -157,8 +157,8 @@ def _unpack_keys_asm(x, lo, hi):
         lo, hi: int32, the block's lookup tables (``_block_tables``), broadcast over its bytes.
     Returns:
         ``(first, last)`` uint8: of every four packed bytes (eight channels), byte ``r`` of ``first`` is channel
-        ``r`` and byte ``r`` of ``last`` channel ``4 + r`` (``ptx.UNPACK_KEYS``: 11 instructions per four bytes;
-        zeros come out as +0).
+        ``r`` and byte ``r`` of ``last`` channel ``4 + r`` (``ptx.UNPACK_KEYS``: 9 instructions per four bytes;
+        a zero keeps its code's sign).
         The query operand is stored in the same channel order (``q8[t, 0]`` / ``q8[t, 1]``).
     """
     return tl.inline_asm_elementwise(
@@ -515,7 +515,8 @@ def index_scores(
         num_sms: multiprocessors to fill (default: the current device's).
         config: override of ``pick_scores_config`` (keys ``QT``, ``BLOCK_N``, ``num_warps``, ``NUM_STAGES``,
             ``PROGRAMS_PER_SM``, ``USE_ASM``, ``PAGE_VECTOR``: a split's block-table entries held in registers, the
-            default where tiles lie within a page; ``maxnreg``: a register cap per thread; ``GLUON``: ``False``
+            default where tiles lie within a page; ``maxnreg``: a register cap per thread (the Gluon kernel's
+            default ``indexer_sm90.MAXNREG``, 0 for none); ``GLUON``: ``False``
             keeps the Triton kernel where the Gluon one (``indexer_sm90``) would serve: MXFP4 single-token decode
             on sm_90; ``MIN_TILES_PER_PROGRAM``: the Gluon kernel's shortest split, default 8).
     Returns:
@@ -550,7 +551,7 @@ def index_scores(
     if use_gluon:
         indexer_sm90.launch(pages, block_tables, cu_seqlens, visible, q, w, out, entries_per_page=entries_per_page,
                             num_requests=num_requests, tiles_per_split=per_split, splits=splits,
-                            maxnreg=cfg.get("maxnreg"))
+                            maxnreg=cfg.get("maxnreg", indexer_sm90.MAXNREG))
         return out
     grid = (splits, chunks, num_requests)
     _scores_kernel[grid](

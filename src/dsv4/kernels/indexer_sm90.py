@@ -22,12 +22,22 @@ every MMA right after issuing it. Here nothing passes through shared memory but 
   as int32 words and converted operands used in the iteration that makes them: byte-typed tensors carried across
   iterations are split into one register per byte (measured: ~110 extra ``prmt`` per tile).
 
-Measured (H100, Flash 64 heads, 128K decode, B=64): 73.5 µs vs 85 µs for the Triton kernel, 65% of the copy
-bandwidth; the remaining stalls are global-load latency with 4 programs of 4 warps per SM (126 registers).
-Tried and slower there: the tile's page read two tiles ahead (133 registers, 3 programs per SM: 86 µs), copies
+Registers: ptxas takes 136 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
+``MAXNREG`` = 128 (4 programs per SM, an 8-byte spill outside the MMA path).
+
+Measured (H100, Flash 64 heads, 128K decode, B=64): 71.2 µs (73.2 before the 9-instruction key conversion and the
+cap, in the same run) vs 85 µs for the Triton kernel, 67% of the copy bandwidth. The loop issues ~245
+instructions per tile and warp (conversion 72, head sum ~72, block tables ~36): at 4 programs per SM about half
+the issue slots are used, the rest waits on latency — more programs per SM help more than overlap within one.
+Tried and slower there: waiting for each tile's MMA only after the next one is issued (``wgmma.wait_group 1``;
+ptxas then keeps two accumulators live: 188 registers, 2 programs per SM, 96.7 µs; 167 with the head weights read
+from shared memory, 3 per SM, 78.3); key tiles copied by the TMA into 2-8 shared-memory stages (mbarriers, 106-117
+registers: 76-85 µs — Triton adds a CTA barrier around every mbarrier / TMA operation, ~4 per tile, and the
+loop grows to ~295 instructions per tile; deeper pipelines were slower, so bytes in flight are not what limits it); the tile's page read two tiles ahead (133 registers, 3 programs per SM: 86 µs), copies
 through shared memory in 3-8 ``cp.async`` stages (Gluon adds two barriers per tile and 4-byte copies: 79-89 µs),
 one bulk L2 prefetch per tile of the program's split at its start (86 µs), no overlap (synchronous MMA, one
-accumulator: 108 registers; 80.8 µs, 77.5 with 5 programs per SM at ``maxnreg`` 96).
+accumulator: 108 registers; 80.8 µs, 77.5 with 5 programs per SM at ``maxnreg`` 96); this kernel at ``maxnreg`` 96
+spills 152 bytes.
 
 Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``indexer.index_scores`` picks this kernel
 where it applies and falls back to the Triton kernel elsewhere.
@@ -52,6 +62,9 @@ __all__ = ["available", "applies", "launch"]
 
 BLOCK_N = 64  # keys per tile: the wgmma M of one warpgroup
 NUM_WARPS = 4
+#: register cap per thread: 4 programs of 4 warps per SM (ptxas would take 136: 3 per SM; H100, B=64 × 128K:
+#: 71.2 µs capped vs 74.7 uncapped, same run)
+MAXNREG = 128
 #: fewest key tiles per program when ``indexer.index_scores`` splits a request's tiles (else ~16 programs per SM):
 #: short programs spend their time filling the pipeline (H100, 128K decode B=8: 16.1 µs with 8 tiles per program,
 #: 19.3 with 2)
@@ -247,9 +260,10 @@ if _HAVE_GLUON:
 
 def launch(pages: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor, visible: torch.Tensor,
            q: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, entries_per_page: int, num_requests: int,
-           tiles_per_split: int, splits: int, maxnreg: int | None = None) -> None:
+           tiles_per_split: int, splits: int, maxnreg: int | None = MAXNREG) -> None:
     """Launch the kernel (arguments as ``indexer.index_scores``; the caller checked ``available`` and ``applies``
-    and chose the split of each request's tiles; ``maxnreg``: a register cap per thread)."""
+    and chose the split of each request's tiles; ``maxnreg``: the register cap per thread, default ``MAXNREG``,
+    0 for none)."""
     HP = q.shape[2]
     _scores_sm90_kernel[(splits, 1, num_requests)](
         pages, block_tables, block_tables.stride(0), cu_seqlens, visible, q, w, out, out.stride(0),

@@ -20,24 +20,23 @@ E4M3_TABLE_HI = 0x24201C18
 #: the first four (the word's low half), ``$1`` the last four, each in channel order. ``$2`` the four packed bytes,
 #: ``$3`` / ``$7`` the block's tables (the first of the four registers each int32 operand packs). Per half:
 #:
-#: * ``v``: a ``prmt`` selector nibble *is* an E2M1 code once its sign bit is cleared, so one ``prmt`` looks the
-#:   four magnitudes up in the table (E4M3 bytes, top bit clear);
-#: * ``s``: the same lookup with the raw nibbles as selectors — a set sign bit makes ``prmt`` replicate the chosen
-#:   byte's top bit instead, i.e. ``s`` is ``v`` where the sign is clear and 0 where it is set;
-#: * ``v − s + 0x7F`` per byte (no borrow or carry crosses a byte: ``s ∈ {v, 0}``, ``v ≤ 0x7C``) reaches 0x80
-#:   exactly where a negative nibble has a nonzero magnitude, and one ``lop3`` (``v | t & 0x80808080``) copies that
-#:   bit into the sign. A zero magnitude gives +0 whatever its sign.
+#: * ``v``: a ``prmt`` selector nibble *is* an E2M1 code once its sign bit is cleared (``m``), so one ``prmt`` looks
+#:   the four magnitudes up in the table (E4M3 bytes, top bit clear);
+#: * ``s``: a second ``prmt`` gathers, for output byte ``i``, a byte holding nibble ``i``'s sign bit in its top bit:
+#:   an odd nibble's sign already is the top bit of its packed byte, an even nibble's is four bits lower, the top
+#:   bit of that byte of ``u = word << 4`` (selectors ``0x5140`` for nibbles 0–3, ``0x7362`` for 4–7);
+#: * one ``lop3`` (``v | s & 0x80808080``) sets the signs.
 #:
-#: 11 instructions per four packed bytes (``ptxas`` fuses the subtract and add into one three-input add), no
-#: constants held in registers.
-#: One half of the conversion: ``{out}`` from the four nibbles whose magnitude selectors are in ``{mag}`` and raw
-#: selectors in ``{raw}`` (each a register's low 16 bits), tables ``{lo}`` / ``{hi}``.
+#: 9 instructions per four packed bytes (``u`` serves both halves), no constants held in registers. A zero
+#: magnitude keeps its sign: −0 (0x80) for a negative code, which the MMA multiplies to a zero like +0 (and the
+#: scores' ``relu`` as ``x + |x|`` maps a −0 sum to +0), so the scores are those of +0 operands bit for bit.
+#: One half of the conversion: ``{out}`` from the four nibbles whose magnitude selectors are in ``{mag}`` (a
+#: register's low 16 bits) and whose sign bytes ``prmt`` selects from ``u`` / the word by ``{sel}``, tables
+#: ``{lo}`` / ``{hi}``.
 _UNPACK_HALF = """
         prmt.b32 v, {lo}, {hi}, {mag};
-        prmt.b32 s, {lo}, {hi}, {raw};
-        sub.s32 t, v, s;
-        add.s32 t, t, 0x7F7F7F7F;
-        lop3.b32 {out}, v, t, 0x80808080, 0xF8;"""
+        prmt.b32 s, u, $2, {sel};
+        lop3.b32 {out}, v, s, 0x80808080, 0xF8;"""
 
 
 def unpack_keys_ptx(lo: str = "$3", hi: str = "$7") -> str:
@@ -46,12 +45,12 @@ def unpack_keys_ptx(lo: str = "$3", hi: str = "$7") -> str:
     one int32 word (the Gluon kernel's operands)."""
     return ("""
         {
-        .reg .b32 m, h, s, v, t;
-        and.b32 m, $2, 0x77777777;"""
-            + _UNPACK_HALF.format(lo=lo, hi=hi, mag="m", raw="$2", out="$0") + """
-        shr.b32 m, m, 16;
-        shr.b32 h, $2, 16;"""
-            + _UNPACK_HALF.format(lo=lo, hi=hi, mag="m", raw="h", out="$1") + """
+        .reg .b32 m, u, s, v;
+        and.b32 m, $2, 0x77777777;
+        shl.b32 u, $2, 4;"""
+            + _UNPACK_HALF.format(lo=lo, hi=hi, mag="m", sel="0x5140", out="$0") + """
+        shr.b32 m, m, 16;"""
+            + _UNPACK_HALF.format(lo=lo, hi=hi, mag="m", sel="0x7362", out="$1") + """
         }
         """)
 
