@@ -32,7 +32,8 @@ from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
 #: (label, batch, context, query tokens per request)
 SHAPES = [("decode 128K B=64", 64, 131072, 1), ("decode 128K B=8", 8, 131072, 1),
           ("decode 128K B=128", 128, 131072, 1), ("decode 32K B=64", 64, 32768, 1),
-          ("decode 1M B=8", 8, 1048576, 1), ("prefill 4K @32K B=1", 1, 32768, 4096)]
+          ("decode 1M B=8", 8, 1048576, 1), ("prefill 4K @32K B=1", 1, 32768, 4096),
+          ("prefill 4K @128K B=1", 1, 131072, 4096), ("decode 2 tokens 32K B=64", 64, 32768, 2)]
 
 #: launch options of this tree's default kernel timed by ``--sweep``
 SWEEP = [*({"PROGRAMS_PER_SM": p} for p in (8, 16, 32)), *({"MIN_TILES_PER_PROGRAM": m} for m in (1, 8, 16))]

@@ -81,7 +81,7 @@ KERNELS = {
     "scores_sm90": ("dsv4.kernels.indexer_sm90:_scores_sm90_kernel", {
         "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",
         "out_ptr": "*bf16"},
-        dict(ENTRIES=64, HP=64, num_warps=4, maxnreg=128), {"bt_stride", "out_stride", "PAGE_BYTES"}),
+        dict(ENTRIES=64, HP=64, QT=1, num_warps=4, maxnreg=128), {"bt_stride", "out_stride", "PAGE_BYTES"}),
     "topk_hist": ("dsv4.kernels.topk:_split_hist_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "ws_ptr": "*i32"},
         dict(K=512, KEY_BITS=16, RADIX=8, PASS=1, BLOCK=1024, HOST_BOUND=False, CHUNK_HINT=0, num_warps=4),
         {"s_stride", "ws_stride", "chunk"}),

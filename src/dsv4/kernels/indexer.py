@@ -516,9 +516,10 @@ def index_scores(
         config: override of ``pick_scores_config`` (keys ``QT``, ``BLOCK_N``, ``num_warps``, ``NUM_STAGES``,
             ``PROGRAMS_PER_SM``, ``USE_ASM``, ``PAGE_VECTOR``: a split's block-table entries held in registers, the
             default where tiles lie within a page; ``maxnreg``: a register cap per thread (the Gluon kernel's
-            default ``indexer_sm90.MAXNREG``, 0 for none); ``GLUON``: ``False``
-            keeps the Triton kernel where the Gluon one (``indexer_sm90``) would serve: MXFP4 single-token decode
-            on sm_90; ``MIN_TILES_PER_PROGRAM``: the Gluon kernel's shortest split, default 8).
+            default ``indexer_sm90.register_cap``, 0 for none); ``GLUON``: ``False`` keeps the Triton kernel
+            where the Gluon one (``indexer_sm90``) would serve: MXFP4 keys on sm_90; ``GLUON_QT``: its queries per
+            program for multi-token steps, default ``indexer_sm90.CHUNK_QUERIES``; ``MIN_TILES_PER_PROGRAM``: its
+            shortest split, default 8).
     Returns:
         ``out``.
     """
@@ -529,7 +530,12 @@ def index_scores(
     cfg = dict(pick_scores_config(fmt, HP, max_new))
     if config:
         cfg.update(config)
-    QT, BLOCK_N = cfg["QT"], cfg["BLOCK_N"]
+    use_gluon = (fmt == FMT_MXFP4 and cfg.get("GLUON", True) and not interpreting()
+                 and indexer_sm90.applies(HP, entries_per_page) and indexer_sm90.available(q.device))
+    if use_gluon:
+        QT, BLOCK_N = indexer_sm90.queries_per_program(max_new, HP, cfg.get("GLUON_QT")), indexer_sm90.BLOCK_N
+    else:
+        QT, BLOCK_N = cfg["QT"], cfg["BLOCK_N"]
     page_vector = cfg.get("PAGE_VECTOR", entries_per_page % BLOCK_N == 0)
     if page_vector and entries_per_page % BLOCK_N:
         raise ValueError(f"PAGE_VECTOR needs tiles within a page: BLOCK_N={BLOCK_N} must divide the "
@@ -538,8 +544,6 @@ def index_scores(
     tiles = triton.cdiv(max_entries, BLOCK_N)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    use_gluon = (fmt == FMT_MXFP4 and cfg.get("GLUON", True) and not interpreting()
-                 and indexer_sm90.applies(max_new, HP, entries_per_page) and indexer_sm90.available(q.device))
     # many short programs: the last wave's tail stays small
     splits = max(1, min(tiles, triton.cdiv(cfg.get("PROGRAMS_PER_SM", 16) * num_sms, num_requests * chunks)))
     if use_gluon:  # but not so short that the pipeline's fill dominates (small batches)
@@ -550,8 +554,8 @@ def index_scores(
     splits = triton.cdiv(tiles, per_split)
     if use_gluon:
         indexer_sm90.launch(pages, block_tables, cu_seqlens, visible, q, w, out, entries_per_page=entries_per_page,
-                            num_requests=num_requests, tiles_per_split=per_split, splits=splits,
-                            maxnreg=cfg.get("maxnreg", indexer_sm90.MAXNREG))
+                            num_requests=num_requests, queries=QT, chunks=chunks, tiles_per_split=per_split,
+                            splits=splits, maxnreg=cfg.get("maxnreg"))
         return out
     grid = (splits, chunks, num_requests)
     _scores_kernel[grid](

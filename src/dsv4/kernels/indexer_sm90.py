@@ -58,13 +58,15 @@ try:  # Gluon ships with Triton >= 3.4
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
 
-__all__ = ["available", "applies", "launch"]
+__all__ = ["available", "applies", "queries_per_program", "register_cap", "launch"]
 
 BLOCK_N = 64  # keys per tile: the wgmma M of one warpgroup
 NUM_WARPS = 4
 #: register cap per thread: 4 programs of 4 warps per SM (ptxas would take 136: 3 per SM; H100, B=64 × 128K:
 #: 71.2 µs capped vs 74.7 uncapped, same run)
 MAXNREG = 128
+#: queries per program of prefill chunks (and 2-4-token decode steps): a key tile is converted once for all of them
+CHUNK_QUERIES = 4
 #: fewest key tiles per program when ``indexer.index_scores`` splits a request's tiles (else ~16 programs per SM):
 #: short programs spend their time filling the pipeline (H100, 128K decode B=8: 16.1 µs with 8 tiles per program,
 #: 19.3 with 2)
@@ -78,10 +80,28 @@ def available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def applies(max_new: int, head_pad: int, entries_per_page: int) -> bool:
-    """Whether a step's shape is one this kernel serves: one query token per request, ``head_pad`` ≤ 256 heads
-    (the wgmma N), pages of a multiple of ``BLOCK_N`` entries (a key tile lies in one page)."""
-    return max_new == 1 and 16 <= head_pad <= 256 and entries_per_page % BLOCK_N == 0
+def applies(head_pad: int, entries_per_page: int) -> bool:
+    """Whether a layer's shape is one this kernel serves: ``head_pad`` ≤ 256 heads (the wgmma N), pages of a
+    multiple of ``BLOCK_N`` entries (a key tile lies in one page)."""
+    return 16 <= head_pad <= 256 and entries_per_page % BLOCK_N == 0
+
+
+def queries_per_program(max_new: int, head_pad: int, chunk: int | None = None) -> int:
+    """``QT``, the queries one program scores together (the MMA's ``N = QT · head_pad`` ≤ 256): 1 for single-token
+    decode, else ``chunk`` (default ``CHUNK_QUERIES``) capped by the step's longest request and by N; 1 for more
+    than 64 heads (N = 256 with 128 heads spills)."""
+    if max_new == 1 or head_pad > 64:
+        return 1
+    qt = 1
+    while qt < min(max_new, chunk or CHUNK_QUERIES) and 2 * qt * head_pad <= 256:
+        qt *= 2
+    return qt
+
+
+def register_cap(qt: int) -> int:
+    """``maxnreg`` of a launch with ``qt`` queries per program: 4 programs per SM for decode (``MAXNREG``), 3 for
+    ``QT = 2`` (ptxas takes 174 unasked: 2 per SM), none for ``QT = 4`` (254, no spill: 2 per SM)."""
+    return {1: MAXNREG, 2: 168}.get(qt, 0)
 
 
 if _HAVE_GLUON:
@@ -142,12 +162,25 @@ if _HAVE_GLUON:
         return _load_tile(pages_ptr, page_bytes, page, (tile * BN) % ENTRIES, n_valid, ENTRIES)
 
     @gluon.jit
-    def _store_scores(acc, ks, w_half, out_row, first_key, n_keys, OUT_L: gl.constexpr):
-        """Scores of one tile, ``Σ_h w_h · relu(acc[:, h]) · ks`` (relu as ``x + |x|`` with ``w_half = w / 2``, see
-        ``indexer._head_sum``), rounded to the output dtype and stored for keys ``first_key + i < n_keys``."""
-        sc = gl.sum((acc + gl.abs(acc)) * gl.expand_dims(w_half, 0), axis=1) * gl.convert_layout(ks, OUT_L)
-        idx = first_key + gl.arange(0, BN, layout=OUT_L)
-        gl.store(out_row + idx, sc.to(out_row.dtype.element_ty), mask=idx < n_keys)
+    def _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, first_key, QT: gl.constexpr, HP: gl.constexpr):
+        """Scores of one tile for ``QT`` queries: ``Σ_h w_h · relu(acc[:, (q, h)]) · ks`` (relu as ``x + |x|`` with
+        ``w_half = w / 2``, see ``indexer._head_sum``), rounded to the output dtype and stored at ``out_row`` (the
+        first query's row) ``+ q · out_stride + first_key + i`` for keys below the query's visible count
+        (``vis_q``: an int32 scalar for ``QT = 1``, else ``[QT]`` in the query slice of the scores' layout)."""
+        p = (acc + gl.abs(acc)) * gl.expand_dims(w_half, 0)
+        if QT == 1:
+            OUT_L: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+            sc = gl.sum(p, axis=1) * gl.convert_layout(ks, OUT_L)
+            idx = first_key + gl.arange(0, BN, layout=OUT_L)
+            gl.store(out_row + idx, sc.to(out_row.dtype.element_ty), mask=idx < vis_q)
+        else:  # [64 keys, QT queries]: each query's heads are a contiguous group of the MMA's columns
+            sc = gl.sum(gl.reshape(p, [BN, QT, HP]), axis=2)
+            S_L: gl.constexpr = sc.type.layout
+            sc = sc * gl.expand_dims(gl.convert_layout(ks, gl.SliceLayout(1, S_L)), 1)
+            idx = first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, S_L))
+            rows = gl.arange(0, QT, layout=gl.SliceLayout(0, S_L)) * out_stride
+            ptrs = out_row + gl.expand_dims(rows, 0) + gl.expand_dims(idx, 1)
+            gl.store(ptrs, sc.to(out_row.dtype.element_ty), mask=gl.expand_dims(idx, 1) < gl.expand_dims(vis_q, 0))
 
     @gluon.jit
     def _byte_max(word):
@@ -180,92 +213,152 @@ if _HAVE_GLUON:
         return a, ks
 
     @gluon.jit
-    def _scores_sm90_kernel(
-        pages_ptr,                  # uint8 [num_blocks, PAGE_BYTES]: the layer's MXFP4 indexer key pages
-        bt_ptr, bt_stride,          # int32 [B, max_blocks]: block tables
-        cu_ptr,                     # int32 [B + 1]: token offsets (0 or 1 token per request)
-        vis_ptr,                    # int64 [T]: entries visible to each token
-        q_ptr,                      # uint8 [T, 2, HP, 64]: query operand (indexer.mxfp4_queries)
-        w_ptr,                      # fp32 [T, HP]: head weight · query scale (0 for padded heads)
-        out_ptr, out_stride,        # [T, out_stride] scores; only s < visible[t] written
-        PAGE_BYTES, TILES_PER_SPLIT,
-        ENTRIES: gl.constexpr, HP: gl.constexpr,
-    ):
-        """Grid ``(splits, 1, B)``: a split of request ``b``'s key tiles."""
-        MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HP, 32])
-        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=4)
-        Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-        OUT_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
-
-        split = gl.program_id(0)
-        b = gl.program_id(2)
-        tok = gl.load(cu_ptr + b)
-        if gl.load(cu_ptr + b + 1) <= tok:
-            return
-        n_keys = gl.load(vis_ptr + tok).to(gl.int32)
-        tile_lo = split * TILES_PER_SPLIT
-        tile_hi = gl.minimum(tile_lo + TILES_PER_SPLIT, gl.cdiv(n_keys, BN))
-        if tile_lo >= tile_hi:
-            return
-
-        # The query operand, [HP heads, 128] with K index κ = 32s + 16·half + 4j + r = q[half, h, 16j + 4s + r].
-        h = gl.arange(0, HP, layout=gl.SliceLayout(1, Q_L))
-        kappa = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
-        q_off = ((kappa // 16) % 2) * (HP * 64) + ((kappa // 4) % 4) * 16 + (kappa // 32) * 4 + kappa % 4
-        qv = gl.load(q_ptr + tok.to(gl.int64) * (2 * HP * 64) + gl.expand_dims(h * 64, 1) + gl.expand_dims(q_off, 0))
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HP, 128], Q_SL)
-        q_smem.store(qv.to(gl.float8e4nv, bitcast=True))
-        fence_async_shared()
-        gl.thread_barrier()
-        w_half = gl.load(w_ptr + tok.to(gl.int64) * HP + gl.arange(0, HP, layout=gl.SliceLayout(0, MMA_L))) * 0.5
-        acc0 = gl.zeros([BN, HP], gl.float32, MMA_L)
-
-        bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-        out_row = out_ptr + tok.to(gl.int64) * out_stride
-        # Tile i is converted and its MMA started; tile i + 2 is requested into the registers tile i's codes
-        # leave; while the MMA runs, tile i − 1 (its accumulator carried over) is reduced and stored. Unrolled by
-        # two so that the two accumulators and the two code buffers alternate in place (no copies); each converted
-        # operand is used in the iteration that made it (a byte-typed tensor carried across iterations would be
-        # split into one register per byte).
-        q_op = q_smem.permute((1, 0))
-        codes_x, scales_x = _request_tile(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, n_keys, ENTRIES)
-        codes_y, scales_y = _request_tile(bt_row, pages_ptr, PAGE_BYTES, tile_lo + 1, tile_hi, n_keys, ENTRIES)
+    def _decode_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+                      out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, HP: gl.constexpr):
+        """A split's tiles ``tile_lo … tile_hi − 1`` for one query (``N = HP``). Tile i is converted and its MMA
+        started; tile i + 2 is requested into the registers tile i's codes leave; while the MMA runs, tile i − 1
+        (its accumulator carried over) is reduced and stored. Unrolled by two so that the two accumulators and the
+        two code buffers alternate in place (no copies); each converted operand is used in the iteration that
+        made it (a byte-typed tensor carried across iterations would be split into one register per byte)."""
+        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, ENTRIES)
+        codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, n_keys, ENTRIES)
         a, ks_a = _convert_tile(codes_x, scales_x, A_L)
         acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-        codes_x, scales_x = _request_tile(bt_row, pages_ptr, PAGE_BYTES, tile_lo + 2, tile_hi, n_keys, ENTRIES)
+        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 2, tile_hi, n_keys, ENTRIES)
         acc_a = warpgroup_mma_wait(0, deps=[acc_a])
         n_tiles = tile_hi - tile_lo
         for t in range(tile_lo + 1, tile_lo + 1 + (n_tiles - 1) // 2 * 2, 2):
             a, ks_b = _convert_tile(codes_y, scales_y, A_L)
             acc_b = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_y, scales_y = _request_tile(bt_row, pages_ptr, PAGE_BYTES, t + 2, tile_hi, n_keys, ENTRIES)
-            _store_scores(acc_a, ks_a, w_half, out_row, (t - 1) * BN, n_keys, OUT_L)
+            codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, t + 2, tile_hi, n_keys, ENTRIES)
+            _store_scores(acc_a, ks_a, w_half, out_row, out_stride, vis_q, (t - 1) * BN, 1, HP)
             acc_b = warpgroup_mma_wait(0, deps=[acc_b])
             a, ks_a = _convert_tile(codes_x, scales_x, A_L)
             acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_x, scales_x = _request_tile(bt_row, pages_ptr, PAGE_BYTES, t + 3, tile_hi, n_keys, ENTRIES)
-            _store_scores(acc_b, ks_b, w_half, out_row, t * BN, n_keys, OUT_L)
+            codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, t + 3, tile_hi, n_keys, ENTRIES)
+            _store_scores(acc_b, ks_b, w_half, out_row, out_stride, vis_q, t * BN, 1, HP)
             acc_a = warpgroup_mma_wait(0, deps=[acc_a])
         if n_tiles % 2 == 0:  # one tile left
             a, ks_b = _convert_tile(codes_y, scales_y, A_L)
             acc_b = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            _store_scores(acc_a, ks_a, w_half, out_row, (tile_hi - 2) * BN, n_keys, OUT_L)
+            _store_scores(acc_a, ks_a, w_half, out_row, out_stride, vis_q, (tile_hi - 2) * BN, 1, HP)
             acc_b = warpgroup_mma_wait(0, deps=[acc_b])
-            _store_scores(acc_b, ks_b, w_half, out_row, (tile_hi - 1) * BN, n_keys, OUT_L)
+            _store_scores(acc_b, ks_b, w_half, out_row, out_stride, vis_q, (tile_hi - 1) * BN, 1, HP)
         else:
-            _store_scores(acc_a, ks_a, w_half, out_row, (tile_hi - 1) * BN, n_keys, OUT_L)
+            _store_scores(acc_a, ks_a, w_half, out_row, out_stride, vis_q, (tile_hi - 1) * BN, 1, HP)
+
+    @gluon.jit
+    def _chunk_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+                     out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, QT: gl.constexpr,
+                     HP: gl.constexpr):
+        """A split's tiles for ``QT > 1`` queries (``N = QT · HP``): tile i is converted, its MMA run and awaited,
+        tile i + 2 requested meanwhile, and tile i reduced and stored — one accumulator live (two would not fit
+        the registers); other programs on the multiprocessor fill the MMA's wait. Unrolled by two so that the two
+        code buffers alternate in place."""
+        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, ENTRIES)
+        codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, n_keys, ENTRIES)
+        n_tiles = tile_hi - tile_lo
+        for t in range(tile_lo, tile_lo + n_tiles // 2 * 2, 2):
+            a, ks = _convert_tile(codes_x, scales_x, A_L)
+            acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+            codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, t + 2, tile_hi, n_keys, ENTRIES)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, t * BN, QT, HP)
+            a, ks = _convert_tile(codes_y, scales_y, A_L)
+            acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+            codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, t + 3, tile_hi, n_keys, ENTRIES)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, (t + 1) * BN, QT, HP)
+        if n_tiles % 2 == 1:  # one tile left
+            a, ks = _convert_tile(codes_x, scales_x, A_L)
+            acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, (tile_hi - 1) * BN, QT, HP)
+
+    @gluon.jit
+    def _query_operand(q_ptr, t0, nq, QT: gl.constexpr, HP: gl.constexpr):
+        """The query operand of tokens ``t0 … t0 + nq − 1`` in shared memory, FP8 ``[QT · HP, 128]`` (row
+        ``q · HP + h``; rows of queries ``q ≥ nq`` zero), K index ``κ = 32s + 16·half + 4j + r`` holding
+        ``q[t0 + q, half, h, 16j + 4s + r]`` (the key conversion's channel order, module docstring); fenced for
+        ``wgmma`` and visible to every warp."""
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        r = gl.arange(0, QT * HP, layout=gl.SliceLayout(1, Q_L))
+        kappa = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
+        q_off = ((kappa // 16) % 2) * (HP * 64) + ((kappa // 4) % 4) * 16 + (kappa // 32) * 4 + kappa % 4
+        row = (t0 + r // HP).to(gl.int64) * (2 * HP * 64) + (r % HP) * 64
+        qv = gl.load(q_ptr + gl.expand_dims(row, 1) + gl.expand_dims(q_off, 0),
+                     mask=gl.expand_dims(r // HP < nq, 1), other=0)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QT * HP, 128], Q_SL)
+        q_smem.store(qv.to(gl.float8e4nv, bitcast=True))
+        fence_async_shared()
+        gl.thread_barrier()
+        return q_smem
+
+    @gluon.jit
+    def _scores_sm90_kernel(
+        pages_ptr,                  # uint8 [num_blocks, PAGE_BYTES]: the layer's MXFP4 indexer key pages
+        bt_ptr, bt_stride,          # int32 [B, max_blocks]: block tables
+        cu_ptr,                     # int32 [B + 1]: token offsets of each request
+        vis_ptr,                    # int64 [T]: entries visible to each token
+        q_ptr,                      # uint8 [T, 2, HP, 64]: query operand (indexer.mxfp4_queries)
+        w_ptr,                      # fp32 [T, HP]: head weight · query scale (0 for padded heads)
+        out_ptr, out_stride,        # [T, out_stride] scores; only s < visible[t] written
+        PAGE_BYTES, TILES_PER_SPLIT,
+        ENTRIES: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr,
+    ):
+        """Grid ``(splits, chunks, B)``: a split of request ``b``'s key tiles against its queries ``chunk · QT …``
+        (``QT`` of them, the MMA's ``N = QT · HP`` columns; each key tile is converted once for all)."""
+        MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, QT * HP, 32])
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=4)
+
+        split = gl.program_id(0)
+        chunk = gl.program_id(1)
+        b = gl.program_id(2)
+        tok0 = gl.load(cu_ptr + b)
+        t0 = tok0 + chunk * QT
+        nq = gl.minimum(gl.load(cu_ptr + b + 1) - t0, QT)
+        if nq <= 0:
+            return
+        n_keys = gl.load(vis_ptr + t0 + nq - 1).to(gl.int32)  # the chunk's last query sees the most keys
+        tile_lo = split * TILES_PER_SPLIT
+        tile_hi = gl.minimum(tile_lo + TILES_PER_SPLIT, gl.cdiv(n_keys, BN))
+        if tile_lo >= tile_hi:
+            return
+
+        q_smem = _query_operand(q_ptr, t0, nq, QT, HP)
+        col = gl.arange(0, QT * HP, layout=gl.SliceLayout(0, MMA_L))
+        w_half = gl.load(w_ptr + t0.to(gl.int64) * HP + col, mask=col // HP < nq, other=0.0) * 0.5
+        acc0 = gl.zeros([BN, QT * HP], gl.float32, MMA_L)
+        if QT == 1:
+            vis_q = n_keys
+        else:  # each query's visible count, in the query slice of the scores' layout
+            S_L: gl.constexpr = gl.SliceLayout(2, gl.reshape(acc0, [BN, QT, HP]).type.layout)
+            qi = gl.arange(0, QT, layout=gl.SliceLayout(0, S_L))
+            vis_q = gl.load(vis_ptr + t0 + qi, mask=qi < nq, other=0).to(gl.int32)
+
+        bt_row = bt_ptr + b.to(gl.int64) * bt_stride
+        out_row = out_ptr + t0.to(gl.int64) * out_stride
+        q_op = q_smem.permute((1, 0))
+        if QT == 1:
+            _decode_tiles(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+                          out_stride, vis_q, A_L, ENTRIES, HP)
+        else:
+            _chunk_tiles(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+                         out_stride, vis_q, A_L, ENTRIES, QT, HP)
 
 
 def launch(pages: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor, visible: torch.Tensor,
            q: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, entries_per_page: int, num_requests: int,
-           tiles_per_split: int, splits: int, maxnreg: int | None = MAXNREG) -> None:
+           queries: int, chunks: int, tiles_per_split: int, splits: int, maxnreg: int | None = None) -> None:
     """Launch the kernel (arguments as ``indexer.index_scores``; the caller checked ``available`` and ``applies``
-    and chose the split of each request's tiles; ``maxnreg``: the register cap per thread, default ``MAXNREG``,
-    0 for none)."""
+    and chose ``queries`` per program (``queries_per_program``; ``chunks`` of them per request) and the split of
+    each request's tiles; ``maxnreg``: the register cap per thread, default ``register_cap(queries)``, 0 for
+    none)."""
     HP = q.shape[2]
-    _scores_sm90_kernel[(splits, 1, num_requests)](
+    cap = register_cap(queries) if maxnreg is None else maxnreg
+    _scores_sm90_kernel[(splits, chunks, num_requests)](
         pages, block_tables, block_tables.stride(0), cu_seqlens, visible, q, w, out, out.stride(0),
-        pages.stride(0), tiles_per_split, ENTRIES=entries_per_page, HP=HP, num_warps=NUM_WARPS,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        pages.stride(0), tiles_per_split, ENTRIES=entries_per_page, HP=HP, QT=queries, num_warps=NUM_WARPS,
+        **({"maxnreg": cap} if cap else {}))
