@@ -11,6 +11,7 @@ spending GPU time::
     python benchmarks/sm90_resources.py write                           # HCA write path (entries in 8 parts)
     python benchmarks/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1}'
     python benchmarks/sm90_resources.py csa_entries                     # CSA entries of a prefill chunk
+    python benchmarks/sm90_resources.py scores_sm90 '{"QT": 4, "maxnreg": 255}'  # Gluon index scores, prefill
 
 ``--ptx PATH`` writes the PTX and prints ``ptxas``'s own report of it (e.g. why it serialises ``wgmma``).
 ``--sass PATH`` also writes the disassembly (count ``STL``/``LDL`` for spills in loops, ``LDG.E.128`` for

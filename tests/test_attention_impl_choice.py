@@ -1,8 +1,9 @@
 """Which sparse-attention kernel ``sparse_attention_fwd`` runs (``choose_impl``), on the CPU.
 
 The rule behind ``impl="auto"`` (measured on an H100, ``benchmarks/RESULTS.md``): the Triton kernel off Hopper; on
-Hopper the serial Gluon kernel, or the warp-specialized one from ``WS_MIN_CHUNKS`` chunks per split when the query
-and new-entry rows can be read as 16-byte words. Explicit choices are checked, with clear errors.
+Hopper the serial Gluon kernel, or the warp-specialized one from ``WS_MIN_CHUNKS`` chunks per split
+(``WS_MIN_CHUNKS_ALL`` for HCA) when the query and new-entry rows can be read as 16-byte words. Explicit choices are
+checked, with clear errors.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dsv4.kernels import sparse_attention_sm90_ws  # noqa: E402
 from dsv4.kernels.sparse_attention import choose_impl, rows_are_words  # noqa: E402
 
 LONG = sparse_attention_sm90_ws.WS_MIN_CHUNKS
+LONG_ALL = sparse_attention_sm90_ws.WS_MIN_CHUNKS_ALL
 
 
 @pytest.mark.parametrize("hopper, rows_in_words, chunks, want", [
@@ -28,6 +30,18 @@ LONG = sparse_attention_sm90_ws.WS_MIN_CHUNKS
 ])
 def test_auto(hopper: bool, rows_in_words: bool, chunks: int, want: str) -> None:
     assert choose_impl("auto", hopper, rows_in_words, chunks) == want
+
+
+@pytest.mark.parametrize("chunks, want", [(1, "gluon"), (LONG_ALL - 1, "gluon"), (LONG_ALL, "gluon_ws"),
+                                          (LONG, "gluon_ws")])
+def test_auto_all_entries(chunks: int, want: str) -> None:
+    """HCA (every visible entry: contiguous chunks) takes the warp-specialized kernel from fewer chunks per split;
+    CSA's entry lists keep ``WS_MIN_CHUNKS``."""
+    assert LONG_ALL < LONG
+    assert choose_impl("auto", True, True, chunks, all_entries=True) == want
+    assert choose_impl("auto", True, True, chunks, all_entries=False) == ("gluon_ws" if chunks >= LONG else "gluon")
+    assert choose_impl("auto", False, True, chunks, all_entries=True) == "triton"
+    assert choose_impl("auto", True, False, chunks, all_entries=True) == "gluon"
 
 
 @pytest.mark.parametrize("impl", ["triton", "gluon", "gluon_ws"])

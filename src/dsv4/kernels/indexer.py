@@ -9,9 +9,10 @@ Two kernels:
   request's keys in the paged pool (through its block table), rounded once to the score dtype. Keys are the tile's
   rows (MMA ``M``), the heads of ``QT`` queries its columns (``N = QT · HP``), the 128 channels the reduction.
 
-Single-token decode over MXFP4 keys on sm_90 — the indexer's hot path — runs a Gluon kernel instead
+MXFP4 keys on sm_90 — the indexer's hot path, decode steps and prefill chunks — run a Gluon kernel instead
 (``indexer_sm90``: same numerics, the key bytes converted straight into the MMA's register operand, no shared
-memory per tile, the next tile's MMA overlapping this one's head sum); ``index_scores`` chooses.
+memory per tile; a decode tile's MMA overlapping the previous one's head sum, a prefill tile converted once for
+four queries); ``index_scores`` chooses. This module's kernel serves the other formats, and the Triton interpreter.
 
 A transposed layout — heads as MMA rows, keys as columns — measured slower on the H200 (154 µs vs 129 µs at B=64, 128K
 decode, before the changes below) and was removed.

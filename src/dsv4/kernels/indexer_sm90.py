@@ -1,7 +1,7 @@
-"""Index scores of single-token decode steps over paged MXFP4 keys, written in Gluon for Hopper (sm_90).
+"""Index scores over paged MXFP4 keys, written in Gluon for Hopper (sm_90): decode steps and prefill chunks.
 
-Same semantics and arguments as ``indexer._scores_kernel`` for its hottest case — one query token per request,
-MXFP4 keys, pages holding a multiple of 64 entries (block size 256 with ratio 4) — read its docstring for the
+Same semantics and arguments as ``indexer._scores_kernel`` for MXFP4 keys in pages holding a multiple of 64 entries
+(block size 256 with ratio 4) — read its docstring for the
 numerics (E2M1 → E4M3 exactly in registers, each block's power-of-two scale folded into its bytes relative to the
 key's largest block, the key scale applied after the head sum). What differs is the data path. The Triton kernel
 stages each tile's packed codes in shared memory (a barrier per tile), exchanges the per-block lookup tables
@@ -22,18 +22,29 @@ every MMA right after issuing it. Here nothing passes through shared memory but 
   as int32 words and converted operands used in the iteration that makes them: byte-typed tensors carried across
   iterations are split into one register per byte (measured: ~110 extra ``prmt`` per tile).
 
-Registers: ptxas takes 136 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
+Queries per program (``QT``, ``queries_per_program``). Single-token decode runs one query against 64 heads
+(``N = 64``) with the pipeline above (``_decode_tiles``). Multi-token steps — prefill chunks, 2-4-token decodes —
+score ``QT`` = 4 queries of a request per program (``N = 256`` for 64 heads; the key tile converted once for all
+four, the head sums per query from the accumulator's column groups, each query's scores stored below its own
+visible count): there one accumulator is live (two would not fit), each tile's MMA awaited before its head sum
+(``_chunk_tiles``), and two programs per SM (254 registers) overlap each other's MMA and head sums. H200, 4K-token
+chunk of one request: 585 µs at 32K context, 2,435 at 128K (the Triton kernel: 979 / 3,997; ``QT`` = 2 at 3
+programs per SM: 681 / 2,952), about 65% of the FP8 roofline.
+
+Registers (decode): ptxas takes 136 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
 ``MAXNREG`` = 128 (4 programs per SM, an 8-byte spill outside the MMA path).
 
-Measured (H100, Flash 64 heads, 128K decode, B=64): 71.2 µs (73.2 before the 9-instruction key conversion and the
-cap, in the same run) vs 85 µs for the Triton kernel, 67% of the copy bandwidth. The loop issues ~245
+Measured (Flash 64 heads, 128K decode, B=64): 71.2 µs on an H100 (73.2 before the 9-instruction key conversion and
+the cap, in the same run) vs 85 µs for the Triton kernel, 67% of the copy bandwidth; 71.1-71.9 µs on an H200 (48% of
+its copy bandwidth: the kernel is bound by instruction issue and latency, not bytes). The loop issues ~245
 instructions per tile and warp (conversion 72, head sum ~72, block tables ~36): at 4 programs per SM about half
 the issue slots are used, the rest waits on latency — more programs per SM help more than overlap within one.
 Tried and slower there: waiting for each tile's MMA only after the next one is issued (``wgmma.wait_group 1``;
 ptxas then keeps two accumulators live: 188 registers, 2 programs per SM, 96.7 µs; 167 with the head weights read
 from shared memory, 3 per SM, 78.3); key tiles copied by the TMA into 2-8 shared-memory stages (mbarriers, 106-117
 registers: 76-85 µs — Triton adds a CTA barrier around every mbarrier / TMA operation, ~4 per tile, and the
-loop grows to ~295 instructions per tile; deeper pipelines were slower, so bytes in flight are not what limits it); the tile's page read two tiles ahead (133 registers, 3 programs per SM: 86 µs), copies
+loop grows to ~295 instructions per tile; deeper pipelines were slower, so bytes in flight are not what limits
+it); the tile's page read two tiles ahead (133 registers, 3 programs per SM: 86 µs), copies
 through shared memory in 3-8 ``cp.async`` stages (Gluon adds two barriers per tile and 4-byte copies: 79-89 µs),
 one bulk L2 prefetch per tile of the program's split at its start (86 µs), no overlap (synchronous MMA, one
 accumulator: 108 registers; 80.8 µs, 77.5 with 5 programs per SM at ``maxnreg`` 96); this kernel at ``maxnreg`` 96

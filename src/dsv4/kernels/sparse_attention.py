@@ -517,10 +517,11 @@ def rows_are_words(q: torch.Tensor, kv_new: torch.Tensor) -> bool:
             and q.data_ptr() % 16 == 0 and kv_new.data_ptr() % 16 == 0)
 
 
-def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: int) -> str:
+def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: int, all_entries: bool = False) -> str:
     """The kernel ``sparse_attention_fwd`` runs for ``impl`` (its argument): ``"auto"`` is ``"triton"`` off Hopper,
-    else ``"gluon_ws"`` (``sparse_attention_sm90_ws``) from ``WS_MIN_CHUNKS`` chunks per split when the q / kv_new
-    rows can be read as 16-byte words (``rows_in_words``), else ``"gluon"``; an explicit choice is checked.
+    else ``"gluon_ws"`` (``sparse_attention_sm90_ws``) from ``WS_MIN_CHUNKS`` chunks per split (``WS_MIN_CHUNKS_ALL``
+    where every visible entry is attended, ``all_entries``: HCA) when the q / kv_new rows can be read as 16-byte
+    words (``rows_in_words``), else ``"gluon"``; an explicit choice is checked.
 
     Raises:
         ValueError: an unknown ``impl``, a Gluon kernel without a Hopper GPU (``hopper``), or ``"gluon_ws"``
@@ -529,7 +530,8 @@ def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: 
     if impl == "auto":
         if not hopper:
             return "triton"
-        ws = rows_in_words and chunks_per_split >= sparse_attention_sm90_ws.WS_MIN_CHUNKS
+        least = sparse_attention_sm90_ws.WS_MIN_CHUNKS_ALL if all_entries else sparse_attention_sm90_ws.WS_MIN_CHUNKS
+        ws = rows_in_words and chunks_per_split >= least
         return "gluon_ws" if ws else "gluon"
     if impl not in ("gluon", "gluon_ws", "triton"):
         raise ValueError(f"unknown impl {impl!r}")
@@ -609,7 +611,8 @@ def sparse_attention_fwd(
         prefetch: locate chunk ``c+1``'s compressed entries (index, block table, scales) during chunk ``c``.
         dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
         impl: ``"auto"`` (on a GPU of compute capability 9.x with Gluon available ``"gluon"``, or ``"gluon_ws"``
-            from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split; else ``"triton"``), ``"triton"`` this
+            from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split, ``WS_MIN_CHUNKS_ALL`` for HCA; else
+            ``"triton"``), ``"triton"`` this
             module's kernel, ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90`` (asynchronous copies of the
             raw keys one chunk ahead), or ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
             (a producer partition dequantizes while the consumers compute; q and kv_new rows 16-byte aligned:
@@ -664,7 +667,7 @@ def sparse_attention_fwd(
         per = triton.cdiv(max_chunks, max(1, min(num_splits, max_chunks)))
         splits = triton.cdiv(max_chunks, per)
 
-    impl = choose_impl(impl, hopper, rows_in_words, per)
+    impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL)
 
     if splits > 1:
         if workspace is not None:
