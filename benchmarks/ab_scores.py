@@ -8,7 +8,7 @@ nibble-order conversion, ``natural`` for this tree's ``mxfp4_operand_channels``)
 (if given), this tree's kernel with each of ``--variants``' launch options (default: the Triton kernel,
 ``GLUON=False``) and this tree's default (the Gluon kernel for single-token decode on sm_90). Scores are compared
 (largest difference relative to the row's largest score: they differ only in the MMA's accumulation order) and
-timed as CUDA-graph replays with L2 flushed (decode) or eagerly (prefill chunks).
+timed as CUDA-graph replays with L2 flushed (decode, 1-4 tokens) or eagerly (prefill chunks).
 
 Usage: ``python benchmarks/ab_scores.py [--baseline DIR] [--baseline-order even-odd] [--variants JSON]
 [--decode-only] [--json out.json]`` (``--variants '{"uncapped": {"maxnreg": 0}}'``: this tree's kernel with other
@@ -120,7 +120,7 @@ def main() -> None:
             fn()
             torch.cuda.synchronize()
             outs[tag] = out.clone()
-            times[tag] = time_cuda(fn, warmup=10, iters=a.iters, graph=tokens == 1) * 1e6
+            times[tag] = time_cuda(fn, warmup=10, iters=a.iters, graph=tokens <= 4) * 1e6
         vis = s["visible"]
         live = torch.arange(s["entries"], device=vis.device)[None, :] < vis[:, None]
         o = outs[first].float()

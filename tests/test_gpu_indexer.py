@@ -349,6 +349,19 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def _recorded_gluon_launches(monkeypatch) -> list[dict]:
+    """Skip without an sm_90 device; else record the keyword arguments of every ``indexer_sm90.launch`` (the list
+    returned, filled as the test runs)."""
+    from dsv4.kernels import indexer_sm90
+
+    if not indexer_sm90.available(torch.device("cuda")):
+        pytest.skip("the Gluon kernel needs an sm_90 device")
+    calls = []
+    launch = indexer_sm90.launch
+    monkeypatch.setattr(indexer_sm90, "launch", lambda *a, **kw: (calls.append(kw), launch(*a, **kw)))
+    return calls
+
+
 GLUON_STEPS = [
     {"a": 3000, "b": 700, "c": 5, "d": 64, "e": 256, "f": 4},  # prefill chunks
     {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1, "f": 1},  # single-token decode: the Gluon kernel on sm_90
@@ -362,13 +375,9 @@ def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -
     requests of 1 to 750 keys (partial tiles, tiles over several pages, odd and even tile counts per program),
     keys whose block exponents differ by up to 10 binades, 64 and 4 heads; the poisoned buffer must be written
     wherever a key is visible. Then with one program per request, and the Triton kernel on the same step."""
-    from dsv4.kernels import indexer as kidx, indexer_sm90
+    from dsv4.kernels import indexer as kidx
 
-    if not indexer_sm90.available(torch.device("cuda")):
-        pytest.skip("the Gluon kernel needs an sm_90 device")
-    calls = []
-    launch = indexer_sm90.launch
-    monkeypatch.setattr(indexer_sm90, "launch", lambda *a, **kw: (calls.append(kw), launch(*a, **kw)))
+    calls = _recorded_gluon_launches(monkeypatch)
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=heads, k=k, steps=GLUON_STEPS, block_size=256,
                                          block_spread=spread, seed=spread)
     assert batch.max_new == 1
@@ -418,13 +427,9 @@ def test_gpu_scores_gluon_chunks(heads: int, k: int, spread: int, monkeypatch) -
     order agrees, else within one BF16 step: a warning says which); then the Triton kernel on the same step."""
     import warnings
 
-    from dsv4.kernels import indexer as kidx, indexer_sm90
+    from dsv4.kernels import indexer as kidx
 
-    if not indexer_sm90.available(torch.device("cuda")):
-        pytest.skip("the Gluon kernel needs an sm_90 device")
-    calls = []
-    launch = indexer_sm90.launch
-    monkeypatch.setattr(indexer_sm90, "launch", lambda *a, **kw: (calls.append(kw), launch(*a, **kw)))
+    calls = _recorded_gluon_launches(monkeypatch)
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=heads, k=k, steps=CHUNK_STEPS, block_size=256,
                                          block_spread=spread, seed=spread + 1)
     assert batch.max_new > 1
