@@ -259,32 +259,38 @@ if _HAVE_GLUON:
             _store_scores(acc_a, ks_a, w_half, out_row, out_stride, vis_q, (tile_hi - 1) * BN, 1, HP)
 
     @gluon.jit
+    def _chunk_tile(codes, scales, tile, bt_row, pages_ptr, page_bytes, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+                    out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, QT: gl.constexpr,
+                    HP: gl.constexpr):
+        """One step of ``_chunk_tiles``: key tile ``tile`` (its ``codes`` / ``scales``) converted, its MMA run,
+        tile ``tile + 2`` requested meanwhile (returned: the registers this tile's codes leave), the MMA awaited
+        and the tile reduced and stored."""
+        a, ks = _convert_tile(codes, scales, A_L)
+        acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
+        codes, scales = _request_tile(bt_row, pages_ptr, page_bytes, tile + 2, tile_hi, n_keys, ENTRIES)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, tile * BN, QT, HP)
+        return codes, scales
+
+    @gluon.jit
     def _chunk_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
                      out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, QT: gl.constexpr,
                      HP: gl.constexpr):
         """A split's tiles for ``QT > 1`` queries (``N = QT · HP``): tile i is converted, its MMA run and awaited,
         tile i + 2 requested meanwhile, and tile i reduced and stored — one accumulator live (two would not fit
         the registers); other programs on the multiprocessor fill the MMA's wait. Unrolled by two so that the two
-        code buffers alternate in place."""
+        code buffers alternate in place (the last odd tile's request reads nothing: it lies past ``tile_hi``)."""
         codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, ENTRIES)
         codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, n_keys, ENTRIES)
         n_tiles = tile_hi - tile_lo
         for t in range(tile_lo, tile_lo + n_tiles // 2 * 2, 2):
-            a, ks = _convert_tile(codes_x, scales_x, A_L)
-            acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, t + 2, tile_hi, n_keys, ENTRIES)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, t * BN, QT, HP)
-            a, ks = _convert_tile(codes_y, scales_y, A_L)
-            acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, t + 3, tile_hi, n_keys, ENTRIES)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, (t + 1) * BN, QT, HP)
+            codes_x, scales_x = _chunk_tile(codes_x, scales_x, t, bt_row, pages_ptr, page_bytes, tile_hi, n_keys,
+                                            q_op, acc0, w_half, out_row, out_stride, vis_q, A_L, ENTRIES, QT, HP)
+            codes_y, scales_y = _chunk_tile(codes_y, scales_y, t + 1, bt_row, pages_ptr, page_bytes, tile_hi, n_keys,
+                                            q_op, acc0, w_half, out_row, out_stride, vis_q, A_L, ENTRIES, QT, HP)
         if n_tiles % 2 == 1:  # one tile left
-            a, ks = _convert_tile(codes_x, scales_x, A_L)
-            acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, (tile_hi - 1) * BN, QT, HP)
+            _chunk_tile(codes_x, scales_x, tile_hi - 1, bt_row, pages_ptr, page_bytes, tile_hi, n_keys, q_op, acc0,
+                        w_half, out_row, out_stride, vis_q, A_L, ENTRIES, QT, HP)
 
     @gluon.jit
     def _query_operand(q_ptr, t0, nq, QT: gl.constexpr, HP: gl.constexpr):

@@ -612,8 +612,8 @@ def sparse_attention_fwd(
         dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
         impl: ``"auto"`` (on a GPU of compute capability 9.x with Gluon available ``"gluon"``, or ``"gluon_ws"``
             from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split, ``WS_MIN_CHUNKS_ALL`` for HCA; else
-            ``"triton"``), ``"triton"`` this
-            module's kernel, ``"gluon"`` the Hopper kernel of ``sparse_attention_sm90`` (asynchronous copies of the
+            ``"triton"``), ``"triton"`` this module's kernel, ``"gluon"`` the Hopper kernel of
+            ``sparse_attention_sm90`` (asynchronous copies of the
             raw keys one chunk ahead), or ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
             (a producer partition dequantizes while the consumers compute; q and kv_new rows 16-byte aligned:
             ``rows_are_words``).
