@@ -18,11 +18,18 @@ indices, q, o, lse (prefill: each compressed entry once, it is shared by the chu
 FLOPs / BF16 matmul rate, both measured in the same run.
 
     python benchmarks/bench_attention.py [--quick] [--json out.json] [--variants JSON] [--parallel-compile]
+        [--only flash_csa:8,pro_csa] [--set sparse_attention_sm90.NAME=VALUE ...]
+
+``--variants`` compares keyword sets of ``sparse_attention_fwd`` in one process; ``--set`` changes a module constant
+of ``dsv4.kernels`` for the whole run (one process per setting for an A/B of kernel constants; not passed on to
+``--parallel-compile``'s subprocesses).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -227,11 +234,22 @@ def main() -> None:
                     help="JSON list of keyword sets for sparse_attention_fwd, e.g. '[{\"block_n\": 32}]'")
     ap.add_argument("--only", default=None, help="comma-separated shapes, 'name' or 'name:batch' (e.g. flash_csa:64)")
     ap.add_argument("--compile-only", action="store_true", help="call each variant once per shape, no timing")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a constant of a dsv4.kernels module first (Python literal), e.g. "
+                         "sparse_attention_sm90.WIDE_PARTIAL=False; repeatable")
     ap.add_argument("--parallel-compile", action="store_true",
                     help="first compile every variant in its own subprocess, side by side (warms the Triton cache); "
                          "with --compile-only nothing else")
     a = ap.parse_args()
     variants = json.loads(a.variants) if a.variants else None
+    for item in a.set:
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module(f"dsv4.kernels.{module}")
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set: dsv4.kernels.{module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+        print(f"# dsv4.kernels.{module}.{name} = {getattr(mod, name)!r}", flush=True)
     if a.parallel_compile:
         t0 = time.time()
         compile_in_parallel(a.quick, variants or [{}])

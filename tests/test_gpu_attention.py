@@ -236,6 +236,42 @@ def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
 
 
 @pytest.mark.gpu
+def test_split_combine_graph_replay_bits() -> None:
+    """Split partials + combine replayed as a CUDA graph give the bits of eager launches, over repeated replays
+    with fresh queries written into the captured input (a replay reading stale inputs or partials would differ)."""
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+
+    layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [5000, 12, 3000], [1, 3, 1], "cuda", seed=11)
+    q = args["q"].clone()
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+
+    def run() -> None:
+        sparse_attention_fwd(
+            q, args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
+            batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
+            args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4, block_size=batch.block_size,
+            entry_idx=ti, out=out, lse=lse, workspace=layer.workspace, num_splits=5)
+
+    run()  # compile and allocate the workspace outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(4):
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=torch.float32).to(q.dtype))
+        run()
+        want_o, want_lse = out.clone(), lse.clone()
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), want_o.view(torch.int16))
+        assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32))
+
+
+@pytest.mark.gpu
 def test_attend_all_invalid_gives_sink_only(variant: dict) -> None:
     """A token whose compressed slots are all −1 and whose ring is empty sees only its own window entry."""
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [400], [1], "cuda", seed=3, invalid_frac=1.0)

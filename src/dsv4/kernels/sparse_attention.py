@@ -230,14 +230,14 @@ def _cos_sin(angle, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _store_rope(o, pos, inv_freq_ptr, o_ptrs, mask, INTERPRET: tl.constexpr):
-    """Store the rope dims ``o`` ``[BLOCK_H, 64]`` fp32 with the inverse RoPE at ``pos``: rounded to the output
-    dtype, rotated by ``−pos·ω_i`` per pair ``(2i, 2i+1)`` in FP32 and rounded again (as ``apply_rope`` on the
-    reference's output)."""
+def _store_rope(o, pos, inv_freq, o_ptrs, mask, INTERPRET: tl.constexpr):
+    """Store the rope dims ``o`` ``[BLOCK_H, 64]`` fp32 with the inverse RoPE at ``pos`` (``inv_freq``: fp32
+    ``[32]``, loaded): rounded to the output dtype, rotated by ``−pos·ω_i`` per pair ``(2i, 2i+1)`` in FP32 and
+    rounded again (as ``apply_rope`` on the reference's output)."""
     BLOCK_H: tl.constexpr = o.shape[0]
     o = o.to(o_ptrs.dtype.element_ty).to(tl.float32)
     re, im = tl.split(tl.reshape(o, (BLOCK_H, 32, 2)))
-    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, 32))
+    angle = pos.to(tl.float32) * inv_freq
     cos, sin = _cos_sin(angle, INTERPRET)
     sin = -sin
     out = tl.reshape(tl.join(re * cos[None, :] - im * sin[None, :], re * sin[None, :] + im * cos[None, :]), (BLOCK_H, 64))
@@ -403,7 +403,8 @@ def _sparse_attention_kernel(
         tl.store(out + 4 * 64, (a4 * inv[:, None]).to(dt), mask=head_ok[:, None])
         tl.store(out + 5 * 64, (a5 * inv[:, None]).to(dt), mask=head_ok[:, None])
         tl.store(out + 6 * 64, (a6 * inv[:, None]).to(dt), mask=head_ok[:, None])
-        _store_rope(a7 * inv[:, None], pos, inv_freq_ptr, out + 7 * 64, head_ok[:, None], INTERPRET)
+        _store_rope(a7 * inv[:, None], pos, tl.load(inv_freq_ptr + tl.arange(0, 32)), out + 7 * 64, head_ok[:, None],
+                    INTERPRET)
 
 
 @triton.jit
@@ -432,41 +433,59 @@ def _combine_kernel(
     ``o = Σ_s 2^{lse_s − M} o_s / (Σ_s 2^{lse_s − M} + 2^{sink − M})``, then the inverse RoPE.
 
     The partials are read ``BLOCK_S`` splits at a time (one load of ``[BLOCK_S, BLOCK_H, 512]``), so their loads are
-    in flight together instead of one split after another.
+    in flight together instead of one split after another; with ``num_splits ≤ BLOCK_S`` (decode) one pass loads
+    every partial row and log-sum-exp at once. The sink, position and RoPE frequencies (not written by the
+    attention grid) are requested first: a decode step's combine is a chain of dependent memory round trips.
     """
     hb = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
     split = tl.arange(0, BLOCK_S)
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]
-        ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
-        m = tl.maximum(m, tl.max(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")), 0))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, 512)
     r = tl.arange(0, 64)
-    nope = tl.zeros((BLOCK_H, 512), tl.float32)  # dims 448… unused
-    rope = tl.zeros((BLOCK_H, 64), tl.float32)
-    weight = tl.zeros((BLOCK_H,), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
-        ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
-        w = tl.exp2(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")) - m_use[None, :])  # 0 where absent
-        part = po_ptr + rows[:, :, None] * 512
-        nope += tl.sum(w[:, :, None] * tl.load(part + d[None, None, :],
-                                               mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0), 0)
-        rope += tl.sum(w[:, :, None] * tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None], other=0.0), 0)
-        weight += tl.sum(w, 0)
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+    pos = tl.load(positions_ptr + t)
+    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, 32))
+    if num_splits <= BLOCK_S:
+        rows = (t * num_splits + split[:, None]) * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
+        ok = (split[:, None] < num_splits) & head_ok[None, :]
+        plse = tl.load(plse_ptr + rows, mask=ok, other=float("-inf"))
+        part = po_ptr + rows[:, :, None] * 512
+        po_nope = tl.load(part + d[None, None, :], mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0)
+        po_rope = tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None], other=0.0)
+        m = tl.max(plse, 0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(plse - m_use[None, :])  # 0 where absent
+        nope = tl.sum(w[:, :, None] * po_nope, 0)  # dims 448… unused
+        rope = tl.sum(w[:, :, None] * po_rope, 0)
+        weight = tl.sum(w, 0)
+    else:
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, BLOCK_S):
+            rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]
+            ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
+            m = tl.maximum(m, tl.max(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")), 0))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        nope = tl.zeros((BLOCK_H, 512), tl.float32)  # dims 448… unused
+        rope = tl.zeros((BLOCK_H, 64), tl.float32)
+        weight = tl.zeros((BLOCK_H,), tl.float32)
+        for s0 in range(0, num_splits, BLOCK_S):
+            rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
+            ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
+            w = tl.exp2(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")) - m_use[None, :])  # 0 where absent
+            part = po_ptr + rows[:, :, None] * 512
+            nope += tl.sum(w[:, :, None] * tl.load(part + d[None, None, :],
+                                                   mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0), 0)
+            rope += tl.sum(w[:, :, None] * tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None],
+                                                   other=0.0), 0)
+            weight += tl.sum(w, 0)
     denom = weight + tl.exp2(sink - m_use)
     tl.store(lse_ptr + t * stride_lt + heads, (m_use + tl.log2(denom)) * 0.6931471805599453, mask=head_ok)
     out = o_ptr + t * stride_ot + heads[:, None] * stride_oh
     tl.store(out + d[None, :], (nope / denom[:, None]).to(o_ptr.dtype.element_ty),
              mask=head_ok[:, None] & (d[None, :] < NOPE_DIM))
-    pos = tl.load(positions_ptr + t)
-    _store_rope(rope / denom[:, None], pos, inv_freq_ptr, out + NOPE_DIM + r[None, :], head_ok[:, None], INTERPRET)
+    _store_rope(rope / denom[:, None], pos, inv_freq, out + NOPE_DIM + r[None, :], head_ok[:, None], INTERPRET)
 
 
 # ------------------------------------------------------------------------------------------------ launcher
