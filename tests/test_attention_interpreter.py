@@ -20,18 +20,22 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent(
+# Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
+INTERPRETER_PATCH = textwrap.dedent(
     """
     import triton.runtime.interpreter as _it
     import numpy as np
 
-    # Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
     _orig = _it._patch_lang_tensor
     def _patched(tensor, scope):
         _orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
     _it._patch_lang_tensor = _patched
+    """
+)
 
+SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
+    """
     import json, sys
     import torch, dsv4
     from dsv4.config import LayerKind
@@ -84,11 +88,62 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_attend_logic_in_interpreter(variant: str) -> None:
+def _interpret(script: str, *args: str) -> None:
+    """Run ``script`` with ``TRITON_INTERPRET=1`` in a subprocess; it must print ``ok`` last."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.path.join(root, "tests")]))
-    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(VARIANTS[variant])], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_attend_logic_in_interpreter(variant: str) -> None:
+    _interpret(SCRIPT, json.dumps(VARIANTS[variant]))
+
+
+COMBINE_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
+    """
+    import math
+    import torch
+    from dsv4.kernels.sparse_attention import _combine_kernel
+
+    g = torch.Generator().manual_seed(0)
+    T, H = 3, 4
+    inv_freq = (10000.0 ** (-torch.arange(32) / 32)).float()
+    for S, block_s, block_h in ((1, 16, 1), (5, 16, 1), (20, 16, 1), (37, 4, 4)):
+        po = torch.randn(T, S, H, 512, generator=g)
+        plse = torch.rand(T, S, H, generator=g) * 60 - 30
+        plse[torch.rand(T, S, H, generator=g) < 0.3] = float("-inf")  # empty splits
+        plse[1] = float("-inf")  # a token with no key in any split: sink only
+        plse[2, :, 0] = plse[2, :, 0] - 200  # tiny weights: the running max must not overflow a rescale
+        sink = torch.randn(H, generator=g)
+        positions = torch.randint(0, 100000, (T,), generator=g)
+        out = torch.empty(T, H, 512, dtype=torch.bfloat16)
+        lse = torch.empty(T, H)
+        _combine_kernel[(triton_cdiv(H, block_h), T)](
+            po, plse, positions, sink, inv_freq, out, out.stride(0), out.stride(1), lse, lse.stride(0), H, S,
+            BLOCK_H=block_h, BLOCK_S=block_s, INTERPRET=True)
+        # the merge in float64: o = sum_s 2^(lse_s - M) o_s / (sum_s 2^(lse_s - M) + 2^(sink·log2 e - M))
+        lse2 = plse.double()
+        m = lse2.amax(1)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        w = torch.exp2(lse2 - m[:, None])
+        den = w.sum(1) + torch.exp2(sink.double() / math.log(2) - m)
+        o = (w[..., None] * po.double()).sum(1) / den[..., None]
+        assert torch.allclose(lse.double(), (m + torch.log2(den)) * math.log(2), rtol=1e-5, atol=1e-5), S
+        err = (out[..., :448].double() - o[..., :448]).abs().max().item()
+        assert err <= 8e-3 * o[..., :448].abs().max().item(), (S, err)
+        # rope dims: the output rotated back by -pos·w per pair (norms of the pairs are kept)
+        pair = lambda x: x[..., 448:].reshape(T, H, 32, 2).norm(dim=-1)
+        assert torch.allclose(pair(out.double()), pair(o), rtol=2e-2, atol=2e-2), S
+        assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all(), S
+    print("ok")
+    """
+).replace("triton_cdiv", "__import__('triton').cdiv")
+
+
+def test_combine_in_interpreter() -> None:
+    """``_combine_kernel`` against the merge formula in float64: 1 to 37 splits (one load, several blocks of splits
+    with a running max), empty splits, a token with none (sink only), weights 2^-200 below the others."""
+    _interpret(COMBINE_SCRIPT)

@@ -430,12 +430,14 @@ def _combine_kernel(
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Merge the splits of one token and head block (grid ``(ceil(H / BLOCK_H), T)``):
-    ``o = Σ_s 2^{lse_s − M} o_s / (Σ_s 2^{lse_s − M} + 2^{sink − M})``, then the inverse RoPE.
+    ``o = Σ_s 2^{lse_s − M} o_s / (Σ_s 2^{lse_s − M} + 2^{sink − M})`` with ``M`` the largest of the ``lse_s`` and
+    the sink, then the inverse RoPE.
 
-    The partials are read ``BLOCK_S`` splits at a time (one load of ``[BLOCK_S, BLOCK_H, 512]``), so their loads are
-    in flight together instead of one split after another; with ``num_splits ≤ BLOCK_S`` (decode) one pass loads
-    every partial row and log-sum-exp at once. The sink, position and RoPE frequencies (not written by the
-    attention grid) are requested first: a decode step's combine is a chain of dependent memory round trips.
+    The partials are read ``BLOCK_S`` splits at a time, each block's partial rows and log-sum-exps in one load
+    (``[BLOCK_S, BLOCK_H, 512]``): one straight-line pass when every split fits one load (decode), else blocks
+    merged with a running max (the sums so far rescaled when it grows). The sink, position and RoPE frequencies
+    (not written by the attention grid) are requested first: a decode step's combine is a chain of dependent memory
+    round trips.
     """
     hb = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -447,6 +449,7 @@ def _combine_kernel(
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
     pos = tl.load(positions_ptr + t)
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, 32))
+    # Straight-line for decode: the loop form takes 143 registers (3 programs per SM, not 4: a second wave at B=8).
     if num_splits <= BLOCK_S:
         rows = (t * num_splits + split[:, None]) * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
         ok = (split[:, None] < num_splits) & head_ok[None, :]
@@ -455,37 +458,42 @@ def _combine_kernel(
         po_nope = tl.load(part + d[None, None, :], mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0)
         po_rope = tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None], other=0.0)
         m = tl.max(plse, 0)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(plse - m_use[None, :])  # 0 where absent
+        w = tl.exp2(plse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 where absent
         nope = tl.sum(w[:, :, None] * po_nope, 0)  # dims 448… unused
         rope = tl.sum(w[:, :, None] * po_rope, 0)
         weight = tl.sum(w, 0)
-    else:
+    else:  # blocks of splits merged with a running max (the sums so far rescaled when it grows)
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-        for s0 in range(0, num_splits, BLOCK_S):
-            rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]
-            ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
-            m = tl.maximum(m, tl.max(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")), 0))
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        nope = tl.zeros((BLOCK_H, 512), tl.float32)  # dims 448… unused
+        nope = tl.zeros((BLOCK_H, 512), tl.float32)
         rope = tl.zeros((BLOCK_H, 64), tl.float32)
         weight = tl.zeros((BLOCK_H,), tl.float32)
         for s0 in range(0, num_splits, BLOCK_S):
-            rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
+            rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]
             ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
-            w = tl.exp2(tl.load(plse_ptr + rows, mask=ok, other=float("-inf")) - m_use[None, :])  # 0 where absent
+            plse = tl.load(plse_ptr + rows, mask=ok, other=float("-inf"))
             part = po_ptr + rows[:, :, None] * 512
-            nope += tl.sum(w[:, :, None] * tl.load(part + d[None, None, :],
-                                                   mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0), 0)
-            rope += tl.sum(w[:, :, None] * tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None],
-                                                   other=0.0), 0)
-            weight += tl.sum(w, 0)
-    denom = weight + tl.exp2(sink - m_use)
-    tl.store(lse_ptr + t * stride_lt + heads, (m_use + tl.log2(denom)) * 0.6931471805599453, mask=head_ok)
+            po_nope = tl.load(part + d[None, None, :], mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :],
+                              other=0.0)
+            po_rope = tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None], other=0.0)
+            m_new = tl.maximum(m, tl.max(plse, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # 0 while no split has a key
+            grown = tl.exp2(m - m_use)  # rescales the sums so far: ≤ 1, and 0 before the first key
+            w = tl.exp2(plse - m_use[None, :])
+            nope = nope * grown[:, None] + tl.sum(w[:, :, None] * po_nope, 0)
+            rope = rope * grown[:, None] + tl.sum(w[:, :, None] * po_rope, 0)
+            weight = weight * grown + tl.sum(w, 0)
+            m = m_new
+    # The sink joins the max (the sums are relative to m): neither 2^(sink − M) nor the rescale 2^(m − M) can
+    # overflow, and the denominator is at least 1, however far every key's score lies below the sink.
+    top = tl.maximum(m, sink)
+    kept = tl.exp2(m - top)  # 1 where m ≥ sink; 0 where no split has a key
+    denom = weight * kept + tl.exp2(sink - top)
+    tl.store(lse_ptr + t * stride_lt + heads, (top + tl.log2(denom)) * 0.6931471805599453, mask=head_ok)
+    scaled = denom / kept  # denom itself where m ≥ sink (the division's bits as before); inf where kept is 0
     out = o_ptr + t * stride_ot + heads[:, None] * stride_oh
-    tl.store(out + d[None, :], (nope / denom[:, None]).to(o_ptr.dtype.element_ty),
+    tl.store(out + d[None, :], (nope / scaled[:, None]).to(o_ptr.dtype.element_ty),
              mask=head_ok[:, None] & (d[None, :] < NOPE_DIM))
-    _store_rope(rope / denom[:, None], pos, inv_freq, out + NOPE_DIM + r[None, :], head_ok[:, None], INTERPRET)
+    _store_rope(rope / scaled[:, None], pos, inv_freq, out + NOPE_DIM + r[None, :], head_ok[:, None], INTERPRET)
 
 
 # ------------------------------------------------------------------------------------------------ launcher
