@@ -484,7 +484,9 @@ def _combine_kernel(
             weight = weight * grown + tl.sum(w, 0)
             m = m_new
     # The sink joins the max (the sums are relative to m): neither 2^(sink − M) nor the rescale 2^(m − M) can
-    # overflow, and the denominator is at least 1, however far every key's score lies below the sink.
+    # overflow, and the denominator is at least 1, however far every key's score lies below the sink. (The reference
+    # kernel's max takes the real keys only, SPEC §3 step 5, as the unsplit kernels do: the same o and lse wherever
+    # its 2^(sink − max) is finite; where that overflows it gives lse = +inf and o = 0, this the finite lse.)
     top = tl.maximum(m, sink)
     kept = tl.exp2(m - top)  # 1 where m ≥ sink; 0 where no split has a key
     denom = weight * kept + tl.exp2(sink - top)
