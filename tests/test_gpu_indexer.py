@@ -264,16 +264,20 @@ def test_interpreter_radix_topk(variant: str) -> None:
 
 
 def test_topk_default_variant_by_shape() -> None:
-    """Decode-sized row counts: "bisect" on short rows, "filter4" on long ones; "split8" for few or many rows; and
-    the scratch each default needs (none for "bisect")."""
+    """Decode-sized row counts: "bisect" on short rows, "filter4" on long ones; "split8" for few rows; prefill-sized
+    row counts: "bisect" up to 32,768 columns, "split8" beyond; and the scratch each default needs (none for
+    "bisect")."""
     from dsv4.kernels import topk as tk
 
     assert tk.default_variant(64, 132, 8192) == "bisect" and tk.default_variant(128, 132, 2048) == "bisect"
     assert tk.default_variant(64, 132, 32768) == "filter4" and tk.default_variant(132, 132, 8193) == "filter4"
-    assert tk.default_variant(8, 132, 8192) == "split8" and tk.default_variant(4096, 132, 2048) == "split8"
+    assert tk.default_variant(8, 132, 8192) == "split8"
+    assert tk.default_variant(4096, 132, 2048) == "bisect" and tk.default_variant(133, 132, 32768) == "bisect"
+    assert tk.default_variant(4096, 132, 32769) == "split8"
     assert tk.scratch_shapes(64, 8192, torch.bfloat16, 132) == {}
     assert set(tk.scratch_shapes(64, 32768, torch.bfloat16, 132)) == {"header", "candidates"}
-    assert set(tk.scratch_shapes(4096, 2048, torch.bfloat16, 132)) == {"workspace"}
+    assert tk.scratch_shapes(4096, 2048, torch.bfloat16, 132) == {}
+    assert set(tk.scratch_shapes(4096, 65536, torch.bfloat16, 132)) == {"workspace"}
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -51,9 +51,11 @@ Measured on an H100 (2026-11-25, k=512, index scores of the scores kernel on ran
 
 Before the scattered loads and stores became inline PTX (``_store_columns``, ``_gather_keys``) the filter took
 31.7 / 41.5 µs at 64 / 128 rows × 32,768 in the same run. 32,768 rows × 4,096 (a 4K prefill chunk of 8 requests at
-32K context, H200, 2026-11-24): split 3.9 ms, row 6.8 ms. Hence the default for ``FILTER_MIN_ROWS`` rows up to one
-per SM (decode steps): ``"bisect"`` up to ``BISECT_DEFAULT_MAX_COLUMNS`` columns, ``"filter4"`` beyond; ``"split8"``
-otherwise.
+32K context, H200, 2026-11-24): split 3.9 ms, row 6.8 ms; on the index scores of 4K-token chunks (H200, 2026-11-25)
+bisect is faster still at every measured width (``BISECT_PREFILL_MAX_COLUMNS``). Hence the default for
+``FILTER_MIN_ROWS`` rows up to one per SM (decode steps): ``"bisect"`` up to ``BISECT_DEFAULT_MAX_COLUMNS`` columns,
+``"filter4"`` beyond; for more rows (prefill chunks) ``"bisect"`` up to ``BISECT_PREFILL_MAX_COLUMNS`` (32K),
+``"split8"`` beyond; ``"split8"`` for fewer rows.
 
 Triton notes learnt here: a ``tl.histogram`` mask that went through ``tl.reshape`` miscounted on the GPU (the
 interpreter was right), so ``_block_histogram`` masks by value instead; the layout pass duplicates inline-asm ops
@@ -752,16 +754,25 @@ FILTER_MIN_ROWS = 32
 #: longest rows for which the default is ``"bisect"`` rather than ``"filter4"`` (H100, graph replays, 8,192 columns
 #: = 32K context: 64 rows 17.6 vs 27.0 µs, 128 rows 21.7 vs 33.0; 32,768 columns: 39.1 vs 30.7 at 64 rows)
 BISECT_DEFAULT_MAX_COLUMNS = 8192
+#: longest rows for which steps of more rows than multiprocessors (prefill chunks) default to ``"bisect"`` rather
+#: than ``"split8"`` (H200, 2026-11-25, the index scores of 4K-token chunks, eager, ``bench_indexer.py
+#: --topk-prefill``: 4,096 rows × 2,048 columns 73.7 vs 149.5 µs, × 8,192 396.5 vs 528.9, × 32,768 1,346 vs 1,991;
+#: 32,768 × 8,192 3,062 vs 3,916 — an earlier probe on uniformly random BF16 bits favoured ``"split8"`` at 32,768
+#: rows: the index scores' distribution is what counts)
+BISECT_PREFILL_MAX_COLUMNS = BISECT_MAX_COLUMNS
 
 
 def default_variant(rows: int, num_sms: int, columns: int = 0) -> str:
     """The variant ``radix_topk`` runs when no algorithm is named: ``DEFAULT_VARIANT`` when set, else for
     ``FILTER_MIN_ROWS`` to one row per multiprocessor (decode steps) ``"bisect"`` on rows of at most
-    ``BISECT_DEFAULT_MAX_COLUMNS`` columns and ``"filter4"`` on longer ones; ``"split8"`` otherwise."""
+    ``BISECT_DEFAULT_MAX_COLUMNS`` columns and ``"filter4"`` on longer ones; for more rows (prefill chunks)
+    ``"bisect"`` on rows of at most ``BISECT_PREFILL_MAX_COLUMNS``; ``"split8"`` otherwise."""
     if DEFAULT_VARIANT is not None:
         return DEFAULT_VARIANT
     if FILTER_MIN_ROWS <= rows <= num_sms:
         return "bisect" if columns <= BISECT_DEFAULT_MAX_COLUMNS else "filter4"
+    if rows > num_sms and columns <= BISECT_PREFILL_MAX_COLUMNS:
+        return "bisect"
     return "split8"
 
 
