@@ -486,7 +486,8 @@ def _combine_kernel(
     # The sink joins the max (the sums are relative to m): neither 2^(sink − M) nor the rescale 2^(m − M) can
     # overflow, and the denominator is at least 1, however far every key's score lies below the sink. (The reference
     # kernel's max takes the real keys only, SPEC §3 step 5, as the unsplit kernels do: the same o and lse wherever
-    # its 2^(sink − max) is finite; where that overflows it gives lse = +inf and o = 0, this the finite lse.)
+    # its 2^(sink − max) is finite; where that overflows, the reference gives lse = +inf (o = 0), this merge a finite
+    # lse.)
     top = tl.maximum(m, sink)
     kept = tl.exp2(m - top)  # 1 where m ≥ sink; 0 where no split has a key
     denom = weight * kept + tl.exp2(sink - top)
