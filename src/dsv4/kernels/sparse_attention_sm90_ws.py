@@ -494,8 +494,10 @@ def dequant_probe(pages: torch.Tensor, out: torch.Tensor) -> None:
     _dequant_probe_kernel[(1,)](pages, out, num_warps=PRODUCER_WARPS)
 
 
-def launch(grid: tuple[int, int], args: tuple, geometry: dict, producer_regs: int = PRODUCER_REGS) -> None:
+def launch(grid: tuple[int, int], args: tuple, geometry: dict, producer_regs: int | None = None) -> None:
     """Launch the Gluon kernel: ``args`` / ``geometry`` are ``sparse_attention_fwd``'s prepared arguments and
     geometry constexprs (the Triton kernel's, see there); ``producer_regs`` the producer partition's registers
-    per thread (a multiple of 8; the consumers get ``(65536 − 256·producer_regs) / 256``)."""
-    _sparse_attention_ws_kernel[grid](*args, **geometry, PRODUCER_REGS=producer_regs, num_warps=NUM_WARPS)
+    per thread (a multiple of 8; default ``PRODUCER_REGS``, read at each launch; the consumers get
+    ``(65536 − 256·producer_regs) / 256``)."""
+    regs = PRODUCER_REGS if producer_regs is None else producer_regs
+    _sparse_attention_ws_kernel[grid](*args, **geometry, PRODUCER_REGS=regs, num_warps=NUM_WARPS)
