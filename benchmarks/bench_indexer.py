@@ -11,9 +11,11 @@ written; no FLOPs.
 
 ``--quick`` also times every top-k variant (``dsv4.kernels.topk.VARIANTS`` and a few launch shapes,
 ``TOPK_LAUNCHES``) at B=8 / 64 / 128 × 128K decode and B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each
-checked against torch.topk (``check`` in the JSON rows).
+checked against torch.topk (``check`` in the JSON rows); ``--topk-only`` / ``--topk-prefill`` time only those
+variants, on decode steps (8K–128K) / on 4K-token prefill chunks (one request at 8K / 32K / 128K, eight at 32K), each
+on the index scores the scores kernel computed for that step.
 
-Usage: ``python benchmarks/bench_indexer.py [--quick] [--no-sweep] [--json out.json]``.
+Usage: ``python benchmarks/bench_indexer.py [--quick] [--no-sweep] [--topk-only | --topk-prefill] [--json out.json]``.
 """
 
 from __future__ import annotations
