@@ -238,7 +238,8 @@ def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
 @pytest.mark.gpu
 def test_split_combine_graph_replay_bits() -> None:
     """Split partials + combine replayed as a CUDA graph give the bits of eager launches, over repeated replays
-    with fresh queries written into the captured input (a replay reading stale inputs or partials would differ)."""
+    with fresh queries written into the captured input; the partials' buffers are poisoned (NaN) before each replay,
+    so a combine that read them before the attention grid wrote them would differ."""
     from dsv4.kernels.sparse_attention import sparse_attention_fwd
 
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [5000, 12, 3000], [1, 3, 1], "cuda", seed=11)
@@ -265,6 +266,8 @@ def test_split_combine_graph_replay_bits() -> None:
         want_o, want_lse = out.clone(), lse.clone()
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
+        for name in ("sparse_attention.partial_o", "sparse_attention.partial_lse"):  # the buffers the graph holds
+            layer.workspace._buffers[name].fill_(0xFF)  # NaN as fp32
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), want_o.view(torch.int16))
