@@ -422,6 +422,22 @@ def _dequant_probe_kernel(pages_ptr, out_ptr, BF16_MATH: tl.constexpr, DEQUANT_B
 
 
 @triton.jit
+def _split_block(po_ptr, plse_ptr, t, s0, num_splits, H, heads, head_ok, BLOCK_S: tl.constexpr):
+    """Splits ``s0 … s0 + BLOCK_S − 1`` of token ``t``'s partials for ``heads`` in one load each: their log-sum-exps
+    fp32 ``[BLOCK_S, BLOCK_H]`` (−inf where absent), nope rows ``[BLOCK_S, BLOCK_H, 512]`` (dims 448… and absent rows
+    zero) and rope rows ``[BLOCK_S, BLOCK_H, 64]``."""
+    split = tl.arange(0, BLOCK_S)
+    rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]
+    ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
+    d = tl.arange(0, 512)
+    plse = tl.load(plse_ptr + rows, mask=ok, other=float("-inf"))
+    part = po_ptr + rows[:, :, None] * 512
+    po_nope = tl.load(part + d[None, None, :], mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0)
+    po_rope = tl.load(part + NOPE_DIM + tl.arange(0, 64)[None, None, :], mask=ok[:, :, None], other=0.0)
+    return plse, po_nope, po_rope
+
+
+@triton.jit
 def _combine_kernel(
     po_ptr, plse_ptr,  # fp32 [T, S, H, 512], [T, S, H]
     positions_ptr, sink_ptr, inv_freq_ptr,
@@ -443,7 +459,6 @@ def _combine_kernel(
     t = tl.program_id(1).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
-    split = tl.arange(0, BLOCK_S)
     d = tl.arange(0, 512)
     r = tl.arange(0, 64)
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
@@ -451,12 +466,7 @@ def _combine_kernel(
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, 32))
     # Straight-line for decode: the loop form takes 143 registers (3 programs per SM, not 4: a second wave at B=8).
     if num_splits <= BLOCK_S:
-        rows = (t * num_splits + split[:, None]) * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
-        ok = (split[:, None] < num_splits) & head_ok[None, :]
-        plse = tl.load(plse_ptr + rows, mask=ok, other=float("-inf"))
-        part = po_ptr + rows[:, :, None] * 512
-        po_nope = tl.load(part + d[None, None, :], mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :], other=0.0)
-        po_rope = tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None], other=0.0)
+        plse, po_nope, po_rope = _split_block(po_ptr, plse_ptr, t, 0, num_splits, H, heads, head_ok, BLOCK_S)
         m = tl.max(plse, 0)
         w = tl.exp2(plse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 where absent
         nope = tl.sum(w[:, :, None] * po_nope, 0)  # dims 448… unused
@@ -468,13 +478,7 @@ def _combine_kernel(
         rope = tl.zeros((BLOCK_H, 64), tl.float32)
         weight = tl.zeros((BLOCK_H,), tl.float32)
         for s0 in range(0, num_splits, BLOCK_S):
-            rows = (t * num_splits + s0 + split[:, None]) * H + heads[None, :]
-            ok = (s0 + split[:, None] < num_splits) & head_ok[None, :]
-            plse = tl.load(plse_ptr + rows, mask=ok, other=float("-inf"))
-            part = po_ptr + rows[:, :, None] * 512
-            po_nope = tl.load(part + d[None, None, :], mask=ok[:, :, None] & (d < NOPE_DIM)[None, None, :],
-                              other=0.0)
-            po_rope = tl.load(part + NOPE_DIM + r[None, None, :], mask=ok[:, :, None], other=0.0)
+            plse, po_nope, po_rope = _split_block(po_ptr, plse_ptr, t, s0, num_splits, H, heads, head_ok, BLOCK_S)
             m_new = tl.maximum(m, tl.max(plse, 0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # 0 while no split has a key
             grown = tl.exp2(m - m_use)  # rescales the sums so far: ≤ 1, and 0 before the first key
