@@ -4,7 +4,8 @@ Shapes: V4-Flash and V4-Pro layers (SWA, CSA, HCA); decode steps at batch 1 / 64
 closes a window (the heaviest decode step), and one 8K-token prefill chunk. For each: the µs of the Triton
 kernels alone (projection GEMMs done beforehand), the minimum bytes they must move, and the fraction of the
 copy bandwidth measured in the same run; plus the whole op time (GEMMs included) and the torch backend's, and
-the number of Triton launches of a step (counted with the profiler).
+the number of Triton launches of a step (counted with the profiler). Prefill rows also time one device copy of
+the same bytes the same way (``copy same bytes``): the floor at that size, launch and ramp included.
 
     python benchmarks/bench_write.py [--quick] [--json out.json]
 
@@ -78,13 +79,11 @@ def _count_launches(fn) -> tuple[int, int]:
 
 def _prefill_variants(kind: str) -> list[tuple[str, dict]]:
     """A/B variants timed next to a prefill row: (result key, {(module, attribute): value})."""
-    from dsv4.kernels import compressor as kc, swa_write
+    from dsv4.kernels import compressor as kc, csa_entries
 
-    return {"csa": [("us_fused_entries", {(kc, "CSA_ENTRY_KERNEL"): False})],
-            "hca": [("us_general_pool", {(kc, "HCA_STEP_POOL"): False})],
-            "swa": [("us_window_bt2", {(swa_write, "WINDOW_BT"): 2}), ("us_window_bt8", {(swa_write, "WINDOW_BT"): 8}),
-                    ("us_append_bt1", {(swa_write, "APPEND_BT"): 1}),
-                    ("us_append_bt2", {(swa_write, "APPEND_BT"): 2})]}.get(kind, [])
+    return {"csa": [("us_fused_entries", {(kc, "CSA_ENTRY_KERNEL"): False}),
+                    ("us_entries_uncapped", {(csa_entries, "MAXNREG"): 0})],
+            "hca": [("us_general_pool", {(kc, "HCA_STEP_POOL"): False})]}.get(kind, [])
 
 
 @contextlib.contextmanager
@@ -100,9 +99,10 @@ def _module_flags(flags: dict):
             setattr(mod, name, value)
 
 
-def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) -> list[dict]:
+def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, flush: str = "zero") -> list[dict]:
     """Time every case (``quick``: fewer repetitions). ``only``: just the cases whose name contains it;
-    ``profile_calls``: no timing, call the kernels that many times (a target for ``ncu``)."""
+    ``profile_calls``: no timing, call the kernels that many times (a target for ``ncu``); ``flush``: how L2 is
+    flushed before each timed call (``time_cuda``'s ``flush_l2``: ``"zero"``, the default, or ``"read"``)."""
     bw = measure_copy_bandwidth("cuda")
     rows = []
     presets = ["v4-flash", "v4-pro"]
@@ -165,22 +165,30 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0) ->
                     print(f"{preset} {kind} {name}: {profile_calls} calls", flush=True)
                     continue
                 # kernels' GPU time: CUDA-graph replays, L2 flushed before each (eager: Python launches included)
-                t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=True, graph=True)
+                t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=flush, graph=True)
                 extra = {}
+                nbytes = _bytes(cfg, kind, batch, m)
                 if "prefill" in name:  # A/B: the long step's other layouts / launch options, same tree and inputs
                     for key, flags in _prefill_variants(kind):
+                        if not all(hasattr(mod, attr) for mod, attr in flags):  # a tree without that knob
+                            continue
                         with _module_flags(flags):
                             extra[key] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
-                                                         flush_l2=True, graph=True)
-                t_k_eager = time_cuda(kernels, warmup=1, iters=10 if quick else 30, flush_l2=True)
+                                                         flush_l2=flush, graph=True)
+                    # the floor at this size: one device copy moving the same bytes, timed the same way
+                    src = torch.empty(int(nbytes) // 2, dtype=torch.uint8, device="cuda")
+                    dst = torch.empty_like(src)
+                    extra["us_copy_same_bytes"] = 1e6 * time_cuda(lambda: dst.copy_(src), warmup=3,
+                                                                  iters=20 if quick else 50, flush_l2=flush, graph=True)
+                    del src, dst
+                t_k_eager = time_cuda(kernels, warmup=1, iters=10 if quick else 30, flush_l2=flush)
                 t_op = time_cuda(op, warmup=2, iters=10 if quick else 30)
                 t_torch = time_cuda(lambda: op(torch_ops), warmup=0 if quick else 1, iters=1 if quick else 10)
                 n_tri, n_all = _count_launches(op)
-                nbytes = _bytes(cfg, kind, batch, m)
                 row = roofline_row(f"{preset} {kind} {name}", t_k, bytes=nbytes, flops=0.0, copy_bw=bw,
                                    mm_rate=math.nan, preset=preset, kind=kind, scenario=name,
                                    op_us=t_op * 1e6, kernels_eager_us=t_k_eager * 1e6, torch_us=t_torch * 1e6, triton_launches=n_tri,
-                                   all_launches=n_all, emitted=batch.num_emit.get(m, 0), copy_gbps=bw / 1e9, **extra)
+                                   all_launches=n_all, emitted=batch.num_emit.get(m, 0), copy_gbps=bw / 1e9, l2_flush=flush, **extra)
                 rows.append(row)
                 print(f"{row['name']:<34} {row['us']:9.1f} us {nbytes / 1e6:9.2f} MB {row['gbps']:8.0f} GB/s "
                       f"{100 * row['roofline_frac']:6.1f}% (eager {t_k_eager * 1e6:7.1f} us) | op {t_op * 1e6:8.1f} us torch {t_torch * 1e6:9.1f} us "
@@ -197,6 +205,9 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows (and the environment) here")
     ap.add_argument("--only", help="run only the cases whose name contains this, e.g. 'v4-flash hca decode B=1'")
     ap.add_argument("--profile-calls", type=int, default=0, help="no timing: call the kernels N times (for ncu)")
+    ap.add_argument("--flush", choices=["zero", "read"], default="zero",
+                    help="L2 flush before each timed call: overwrite a 256 MiB buffer (default; leaves dirty lines the "
+                         "kernels write back) or read it (clean lines)")
     ap.add_argument("--divide-zeros", action="store_true",
                     help="A/B: pooling divides zero softmax numerators too (compressor.ZERO_FAST_DIVISION off)")
     a = ap.parse_args()
@@ -212,7 +223,7 @@ def main() -> None:
     env = environment("cuda")
     print(f"device: {env.get('device')}  copy bandwidth measured: {measure_copy_bandwidth('cuda') / 1e9:.0f} GB/s")
     print(f"{'shape':<34} {'kernels':>12} {'bytes':>12} {'achieved':>13} {'%copy':>7} | whole op (GEMMs incl.), torch backend | launches per step")
-    rows = run(a.quick, only=a.only)
+    rows = run(a.quick, only=a.only, flush=a.flush)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"environment": env, "rows": rows}, f, indent=1, default=str)

@@ -68,6 +68,13 @@ KERNELS = {
         dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8,
              num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
+    "window_entries": ("dsv4.kernels.swa_write:_window_entries_kernel", {
+        "kv_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "out_ptr": "*bf16"},
+        dict(BT=4, num_warps=4, enable_fp_fusion=False), set()),
+    "append_swa": ("dsv4.kernels.swa_write:_append_swa_kernel", {
+        "kvn_ptr": "*bf16", "ring_ptr": "*u8", "ring_pos_ptr": "*i32", "token_slots_ptr": "*i64",
+        "ring_slots_ptr": "*i64", "rows_ptr": "*i64", "pos_ptr": "*i64"},
+        dict(WINDOW=128, BT=4, num_warps=4, enable_fp_fusion=False), {"ring_page_bytes"}),
     "csa_entries": ("dsv4.kernels.csa_entries:_csa_entries_kernel", {
         "mpages_ptr": "*u8", "xpages_ptr": "*u8", "block_tables_ptr": "*i32", "start_ptr": "*i64", "cu_ptr": "*i32",
         "emit_req_ptr": "*i32", "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "eps": "fp32", "kv_ptr": "*bf16",

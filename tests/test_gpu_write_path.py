@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 from dsv4.kernels import compressor as kc  # noqa: E402  (needs triton)
 from dsv4.kernels import csa_entries as kce  # noqa: E402
+from dsv4.kernels import quant  # noqa: E402
 from dsv4.reference.compressor import overlap_slots, pool_windows  # noqa: E402
 from dsv4.reference.primitives import rms_norm  # noqa: E402
 CFG = dsv4.ModelConfig.preset("v4-flash")
@@ -248,3 +249,55 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
         assert bool((torch.exp(gate - gate.amax(1, keepdim=True)).sum(1) > 0.9 * gate.shape[1]).all())
     bad = (out != ref).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"
+
+
+@triton.jit
+def _e4m3_paths_kernel(count_ptr, first_ptr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr):
+    """Every fp32 bit pattern of this program's range through both E4M3 roundings (``quant.e4m3_round_cvt``, the
+    GPU's, and ``quant.e4m3_round_bits``, the interpreter's): counts the non-NaN patterns whose codes or values
+    differ, and keeps the smallest such pattern."""
+    base = tl.program_id(0).to(tl.int64) * (BLOCK * ROUNDS)
+    for r in range(ROUNDS):
+        idx = base + r * BLOCK + tl.arange(0, BLOCK)
+        y = idx.to(tl.int32).to(tl.float32, bitcast=True)  # patterns ≥ 2**31 wrap to the negative int32s
+        c1, v1 = quant.e4m3_round_cvt(y)
+        c2, v2 = quant.e4m3_round_bits(y)
+        bad = ((c1 != c2) | (v1.to(tl.int32, bitcast=True) != v2.to(tl.int32, bitcast=True))) & (y == y)
+        n = tl.sum(bad.to(tl.int32))
+        if n > 0:
+            tl.atomic_add(count_ptr, n)
+            tl.atomic_min(first_ptr, tl.min(tl.where(bad, idx, 1 << 40)))
+
+
+@triton.jit
+def _e4m3_codes_kernel(y_ptr, code_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    code, _ = quant.e4m3_round(tl.load(y_ptr + i, mask=i < N))
+    tl.store(code_ptr + i, code.to(tl.uint8), mask=i < N)
+
+
+def test_e4m3_conversion_is_the_bit_arithmetic() -> None:
+    """The kernels' E4M3 rounding on the GPU (the hardware conversion) == the bit arithmetic the interpreter runs,
+    on all 2**32 fp32 bit patterns but NaN (codes and values, -0.0 and ±inf included); and == torch's float8 cast
+    (what the torch backend runs) on the values the quantizer feeds it: clamped to ±448, every E4M3 rounding
+    boundary ± 1 ulp and fresh random values."""
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    first = torch.full((1,), 1 << 40, dtype=torch.int64, device="cuda")
+    block, rounds = 1024, 64
+    _e4m3_paths_kernel[((1 << 32) // (block * rounds),)](count, first, BLOCK=block, ROUNDS=rounds)
+    assert int(count) == 0, f"{int(count)} fp32 patterns differ, the first {int(first):#010x}"
+
+    e4m3 = torch.arange(256, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[torch.isfinite(e4m3)].unique()
+    mids = (e4m3[1:] + e4m3[:-1]) / 2  # the rounding boundaries (exact in fp32)
+    around = torch.cat([mids, e4m3]).view(torch.int32)
+    around = torch.cat([around - 1, around, around + 1]).view(torch.float32)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    rand = torch.randn(1 << 20, generator=g, device="cuda") * torch.exp2(torch.randint(-12, 10, (1 << 20,), generator=g, device="cuda").float())
+    y = torch.cat([around, -around, rand])
+    y = y[~y.isnan()].clamp(-448.0, 448.0)  # (0.0's bits − 1 are a NaN)
+    codes = torch.empty(y.shape, dtype=torch.uint8, device="cuda")
+    _e4m3_codes_kernel[(triton.cdiv(y.numel(), 1024),)](y, codes, y.numel(), BLOCK=1024)
+    want = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = codes != want
+    assert not bad.any(), f"{int(bad.sum())} codes differ from torch's cast, e.g. {y[bad][:4].tolist()}"

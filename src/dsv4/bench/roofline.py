@@ -68,7 +68,7 @@ def time_cuda(
     warmup: int = 10,
     iters: int = 50,
     device: torch.device | str | None = None,
-    flush_l2: bool = False,
+    flush_l2: bool | str = False,
     graph: bool = False,
 ) -> float:
     """Median wall time of one ``fn()`` call, in seconds.
@@ -82,15 +82,20 @@ def time_cuda(
         warmup: untimed calls first (autotuning, allocator warm-up, lazy init).
         iters: timed calls; the median is returned (robust to stragglers).
         device: where ``fn`` runs (default: CUDA if available, else CPU).
-        flush_l2: CUDA only: overwrite a 256 MiB buffer before every timed call (outside the timed region), so
-            ``fn`` reads its inputs from HBM rather than from a warm L2 (use for memory-bound kernels whose
-            inputs would fit L2).
+        flush_l2: CUDA only: before every timed call (outside the timed region) evict ``fn``'s data from L2 with
+            a 256 MiB buffer, so ``fn`` reads its inputs from HBM rather than from a warm L2 (use for memory-bound
+            kernels whose inputs would fit L2). ``True`` / ``"zero"``: overwrite the buffer — L2 is left full of
+            dirty lines, which ``fn`` then writes back as it evicts them (up to an L2 of extra HBM writes: a cost
+            of the method, as large as a 17 MB kernel's own traffic); ``"read"``: read it — clean lines, nothing
+            to write back.
         graph: CUDA only: capture ``fn`` once in a CUDA graph (after a warm-up call on a side stream) and time
             its replays — the GPU time of the kernels without Python launch overhead, as the engine's decode
             steps run. ``fn`` must be graph-safe (no host synchronisation, no allocation that changes).
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
+    if flush_l2 not in (False, True, "zero", "read"):
+        raise ValueError(f"flush_l2 must be False, True, 'zero' or 'read', got {flush_l2!r}")
     dev = _dev(device)
     if graph and dev.type == "cuda":
         fn = _captured(fn, dev)
@@ -107,12 +112,15 @@ def time_cuda(
     if flush_l2:
         flush = _L2_FLUSH.get(dev)
         if flush is None:
-            flush = _L2_FLUSH[dev] = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+            flush = _L2_FLUSH[dev] = torch.zeros(64 << 20, dtype=torch.int32, device=dev)
+    flush_sum = torch.empty((), dtype=torch.int64, device=dev) if flush_l2 == "read" else None
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     _sync(dev)
     for i in range(iters):
-        if flush is not None:
+        if flush_sum is not None:
+            torch.sum(flush, dim=0, out=flush_sum)
+        elif flush is not None:
             flush.zero_()
         starts[i].record()
         fn()

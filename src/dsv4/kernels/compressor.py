@@ -425,11 +425,12 @@ def page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, 
 def store_fp8_blocks(y, data, scales, NBLK: tl.constexpr):
     """Encode the 64-channel blocks of ``y`` fp32 ``[64·n]`` (BF16 values) as the torch backend does — FP8
     quantize→dequantize, then the codes and scale bytes of the result — and store the first ``NBLK``: codes at
-    ``data`` (uint8 pointer), scale bytes at ``scales`` (a block past ``NBLK`` stores a zero scale byte)."""
+    ``data`` (uint8 pointer), scale bytes at ``scales`` (a block past ``NBLK`` stores a zero scale byte). Rounds by
+    the bit arithmetic (``fp8_block_qdq``'s ``BITS``: here the hardware conversion costs registers)."""
     NB: tl.constexpr = y.shape[0] // 64
     blk = tl.arange(0, NB)
-    _, v1, _ = fp8_block_qdq(tl.reshape(y, (NB, 64)), 1)
-    code, _, ebyte = fp8_block_qdq(v1, 1)
+    _, v1, _ = fp8_block_qdq(tl.reshape(y, (NB, 64)), 1, BITS=True)
+    code, _, ebyte = fp8_block_qdq(v1, 1, BITS=True)
     tl.store(data + blk[:, None] * 64 + tl.arange(0, 64)[None, :], code.to(tl.uint8), mask=(blk < NBLK)[:, None])
     tl.store(scales + blk, tl.where(blk < NBLK, ebyte, 0).to(tl.uint8))
 

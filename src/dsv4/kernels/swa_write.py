@@ -53,11 +53,19 @@ def window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, t0, T, BT: tl.c
     Args:
         kv_ptr: bf16 ``[T, 512]`` contiguous, ``RMSNorm(W_kv x)`` of the step's tokens.
         pos_ptr: int64 ``[T]`` positions. inv_freq_ptr: fp32 ``[32]``.
-        out_ptr: bf16 ``[T, 512]``: RoPE'd, FP8-rounded entries (values exactly as stored).
+        out_ptr: bf16 ``[T, 512]`` contiguous: RoPE'd, FP8-rounded entries (values exactly as stored).
     """
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
     tok64 = tok.to(tl.int64)
+    # Every load first (one memory round trip per program). The rope dims as [BT, 32] int32 words, one (re, im)
+    # BF16 pair each: re in the low half, im in the high half (little endian); a BF16 widens to fp32 by a shift.
+    pair = tl.arange(0, 32)
+    rwords = tok64[:, None] * 256 + 224 + pair[None, :]
+    rmask = tmask[:, None]
+    rope = tl.load(kv_ptr.to(tl.pointer_type(tl.int32)) + rwords, mask=rmask, other=0)
+    pos_f = tl.load(pos_ptr + tok64, mask=tmask, other=0).to(tl.float32)[:, None]
+    inv_freq = tl.load(inv_freq_ptr + pair)[None, :]
     # nope dims as [BT, 8 blocks, 64] (block 7 holds the rope dims here and is ignored)
     blk = tl.arange(0, 8)
     col = tl.arange(0, 64)
@@ -66,17 +74,13 @@ def window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, t0, T, BT: tl.c
     nope = tl.load(kv_ptr + offs, mask=nmask, other=0.0).to(tl.float32)
     _, val, _ = fp8_block_qdq(nope, 2)
     tl.store(out_ptr + offs, val.to(tl.bfloat16), mask=nmask)
-    # rope dims as [BT, 32 pairs, 2]
-    pair = tl.arange(0, 32)
-    roffs = tok64[:, None] * 512 + 448 + pair[None, :] * 2
-    rmask = tmask[:, None]
-    re = tl.load(kv_ptr + roffs, mask=rmask, other=0.0).to(tl.float32)
-    im = tl.load(kv_ptr + roffs + 1, mask=rmask, other=0.0).to(tl.float32)
-    pos_f = tl.load(pos_ptr + tok64, mask=tmask, other=0).to(tl.float32)[:, None]
-    inv_freq = tl.load(inv_freq_ptr + pair)[None, :]
+    re = (rope << 16).to(tl.float32, bitcast=True)
+    im = (rope & -65536).to(tl.float32, bitcast=True)
     re2, im2 = rope_pairs(re, im, pos_f, inv_freq)
-    tl.store(out_ptr + roffs, bf16_round(re2).to(tl.bfloat16), mask=rmask)
-    tl.store(out_ptr + roffs + 1, bf16_round(im2).to(tl.bfloat16), mask=rmask)
+    # bf16_round leaves the low 16 bits zero: the high halves are the BF16 values
+    re_bits = (bf16_round(re2).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    im_bits = bf16_round(im2).to(tl.int32, bitcast=True) & -65536
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + rwords, re_bits | im_bits, mask=rmask)
 
 
 @triton.jit
