@@ -5,7 +5,8 @@ closes a window (the heaviest decode step), and one 8K-token prefill chunk. For 
 kernels alone (projection GEMMs done beforehand), the minimum bytes they must move, and the fraction of the
 copy bandwidth measured in the same run; plus the whole op time (GEMMs included) and the torch backend's, and
 the number of Triton launches of a step (counted with the profiler). Prefill rows also time one device copy of
-the same bytes the same way (``copy same bytes``): the floor at that size, launch and ramp included.
+the same bytes the same way (``copy same bytes``): the floor at that size, launch and ramp included. And the
+queries' per-head RMSNorm + RoPE (``ops.queries``, one launch) against the torch backend's kernels for it.
 
     python benchmarks/bench_write.py [--quick] [--json out.json]
 
@@ -99,6 +100,36 @@ def _module_flags(flags: dict):
             setattr(mod, name, value)
 
 
+def _query_rows(preset: str, cfg, bw: float, quick: bool, only: str | None, flush: str) -> list[dict]:
+    """The queries' per-head RMSNorm + RoPE (``ops.queries``): the Triton launch vs the torch backend's kernels,
+    decode B = 1 / 64 / 256 and an 8K prefill chunk (CUDA-graph replays, L2 flushed)."""
+    from dsv4.kernels.queries import queries
+    from dsv4.reference.rope import rope_inv_freq
+
+    rows = []
+    inv = rope_inv_freq(cfg, dsv4.LayerKind.SWA, device="cuda")
+    for T in (1, 64, 256, 8192):
+        name = f"{preset} queries {'prefill 8K' if T == 8192 else f'decode B={T}'}"
+        if only and only not in name:
+            continue
+        q = torch.randn(T, cfg.num_heads, cfg.head_dim, device="cuda").bfloat16()
+        pos = torch.randint(0, 1 << 17, (T,), device="cuda")
+        out = torch.empty_like(q)
+        iters = 20 if quick else 50
+        t_k = time_cuda(lambda: queries(q, pos, inv, cfg.norm_eps, out=out), warmup=3, iters=iters, flush_l2=flush,
+                        graph=True)
+        t_torch = time_cuda(lambda: torch_ops.queries(q, pos, inv, cfg.norm_eps), warmup=3, iters=iters,
+                            flush_l2=flush, graph=True)
+        nbytes = 2 * q.numel() * 2 + T * 8
+        row = roofline_row(name, t_k, bytes=nbytes, flops=0.0, copy_bw=bw, mm_rate=math.nan, preset=preset,
+                           kind="queries", scenario=name.split("queries ")[1], torch_graph_us=t_torch * 1e6,
+                           triton_launches=1, copy_gbps=bw / 1e9, l2_flush=flush)
+        rows.append(row)
+        print(f"{name:<34} {row['us']:9.1f} us {nbytes / 1e6:9.2f} MB {row['gbps']:8.0f} GB/s "
+              f"{100 * row['roofline_frac']:6.1f}% | torch backend (graph) {t_torch * 1e6:8.1f} us", flush=True)
+    return rows
+
+
 def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, flush: str = "zero") -> list[dict]:
     """Time every case (``quick``: fewer repetitions). ``only``: just the cases whose name contains it;
     ``profile_calls``: no timing, call the kernels that many times (a target for ``ncu``); ``flush``: how L2 is
@@ -108,6 +139,8 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, fl
     presets = ["v4-flash", "v4-pro"]
     for preset in presets:
         cfg = dsv4.ModelConfig.preset(preset)
+        if not profile_calls:
+            rows += _query_rows(preset, cfg, bw, quick, only, flush)
         for kind, li in LAYERS[preset].items():
             w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
             lay = Attention(w, cfg, li, backend="torch")

@@ -21,7 +21,7 @@ from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig
 from .ops import backend_ops, triton_available
 from .reference.indexer import indexer_head_weights
-from .reference.layer import grouped_output, query_path
+from .reference.layer import grouped_output, query_projection
 from .reference.primitives import linear, rms_norm
 from .reference.rope import rope_inv_freq
 from .weights import AttentionWeights
@@ -146,7 +146,8 @@ class Attention:
         x = x.to(act)
         pos = batch.positions
 
-        q, q_latent = query_path(w, cfg, x, pos, inv_freq, nm)
+        q_proj, q_latent = query_projection(w, cfg, x, nm)
+        q = ops.queries(q_proj, pos, inv_freq, cfg.norm_eps)
         kv_in = rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps)
         m, entry_idx = self.ratio, None
         if self.kind is LayerKind.SWA:

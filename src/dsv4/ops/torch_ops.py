@@ -27,12 +27,14 @@ from ..reference.core import attend_with_sink, window_indices
 from ..config import ModelConfig
 from ..numerics import Numerics
 from ..reference.indexer import index_scores, indexer_queries as _reference_indexer_queries, select_topk
+from ..reference.primitives import rms_norm
 from ..reference.rope import apply_rope
 from ..weights import CompressorWeights, IndexerWeights
 
 __all__ = [
     # the backend interface (dsv4.ops.BACKEND_OPS), called by dsv4.Attention
-    "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend", "append_swa",
+    "queries", "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend",
+    "append_swa",
     # building blocks of the torch backend
     "window_keys", "compressor_step", "write_entries", "gather", "sparse_attention", "visible_entries",
 ]
@@ -44,6 +46,19 @@ def visible_entries(batch: StepBatch, m: int) -> Tensor:
     """Compressed entries each token may see, ``(pos + 1) // m`` (the prototype's compute_valid_lens, computed from
     positions, not block counts). Returns int64 ``[T]``."""
     return batch.visible_entries[m]
+
+
+# ------------------------------------------------------------------------------------------------ queries
+def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """The attention queries from their projection (SPEC §3 step 2): per-head unweighted RMSNorm, then RoPE.
+
+    Args:
+        q: ``[T, H, D]`` act dtype, ``W_qb c^Q`` split into heads.
+        positions: int64 ``[T]``; inv_freq: float32 ``[R/2]``; eps: the RMSNorm epsilon.
+    Returns:
+        ``[T, H, D]`` act dtype.
+    """
+    return apply_rope(rms_norm(q, None, eps), positions, inv_freq)
 
 
 # ------------------------------------------------------------------------------------------------ sliding window

@@ -1,5 +1,7 @@
 """Triton glue of the write path: ``window_entries``, ``compress`` and ``append_swa`` (see ``dsv4.ops.torch_ops``
-for the interface; same signatures and results, bit for bit on CUDA).
+for the interface; same signatures and results, bit for bit on CUDA); and ``queries``, the per-head RMSNorm + RoPE
+of the query projection in one launch (``kernels.queries``: within one BF16 step of the torch backend's, the sum
+of squares being summed in another order).
 
 Per layer and decode step the writes take two launches (plus the compressors' projection GEMMs, which stay torch
 matmuls computed exactly as ``reference.compressor.project`` does):
@@ -30,13 +32,13 @@ from torch import Tensor
 
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
-from ..kernels import swa_write
+from ..kernels import queries as query_kernels, swa_write
 from ..kernels.compressor import CompressorArgs, scratch_rows, write_before_attention
 from ..numerics import Numerics
 from ..weights import CompressorWeights
 from . import torch_ops
 
-__all__ = ["window_entries", "compress", "append_swa", "supported"]
+__all__ = ["queries", "window_entries", "compress", "append_swa", "supported"]
 
 
 def _runs_here(t: Tensor) -> bool:
@@ -52,6 +54,14 @@ def supported(numerics: Numerics, nope_dim: int, kv_dim: int = 512) -> bool:
         and nope_dim == 448
         and kv_dim == 512
     )
+
+
+def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """See ``torch_ops.queries``. One launch for BF16 heads of 512 dims; anything else runs the torch backend."""
+    if not (_runs_here(q) and q.dtype == torch.bfloat16 and q.dim() == 3 and q.shape[-1] == query_kernels.HEAD_DIM
+            and inv_freq.numel() == query_kernels.ROPE_DIM // 2):
+        return torch_ops.queries(q, positions, inv_freq, eps)
+    return query_kernels.queries(q.contiguous(), positions, inv_freq.float().contiguous(), eps)
 
 
 def window_entries(kv: Tensor, positions: Tensor, inv_freq: Tensor, numerics: Numerics, nope_dim: int) -> Tensor:

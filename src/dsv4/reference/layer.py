@@ -20,7 +20,7 @@ from .indexer import index_scores, indexer_head_weights, indexer_queries, select
 from .primitives import linear, rms_norm
 from .rope import apply_rope, rope_inv_freq
 
-__all__ = ["ReferenceResult", "attention", "forward", "query_path", "window_kv", "output_projection", "grouped_output",
+__all__ = ["ReferenceResult", "attention", "forward", "query_path", "query_projection", "window_kv", "output_projection", "grouped_output",
            "compressed_entry_indices"]
 
 
@@ -63,11 +63,22 @@ def query_path(
     Args:
         x: ``[T, d]``; positions: ``[T]``. Returns ``q`` ``[T, H, D]`` and ``c^Q`` ``[T, q_lora_rank]`` (act dtype).
     """
+    q, q_latent = query_projection(w, cfg, x, numerics)
+    return apply_rope(rms_norm(q, None, cfg.norm_eps), positions, inv_freq), q_latent
+
+
+def query_projection(
+    w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, numerics: Numerics
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC §3 step 1 and the projection of step 2: ``c^Q = RMSNorm(W_qa x)``, ``W_qb c^Q`` split into heads
+    (``query_path`` before its per-head norm and RoPE).
+
+    Args:
+        x: ``[T, d]``. Returns ``W_qb c^Q`` ``[T, H, D]`` and ``c^Q`` ``[T, q_lora_rank]`` (act dtype).
+    """
     act = numerics.act_dtype
     q_latent = rms_norm(linear(x, w.wq_a, act), w.q_norm, cfg.norm_eps)
-    q = linear(q_latent, w.wq_b, act).unflatten(-1, (cfg.num_heads, cfg.head_dim))
-    q = rms_norm(q, None, cfg.norm_eps)
-    return apply_rope(q, positions, inv_freq), q_latent
+    return linear(q_latent, w.wq_b, act).unflatten(-1, (cfg.num_heads, cfg.head_dim)), q_latent
 
 
 def window_kv(

@@ -1,0 +1,95 @@
+"""The attention queries from their projection in one launch (SPEC §3 step 2): per-head RMSNorm, then RoPE.
+
+``q = RoPE(RMSNorm(q_proj))`` per head — the unweighted RMSNorm over the head's 512 dims in fp32, rounded to BF16,
+then the last 64 dims rotated at the token's position in fp32 and rounded once more (``torch_ops.queries``, i.e.
+``reference.primitives.rms_norm`` + ``reference.rope.apply_rope``). The torch backend runs that as about twenty
+elementwise and reduction kernels, each a full pass over ``q``; here one program reads ``ROWS`` (token, head) rows
+once and writes them once.
+
+Numerics: the same operations as the torch backend in the same precision (libdevice ``rsqrtf`` / ``cosf`` /
+``sinf``, no FMA contraction), except the order of the 512-term sum of squares, which is Triton's tree instead of
+torch's reduce kernel's: a query may differ from the torch backend's in the last BF16 bit where the two sums round
+apart, and a rotated pair by as much at its norm (tests/test_queries.py: within one BF16 step on the nope dims, two
+at the pair's norm on the rope dims, 99% of the elements equal).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .quant import bf16_round, rsqrtf
+from .swa_write import rope_pairs
+
+__all__ = ["queries"]
+
+HEAD_DIM = 512
+ROPE_DIM = 64
+#: (token, head) rows per program: 2,048 elements over 4 warps, two 16-byte loads per thread
+ROWS = 4
+
+
+@triton.jit
+def _queries_kernel(q_ptr, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, ROWS: tl.constexpr):
+    """Rows ``pid·ROWS …`` of ``q`` (row ``r`` = token ``r // H``, head ``r % H``).
+
+    Args:
+        q_ptr: bf16 ``[R, 512]`` contiguous, the query projection (``R = T·H`` rows).
+        pos_ptr: int64 ``[T]`` positions. inv_freq_ptr: fp32 ``[32]``.
+        out_ptr: bf16 ``[R, 512]`` contiguous: the queries.
+        H: heads per token; R: rows; eps: the RMSNorm epsilon.
+    """
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = row < R
+    row64 = row.to(tl.int64)
+    # Every load first. The rope dims again as [ROWS, 32] int32 words, one (re, im) BF16 pair each (re in the low
+    # half): a BF16 widens to fp32 by a shift, and the pair stays in one thread for the rotation.
+    pair = tl.arange(0, 32)
+    words = row64[:, None] * 256 + 224 + pair[None, :]
+    rope = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + words, mask=ok[:, None], other=0)
+    pos_f = tl.load(pos_ptr + row64 // H, mask=ok, other=0).to(tl.float32)[:, None]
+    inv_freq = tl.load(inv_freq_ptr + pair)[None, :]
+    blk = tl.arange(0, 8)
+    col = tl.arange(0, 64)
+    offs = row64[:, None, None] * 512 + blk[None, :, None] * 64 + col[None, None, :]
+    x = tl.load(q_ptr + offs, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    # RMSNorm: mean of squares (× 1/512: exact), rsqrt, scale, round to BF16 (torch: y.to(x.dtype))
+    r = rsqrtf(tl.sum(tl.sum(x * x, axis=2), axis=1) * (1.0 / 512.0) + eps)
+    y = bf16_round(x * r[:, None, None])
+    tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=ok[:, None, None] & (blk[None, :, None] < 7))
+    re = bf16_round((rope << 16).to(tl.float32, bitcast=True) * r[:, None])
+    im = bf16_round((rope & -65536).to(tl.float32, bitcast=True) * r[:, None])
+    re2, im2 = rope_pairs(re, im, pos_f, inv_freq)
+    re_bits = (bf16_round(re2).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    im_bits = bf16_round(im2).to(tl.int32, bitcast=True) & -65536
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + words, re_bits | im_bits, mask=ok[:, None])
+
+
+def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """The attention queries (one launch): per-head RMSNorm over the 512 dims, then RoPE on the last 64.
+
+    Args:
+        q: bf16 ``[T, H, 512]`` contiguous, the query projection ``W_qb c^Q`` per head.
+        positions: int64 ``[T]``. inv_freq: fp32 ``[32]`` contiguous. eps: the RMSNorm epsilon.
+        out: optional bf16 ``[T, H, 512]`` contiguous output (may not alias ``q``).
+    Returns:
+        bf16 ``[T, H, 512]``.
+    Raises:
+        ValueError: ``q`` not a contiguous bf16 ``[T, H, 512]``, or ``out`` of another shape / dtype.
+    """
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
+        raise ValueError(f"queries takes a contiguous bf16 [T, H, {HEAD_DIM}] tensor, got {q.dtype} "
+                         f"{list(q.shape)} (strides {tuple(q.stride())})")
+    if out is None:
+        out = q.new_empty(q.shape)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} {list(q.shape)} tensor, got {out.dtype} "
+                         f"{list(out.shape)}")
+    T, H, _ = q.shape
+    if T * H:
+        _queries_kernel[(triton.cdiv(T * H, ROWS),)](
+            q, positions, inv_freq, out, H, T * H, float(eps), ROWS=ROWS, num_warps=4, enable_fp_fusion=False,
+        )
+    return out

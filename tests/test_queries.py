@@ -1,0 +1,77 @@
+"""``queries`` (per-head RMSNorm + RoPE of the query projection): the Triton kernel vs the torch backend.
+
+The kernel sums the 512 squares in another order than torch's reduce kernel, so a query may differ in its last
+BF16 bit; everything else is the same operations. Both tests check every element within one BF16 step of the torch
+backend and nearly all of them equal: on the CPU under the Triton interpreter (logic, addressing, the rope pairs
+as words) and on the GPU (marked gpu).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+_SCRIPT = r"""
+import torch
+from dsv4.kernels.queries import queries
+from dsv4.ops import torch_ops
+from queries_util import check
+g = torch.Generator().manual_seed(3)
+T, H = 7, 3
+q = (torch.randn(T, H, 512, generator=g) * torch.exp(2 * torch.randn(T, H, 1, generator=g))).bfloat16()
+pos = torch.tensor([0, 1, 5, 127, 4096, 70000, 1048575])
+inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+check(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
+print("OK")
+"""
+
+
+@pytestmark_triton
+def test_queries_kernel_in_interpreter_matches_torch() -> None:
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 4099])
+def test_queries_kernel_matches_torch_on_gpu(T: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    from dsv4.kernels.queries import queries
+    from dsv4.ops import torch_ops
+    from queries_util import check
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.randn(T, 64, 512, generator=g, device="cuda") * torch.exp(2 * torch.randn(T, 64, 1, generator=g,
+                                                                                       device="cuda"))
+    q = q.bfloat16()
+    pos = torch.randint(0, 1 << 20, (T,), generator=g, device="cuda")
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device="cuda") / 64))
+    check(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
+
+
+def test_queries_kernel_rejects_bad_input() -> None:
+    pytest.importorskip("triton")
+    from dsv4.kernels.queries import queries
+
+    inv = torch.ones(32)
+    pos = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"bf16 \[T, H, 512\]"):
+        queries(torch.zeros(2, 3, 512), pos, inv, 1e-6)  # fp32
+    with pytest.raises(ValueError, match=r"bf16 \[T, H, 512\]"):
+        queries(torch.zeros(2, 3, 256, dtype=torch.bfloat16), pos, inv, 1e-6)
+    with pytest.raises(ValueError, match=r"bf16 \[T, H, 512\]"):
+        queries(torch.zeros(2, 512, 3, dtype=torch.bfloat16).transpose(1, 2), pos, inv, 1e-6)  # not contiguous
+    with pytest.raises(ValueError, match="out must be"):
+        queries(torch.zeros(2, 3, 512, dtype=torch.bfloat16), pos, inv, 1e-6, out=torch.zeros(2, 3, 512))
