@@ -73,7 +73,7 @@ class Attention:
         self.ratio = cfg.ratio(layer_idx)
         self.backend = backend
         self.check_inputs = check_inputs
-        self._device_weights: dict[torch.device, tuple[AttentionWeights, Tensor]] = {}
+        self._device_weights: dict[tuple[torch.device, torch.dtype | None], tuple[AttentionWeights, Tensor]] = {}
 
     def backend_for(self, device: torch.device) -> str:
         """The backend a step on ``device`` runs (resolves ``"auto"``)."""
@@ -88,12 +88,16 @@ class Attention:
     def __repr__(self) -> str:
         return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend})"
 
-    def _weights_on(self, device: torch.device) -> tuple[AttentionWeights, Tensor]:
-        """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused)."""
-        if device not in self._device_weights:
+    def _weights_on(self, device: torch.device, gemm_dtype: torch.dtype | None = None) -> tuple[AttentionWeights, Tensor]:
+        """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused), the
+        projection matrices in ``gemm_dtype`` (the numerics' activation dtype; ``None``: as given)."""
+        key = (device, gemm_dtype)
+        if key not in self._device_weights:
             w = self.weights.to(device).with_fp32_compressors()
-            self._device_weights[device] = (w, rope_inv_freq(self.cfg, self.kind, device))
-        return self._device_weights[device]
+            if gemm_dtype is not None:
+                w = w.with_gemm_dtype(gemm_dtype)
+            self._device_weights[key] = (w, rope_inv_freq(self.cfg, self.kind, device))
+        return self._device_weights[key]
 
     def _validate(self, x: Tensor, batch: StepBatch, cache: HybridCache) -> None:
         if not isinstance(batch, StepBatch):
@@ -140,7 +144,7 @@ class Attention:
         self._validate(x, batch, cache)
         ops = backend_ops(self.backend_for(x.device))
         cfg, nm = self.cfg, cache.numerics
-        w, inv_freq = self._weights_on(x.device)
+        w, inv_freq = self._weights_on(x.device, nm.act_dtype)
         layer = cache.layer(self.layer_idx)
         act = nm.act_dtype
         x = x.to(act)

@@ -248,6 +248,17 @@ class AttentionWeights:
         indexer = None if self.indexer is None else dataclasses.replace(self.indexer, compressor=fp32(self.indexer.compressor))
         return dataclasses.replace(self, compressor=fp32(self.compressor), indexer=indexer)
 
+    def with_gemm_dtype(self, dtype: torch.dtype) -> "AttentionWeights":
+        """A copy whose projection matrices (``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b``, the indexer's ``wq_b``
+        and ``weights_proj``) hold ``dtype``, the GEMMs' operand dtype (``Numerics.act_dtype``): ``linear`` casts
+        its weight to that dtype on every call, so a device copy cast once spares every step the cast — for FP32
+        weights and BF16 GEMMs a full read and write of every matrix per layer and step (the values are
+        unchanged). Norms, sinks and the compressors keep their dtype."""
+        gemm = {name: getattr(self, name).to(dtype) for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")}
+        indexer = None if self.indexer is None else dataclasses.replace(
+            self.indexer, wq_b=self.indexer.wq_b.to(dtype), weights_proj=self.indexer.weights_proj.to(dtype))
+        return dataclasses.replace(self, indexer=indexer, **gemm)
+
     def check(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Raise ``ValueError`` naming every tensor whose shape does not fit ``cfg``'s layer ``layer_idx``."""
         d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
