@@ -21,8 +21,8 @@ from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig
 from .ops import backend_ops, triton_available
 from .reference.indexer import indexer_head_weights
-from .reference.layer import grouped_output, query_projection
-from .reference.primitives import linear, rms_norm
+from .reference.layer import grouped_output
+from .reference.primitives import linear
 from .reference.rope import rope_inv_freq
 from .weights import AttentionWeights
 
@@ -150,9 +150,11 @@ class Attention:
         x = x.to(act)
         pos = batch.positions
 
-        q_proj, q_latent = query_projection(w, cfg, x, nm)
+        # SPEC §3 steps 1-3 (reference.layer.query_path / window_kv), the norms and the RoPE as backend ops
+        q_latent = ops.rms_norm(linear(x, w.wq_a, act), w.q_norm, cfg.norm_eps)
+        q_proj = linear(q_latent, w.wq_b, act).unflatten(-1, (cfg.num_heads, cfg.head_dim))
         q = ops.queries(q_proj, pos, inv_freq, cfg.norm_eps)
-        kv_in = rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps)
+        kv_in = ops.rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps)
         m, entry_idx = self.ratio, None
         if self.kind is LayerKind.SWA:
             kv = ops.window_entries(kv_in, pos, inv_freq, nm, cfg.nope_dim)

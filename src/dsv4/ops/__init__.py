@@ -7,8 +7,8 @@ a step can be captured in a CUDA graph):
 * ``torch_ops`` — plain torch, any device: the oracle the kernels are tested against.
 * ``triton_ops`` — Triton kernels for Hopper GPUs (``dsv4.kernels``); CUDA tensors only.
 
-``dsv4.Attention`` calls them in this order per layer step: ``queries`` (the per-head norm + RoPE of the query
-projection) → ``window_entries`` (SWA layers) or ``compress``
+``dsv4.Attention`` calls them in this order per layer step: ``rms_norm`` (of ``c^Q`` and of the window KV) and
+``queries`` (the per-head norm + RoPE of the query projection) → ``window_entries`` (SWA layers) or ``compress``
 (compressed layers: the window entries and every compressor of the layer in one op) → ``indexer_queries`` +
 ``indexer_topk`` (CSA) or ``all_visible_entries`` (HCA) → ``attend`` → ``append_swa`` (last: a multi-token step
 would otherwise overwrite ring slots its own earlier queries still read).
@@ -23,7 +23,7 @@ from . import torch_ops
 __all__ = ["BACKEND_OPS", "backend_ops", "torch_ops", "triton_available"]
 
 BACKEND_OPS = (
-    "queries", "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend",
+    "rms_norm", "queries", "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend",
     "append_swa",
 )
 

@@ -27,13 +27,13 @@ from ..reference.core import attend_with_sink, window_indices
 from ..config import ModelConfig
 from ..numerics import Numerics
 from ..reference.indexer import index_scores, indexer_queries as _reference_indexer_queries, select_topk
-from ..reference.primitives import rms_norm
+from ..reference.primitives import rms_norm as _reference_rms_norm
 from ..reference.rope import apply_rope
 from ..weights import CompressorWeights, IndexerWeights
 
 __all__ = [
     # the backend interface (dsv4.ops.BACKEND_OPS), called by dsv4.Attention
-    "queries", "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend",
+    "rms_norm", "queries", "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend",
     "append_swa",
     # building blocks of the torch backend
     "window_keys", "compressor_step", "write_entries", "gather", "sparse_attention", "visible_entries",
@@ -49,6 +49,16 @@ def visible_entries(batch: StepBatch, m: int) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ queries
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``reference.primitives.rms_norm``: ``weight ⊙ x / sqrt(mean(x²) + eps)`` over the last dim, in FP32, cast
+    back to ``x``'s dtype (``c^Q`` and the window KV ``RMSNorm(W_kv x)``).
+
+    Args:
+        x: ``[rows, C]`` act dtype; weight: ``[C]``; eps: the epsilon. Returns ``[rows, C]`` act dtype.
+    """
+    return _reference_rms_norm(x, weight, eps)
+
+
 def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
     """The attention queries from their projection (SPEC §3 step 2): per-head unweighted RMSNorm, then RoPE.
 
@@ -58,7 +68,7 @@ def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tenso
     Returns:
         ``[T, H, D]`` act dtype.
     """
-    return apply_rope(rms_norm(q, None, eps), positions, inv_freq)
+    return apply_rope(_reference_rms_norm(q, None, eps), positions, inv_freq)
 
 
 # ------------------------------------------------------------------------------------------------ sliding window

@@ -2,8 +2,8 @@
 
 The glue modules (one per kernel family, each owning its launches and buffers):
 
-* ``triton_write``     — ``queries``, ``window_entries``, ``compress``, ``append_swa`` (the write path, and the
-  queries' norm + RoPE ahead of it);
+* ``triton_write``     — ``rms_norm``, ``queries``, ``window_entries``, ``compress``, ``append_swa`` (the write
+  path, and the norms and query RoPE ahead of it);
 * ``triton_indexer``   — ``indexer_queries``, ``indexer_topk`` (MXFP4 scores + radix top-k);
 * ``triton_attention`` — ``all_visible_entries``, ``attend`` (sparse attention over the 584-B pages).
 
@@ -19,7 +19,7 @@ import importlib.util
 from . import BACKEND_OPS, torch_ops
 
 _GLUE = {
-    "triton_write": ("queries", "window_entries", "compress", "append_swa"),
+    "triton_write": ("rms_norm", "queries", "window_entries", "compress", "append_swa"),
     "triton_indexer": ("indexer_queries", "indexer_topk"),
     "triton_attention": ("all_visible_entries", "attend"),
 }

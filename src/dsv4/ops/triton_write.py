@@ -1,7 +1,8 @@
 """Triton glue of the write path: ``window_entries``, ``compress`` and ``append_swa`` (see ``dsv4.ops.torch_ops``
-for the interface; same signatures and results, bit for bit on CUDA); and ``queries``, the per-head RMSNorm + RoPE
-of the query projection in one launch (``kernels.queries``: within one BF16 step of the torch backend's, the sum
-of squares being summed in another order).
+for the interface; same signatures and results, bit for bit on CUDA); and what the layer computes before them, one
+launch each: ``rms_norm`` (``kernels.rms_norm``: the window KV's bit for bit, ``c^Q``'s within one BF16 step) and
+``queries``, the per-head RMSNorm + RoPE of the query projection (``kernels.queries``: within one BF16 step of the
+torch backend's, the squares being summed in another order).
 
 Per layer and decode step the writes take two launches (plus the compressors' projection GEMMs, which stay torch
 matmuls computed exactly as ``reference.compressor.project`` does):
@@ -32,13 +33,13 @@ from torch import Tensor
 
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
-from ..kernels import queries as query_kernels, swa_write
+from ..kernels import queries as query_kernels, rms_norm as rms_norm_kernels, swa_write
 from ..kernels.compressor import CompressorArgs, scratch_rows, write_before_attention
 from ..numerics import Numerics
 from ..weights import CompressorWeights
 from . import torch_ops
 
-__all__ = ["queries", "window_entries", "compress", "append_swa", "supported"]
+__all__ = ["rms_norm", "queries", "window_entries", "compress", "append_swa", "supported"]
 
 
 def _runs_here(t: Tensor) -> bool:
@@ -54,6 +55,13 @@ def supported(numerics: Numerics, nope_dim: int, kv_dim: int = 512) -> bool:
         and nope_dim == 448
         and kv_dim == 512
     )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """See ``torch_ops.rms_norm``. One launch for BF16 rows of up to 8,192 channels; else the torch backend."""
+    if not (_runs_here(x) and x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[1] <= 8192):
+        return torch_ops.rms_norm(x, weight, eps)
+    return rms_norm_kernels.rms_norm(x, weight, eps)
 
 
 def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:

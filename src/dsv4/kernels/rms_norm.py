@@ -1,0 +1,81 @@
+"""Weighted RMSNorm of the layer's activations in one launch: ``w ⊙ x / sqrt(mean(x²) + eps)``, BF16 in and out.
+
+``reference.primitives.rms_norm`` on the torch backend is about eight kernels (casts, square, mean, add, rsqrt, two
+products, the cast back), each a pass over the rows. Here one program normalizes one row:
+
+* 512 channels (the window KV ``RMSNorm(W_kv x)``, which the cache stores): one warp per row, the sum of squares
+  in the order of torch's CUDA reduce kernel for ``rows`` rows (``csa_entries.add_chunk_squares`` /
+  ``entry_rms_scale``, the compressor entries' RMSNorm) — the same bits as the torch backend
+  (``tests/test_gpu_write_path.py::test_rms_norm_lanes_order_matches_torch`` checks that order, 1 to 9,438 rows);
+* other widths (``c^Q``, 1,536 channels for V4-Flash): Triton's summation order — within one BF16 step of the torch
+  backend's (``tests/test_rms_norm.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .csa_entries import add_chunk_squares, entry_rms_scale, zero_square_sums
+from .quant import bf16_round, rsqrtf
+
+__all__ = ["rms_norm"]
+
+
+@triton.jit
+def _rms_norm_512_kernel(x_ptr, w_ptr, out_ptr, rows, eps):
+    """Row ``pid`` of bf16 ``x`` ``[rows, 512]`` → bf16 ``out`` (one warp; torch's order for ``rows`` rows)."""
+    base = tl.program_id(0).to(tl.int64) * 512
+    cols = tl.arange(0, 128)  # thread l: channels 128k + 4l … 128k + 4l + 3 of chunk k
+    sums = zero_square_sums()
+    for k in tl.static_range(4):
+        sums = add_chunk_squares(tl.load(x_ptr + base + k * 128 + cols).to(tl.float32), k, *sums)
+    r = entry_rms_scale(*sums, rows, eps)
+    for k in tl.static_range(4):
+        x = tl.load(x_ptr + base + k * 128 + cols).to(tl.float32)
+        y = bf16_round(tl.load(w_ptr + k * 128 + cols) * (x * r))
+        tl.store(out_ptr + base + k * 128 + cols, y.to(tl.bfloat16))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, inv_c, eps, BLOCK: tl.constexpr):
+    """Row ``pid`` of bf16 ``x`` ``[rows, C]`` → bf16 ``out`` (``C ≤ BLOCK``; Triton's summation order; the mean as
+    torch takes it: the sum times fp32 ``inv_c = 1/C``)."""
+    base = tl.program_id(0).to(tl.int64) * C
+    cols = tl.arange(0, BLOCK)
+    ok = cols < C
+    x = tl.load(x_ptr + base + cols, mask=ok, other=0.0).to(tl.float32)
+    r = rsqrtf(tl.sum(x * x) * inv_c + eps)
+    y = bf16_round(tl.load(w_ptr + cols, mask=ok, other=0.0) * (x * r))
+    tl.store(out_ptr + base + cols, y.to(tl.bfloat16), mask=ok)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``reference.primitives.rms_norm(x, weight, eps)`` in one launch.
+
+    Args:
+        x: bf16 ``[rows, C]`` (made contiguous). weight: ``[C]`` (used as fp32). eps: the epsilon.
+    Returns:
+        bf16 ``[rows, C]``: bit for bit the torch backend's for C = 512, else within one BF16 step.
+    Raises:
+        ValueError: ``x`` not a bf16 matrix, or ``weight`` not ``[C]``.
+    """
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"rms_norm takes a bf16 [rows, C] tensor, got {x.dtype} {list(x.shape)}")
+    rows, C = x.shape
+    if weight.shape != (C,):
+        raise ValueError(f"weight must be [{C}], got {list(weight.shape)}")
+    x = x.contiguous()
+    w = weight.to(device=x.device, dtype=torch.float32).contiguous()
+    out = torch.empty_like(x)
+    if rows == 0:
+        return out
+    if C == 512:
+        _rms_norm_512_kernel[(rows,)](x, w, out, rows, float(eps), num_warps=1, enable_fp_fusion=False)
+    else:
+        block = triton.next_power_of_2(C)
+        _rms_norm_kernel[(rows,)](x, w, out, C, 1.0 / C, float(eps), BLOCK=block, num_warps=max(1, min(8, block // 256)),
+                                  enable_fp_fusion=False)
+    return out
