@@ -43,8 +43,8 @@ def test_queries_kernel_in_interpreter_matches_torch() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64, 4099])
-def test_queries_kernel_matches_torch_on_gpu(T: int) -> None:
+@pytest.mark.parametrize("T, H", [(1, 64), (64, 64), (4099, 64), (64, 128)], ids=["1x64", "64x64", "4099x64", "64x128"])
+def test_queries_kernel_matches_torch_on_gpu(T: int, H: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("triton")
@@ -52,9 +52,9 @@ def test_queries_kernel_matches_torch_on_gpu(T: int) -> None:
     from dsv4.ops import torch_ops
     from queries_util import check
 
-    g = torch.Generator(device="cuda").manual_seed(T)
-    q = torch.randn(T, 64, 512, generator=g, device="cuda") * torch.exp(2 * torch.randn(T, 64, 1, generator=g,
-                                                                                       device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(T + H)
+    q = torch.randn(T, H, 512, generator=g, device="cuda") * torch.exp(2 * torch.randn(T, H, 1, generator=g,
+                                                                                      device="cuda"))
     q = q.bfloat16()
     pos = torch.randint(0, 1 << 20, (T,), generator=g, device="cuda")
     inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device="cuda") / 64))
