@@ -11,12 +11,10 @@ Skipped when Triton is not installed (CI).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from kernel_test_util import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -88,18 +86,9 @@ VARIANTS = {
 }
 
 
-def _interpret(script: str, *args: str) -> None:
-    """Run ``script`` with ``TRITON_INTERPRET=1`` in a subprocess; it must print ``ok`` last."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.path.join(root, "tests")]))
-    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_attend_logic_in_interpreter(variant: str) -> None:
-    _interpret(SCRIPT, json.dumps(VARIANTS[variant]))
+    run_interpreted(SCRIPT, json.dumps(VARIANTS[variant]))
 
 
 COMBINE_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
@@ -146,4 +135,4 @@ COMBINE_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 def test_combine_in_interpreter() -> None:
     """``_combine_kernel`` against the merge formula in float64: 1 to 37 splits (one load, several blocks of splits
     with a running max), empty splits, a token with none (sink only), weights 2^-200 below the others."""
-    _interpret(COMBINE_SCRIPT)
+    run_interpreted(COMBINE_SCRIPT)

@@ -9,12 +9,10 @@ as words) and on the GPU (marked gpu).
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from kernel_test_util import check_queries, run_interpreted
 
 pytestmark_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -22,24 +20,20 @@ _SCRIPT = r"""
 import torch
 from dsv4.kernels.queries import queries
 from dsv4.ops import torch_ops
-from queries_util import check
+from kernel_test_util import check_queries
 g = torch.Generator().manual_seed(3)
 T, H = 7, 3
 q = (torch.randn(T, H, 512, generator=g) * torch.exp(2 * torch.randn(T, H, 1, generator=g))).bfloat16()
 pos = torch.tensor([0, 1, 5, 127, 4096, 70000, 1048575])
 inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
-check(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
-print("OK")
+check_queries(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
+print("ok")
 """
 
 
 @pytestmark_triton
 def test_queries_kernel_in_interpreter_matches_torch() -> None:
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -50,7 +44,6 @@ def test_queries_kernel_matches_torch_on_gpu(T: int, H: int) -> None:
     pytest.importorskip("triton")
     from dsv4.kernels.queries import queries
     from dsv4.ops import torch_ops
-    from queries_util import check
 
     g = torch.Generator(device="cuda").manual_seed(T + H)
     q = torch.randn(T, H, 512, generator=g, device="cuda") * torch.exp(2 * torch.randn(T, H, 1, generator=g,
@@ -58,7 +51,7 @@ def test_queries_kernel_matches_torch_on_gpu(T: int, H: int) -> None:
     q = q.bfloat16()
     pos = torch.randint(0, 1 << 20, (T,), generator=g, device="cuda")
     inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device="cuda") / 64))
-    check(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
+    check_queries(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
 
 
 def test_queries_kernel_rejects_bad_input() -> None:

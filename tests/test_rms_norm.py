@@ -9,34 +9,28 @@ against torch's CPU result (whose sums run in yet another order).
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from kernel_test_util import check_close, run_interpreted
 
 _SCRIPT = r"""
 import torch
 from dsv4.kernels.rms_norm import rms_norm
 from dsv4.ops import torch_ops
-from rms_norm_util import check_close
+from kernel_test_util import check_close
 g = torch.Generator().manual_seed(5)
 for rows, C in ((3, 512), (20, 512), (5, 1536), (2, 96)):
     x = (torch.randn(rows, C, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).bfloat16()
     w = 1 + 0.1 * torch.randn(C, generator=g)
     check_close(rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6))
-print("OK")
+print("ok")
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_rms_norm_kernel_in_interpreter() -> None:
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(_SCRIPT)
 
 
 def test_rms_norm_kernel_rejects_bad_input() -> None:
@@ -75,7 +69,6 @@ def test_rms_norm_1536_within_one_step_on_gpu(rows: int) -> None:
     pytest.importorskip("triton")
     from dsv4.kernels.rms_norm import rms_norm
     from dsv4.ops import torch_ops
-    from rms_norm_util import check_close
 
     g = torch.Generator(device="cuda").manual_seed(rows + 1)
     x = torch.randn(rows, 1536, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g,

@@ -21,7 +21,7 @@ from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig
 from .ops import backend_ops, triton_available
 from .reference.indexer import indexer_head_weights
-from .reference.layer import grouped_output
+from .reference.layer import grouped_output, query_projection
 from .reference.primitives import linear
 from .reference.rope import rope_inv_freq
 from .weights import AttentionWeights
@@ -151,8 +151,7 @@ class Attention:
         pos = batch.positions
 
         # SPEC §3 steps 1-3 (reference.layer.query_path / window_kv), the norms and the RoPE as backend ops
-        q_latent = ops.rms_norm(linear(x, w.wq_a, act), w.q_norm, cfg.norm_eps)
-        q_proj = linear(q_latent, w.wq_b, act).unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        q_proj, q_latent = query_projection(w, cfg, x, nm, norm=ops.rms_norm)
         q = ops.queries(q_proj, pos, inv_freq, cfg.norm_eps)
         kv_in = ops.rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps)
         m, entry_idx = self.ratio, None

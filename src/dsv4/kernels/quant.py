@@ -32,7 +32,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = [
-    "expf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round",
+    "expf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round", "bf16_pairs",
+    "bf16_pair_words",
     "with_sign_of",
     "ue8m0_exponent", "exp2i", "e4m3_round", "e4m3_round_bits", "e4m3_round_cvt", "fp8_block_qdq", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
     "pack_nibbles", "split_halves", "seq_sum4_last", "shuffle_down_sum",
@@ -147,6 +148,19 @@ def bf16_round(x):
     bits = x.to(tl.int32, bitcast=True)
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # clear the low 16 bits (0xFFFF0000)
     return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_pairs(words):
+    """Pairs of BF16 values packed in int32 ``words`` (first value in the low half, little endian) → ``(re, im)``
+    fp32, each widened exactly by a shift."""
+    return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_pair_words(re, im):
+    """``bf16_pairs``' inverse for BF16-valued fp32 ``re`` / ``im`` (e.g. ``bf16_round``'s results): int32 words."""
+    return ((re.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (im.to(tl.int32, bitcast=True) & -65536)
 
 
 # ------------------------------------------------------------------------------------------- power-of-two scales

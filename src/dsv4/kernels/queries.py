@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import bf16_round, rsqrtf
+from .quant import bf16_pair_words, bf16_pairs, bf16_round, rsqrtf
 from .swa_write import rope_pairs
 
 __all__ = ["queries"]
@@ -44,8 +44,8 @@ def _queries_kernel(q_ptr, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, ROWS: tl.c
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = row < R
     row64 = row.to(tl.int64)
-    # Every load first. The rope dims again as [ROWS, 32] int32 words, one (re, im) BF16 pair each (re in the low
-    # half): a BF16 widens to fp32 by a shift, and the pair stays in one thread for the rotation.
+    # Every load first. The rope dims again as [ROWS, 32] int32 words, one (re, im) BF16 pair each
+    # (quant.bf16_pairs): the pair stays in one thread for the rotation.
     pair = tl.arange(0, 32)
     words = row64[:, None] * 256 + 224 + pair[None, :]
     rope = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + words, mask=ok[:, None], other=0)
@@ -59,12 +59,10 @@ def _queries_kernel(q_ptr, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, ROWS: tl.c
     r = rsqrtf(tl.sum(tl.sum(x * x, axis=2), axis=1) * (1.0 / 512.0) + eps)
     y = bf16_round(x * r[:, None, None])
     tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=ok[:, None, None] & (blk[None, :, None] < 7))
-    re = bf16_round((rope << 16).to(tl.float32, bitcast=True) * r[:, None])
-    im = bf16_round((rope & -65536).to(tl.float32, bitcast=True) * r[:, None])
-    re2, im2 = rope_pairs(re, im, pos_f, inv_freq)
-    re_bits = (bf16_round(re2).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
-    im_bits = bf16_round(im2).to(tl.int32, bitcast=True) & -65536
-    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + words, re_bits | im_bits, mask=ok[:, None])
+    re, im = bf16_pairs(rope)
+    re2, im2 = rope_pairs(bf16_round(re * r[:, None]), bf16_round(im * r[:, None]), pos_f, inv_freq)
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + words, bf16_pair_words(bf16_round(re2), bf16_round(im2)),
+             mask=ok[:, None])
 
 
 def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float, out: Tensor | None = None) -> Tensor:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import bf16_round, cosf, fp8_block_qdq, sinf
+from .quant import bf16_pair_words, bf16_pairs, bf16_round, cosf, fp8_block_qdq, sinf
 
 __all__ = ["window_entries_block", "window_entries", "append_swa"]
 
@@ -59,7 +59,7 @@ def window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, t0, T, BT: tl.c
     tmask = tok < T
     tok64 = tok.to(tl.int64)
     # Every load first (one memory round trip per program). The rope dims as [BT, 32] int32 words, one (re, im)
-    # BF16 pair each: re in the low half, im in the high half (little endian); a BF16 widens to fp32 by a shift.
+    # BF16 pair each (quant.bf16_pairs).
     pair = tl.arange(0, 32)
     rwords = tok64[:, None] * 256 + 224 + pair[None, :]
     rmask = tmask[:, None]
@@ -74,13 +74,10 @@ def window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, t0, T, BT: tl.c
     nope = tl.load(kv_ptr + offs, mask=nmask, other=0.0).to(tl.float32)
     _, val, _ = fp8_block_qdq(nope, 2)
     tl.store(out_ptr + offs, val.to(tl.bfloat16), mask=nmask)
-    re = (rope << 16).to(tl.float32, bitcast=True)
-    im = (rope & -65536).to(tl.float32, bitcast=True)
+    re, im = bf16_pairs(rope)
     re2, im2 = rope_pairs(re, im, pos_f, inv_freq)
-    # bf16_round leaves the low 16 bits zero: the high halves are the BF16 values
-    re_bits = (bf16_round(re2).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
-    im_bits = bf16_round(im2).to(tl.int32, bitcast=True) & -65536
-    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + rwords, re_bits | im_bits, mask=rmask)
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + rwords, bf16_pair_words(bf16_round(re2), bf16_round(im2)),
+             mask=rmask)
 
 
 @triton.jit

@@ -7,6 +7,7 @@ projection. Every function documents shapes and dtypes; quantization points come
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,16 +69,19 @@ def query_path(
 
 
 def query_projection(
-    w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, numerics: Numerics
+    w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, numerics: Numerics,
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SPEC §3 step 1 and the projection of step 2: ``c^Q = RMSNorm(W_qa x)``, ``W_qb c^Q`` split into heads
     (``query_path`` before its per-head norm and RoPE).
 
     Args:
-        x: ``[T, d]``. Returns ``W_qb c^Q`` ``[T, H, D]`` and ``c^Q`` ``[T, q_lora_rank]`` (act dtype).
+        x: ``[T, d]``. norm: the RMSNorm ``(x, weight, eps)`` (a backend's ``rms_norm`` op in ``dsv4.Attention``).
+    Returns:
+        ``W_qb c^Q`` ``[T, H, D]`` and ``c^Q`` ``[T, q_lora_rank]`` (act dtype).
     """
     act = numerics.act_dtype
-    q_latent = rms_norm(linear(x, w.wq_a, act), w.q_norm, cfg.norm_eps)
+    q_latent = norm(linear(x, w.wq_a, act), w.q_norm, cfg.norm_eps)
     return linear(q_latent, w.wq_b, act).unflatten(-1, (cfg.num_heads, cfg.head_dim)), q_latent
 
 
