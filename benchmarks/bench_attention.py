@@ -117,6 +117,7 @@ def build(heads: int, ratio: int, topk: int, context: int, batch: int, new: int,
         for t in range(T):  # distinct visible entries per token (host, once)
             idx[t] = torch.randperm(int(visible[t]), generator=gen)[:width].to(torch.int32)
         args["entry_idx"] = idx.to(device)
+        args["max_visible"] = n_entries  # host bound: lets keys="auto" dequantize a prefill chunk's keys once
         keys = WINDOW + width
     else:
         args["visible"] = visible.to(device)

@@ -38,9 +38,9 @@ _ATTENTION_ARGS = {
     "block_tables_ptr": "*i32", "idx_ptr": "*i32", "visible_ptr": "*i64", "token_request_ptr": "*i32",
     "positions_ptr": "*i64", "cu_seqlens_ptr": "*i32", "start_pos_ptr": "*i64", "token_slots_ptr": "*i64",
     "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
-    "plse_ptr": "*fp32", "qk_scale": "fp32"}
+    "plse_ptr": "*fp32", "qk_scale": "fp32", "keys_ptr": "*bf16"}
 _ATTENTION_DIV16 = {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stride_rpos", "stride_page", "stride_idx",
-                    "stride_ot", "stride_oh", "stride_lt"}
+                    "stride_ot", "stride_oh", "stride_lt", "stride_kb"}
 
 #: kernel → (import path, pointer dtypes by argument, default constexprs + num_warps / num_stages,
 #: int args ≡ 0 mod 16)
@@ -50,7 +50,8 @@ KERNELS = {
              BF16_MATH=True, INTERPRET=False, num_warps=8, num_stages=1),
         _ATTENTION_DIV16),
     "attention_sm90": ("dsv4.kernels.sparse_attention_sm90:_sparse_attention_sm90_kernel", _ATTENTION_ARGS,
-        dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, num_warps=8),
+        dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, CLUSTER=1, KEYS_BF16=False,
+             num_warps=8),
         _ATTENTION_DIV16),
     "attention_ws": ("dsv4.kernels.sparse_attention_sm90_ws:_sparse_attention_ws_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=128, BLOCK_SIZE=256, PAGE_ENTRIES=2, MODE=2, SPLIT=True, PRODUCER_REGS=152,

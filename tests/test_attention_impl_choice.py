@@ -89,3 +89,24 @@ def test_rows_are_words() -> None:
     assert not rows_are_words(q[:, :, :512], kv[:, 4:516])  # base 8 bytes in
     odd = torch.zeros(3, 4 * 514, dtype=torch.bfloat16).view(3, 4, 514)[:, :, :512]  # head stride 514
     assert not rows_are_words(odd, kv[:, :512])
+
+
+def test_cluster_combine_choice_off_gluon() -> None:
+    """Split partials are merged in clusters only by the serial Gluon kernel: other kernels (and
+    ``combine="kernel"``, or one split) keep the combine kernel, ``combine="cluster"`` there is an error naming why,
+    and an unknown ``combine`` is refused. (Where it applies, whether every cluster fits on the device is the
+    driver's answer: GPU tests.)"""
+    from dsv4.kernels.sparse_attention import _check_combine
+
+    for impl in ("triton", "gluon_ws"):
+        assert not _check_combine("auto", impl, 10)
+        with pytest.raises(ValueError, match="needs impl 'gluon'"):
+            _check_combine("cluster", impl, 10)
+    assert not _check_combine("kernel", "gluon", 10)
+    assert not _check_combine("auto", "gluon", 1)
+    assert _check_combine("auto", "gluon", 16) and _check_combine("cluster", "gluon", 2)
+    assert not _check_combine("auto", "gluon", 17)
+    with pytest.raises(ValueError, match="2-16 splits"):
+        _check_combine("cluster", "gluon", 17)
+    with pytest.raises(ValueError, match="unknown combine"):
+        _check_combine("bogus", "gluon", 10)

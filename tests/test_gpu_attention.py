@@ -106,6 +106,7 @@ def make_case(
 VARIANTS = {
     "default": {},  # the Gluon kernel on Hopper, else the Triton one
     "ws": {"impl": "gluon_ws"},  # the warp-specialized Gluon kernel (Hopper only)
+    "kernel_combine": {"combine": "kernel"},  # split partials merged by the combine kernel, never in clusters
     "triton": {"impl": "triton"},
     "fill": {"split_policy": "fill"},
     "prefetch": {"impl": "triton", "prefetch": True},
@@ -236,10 +237,81 @@ def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
 
 
 @pytest.mark.gpu
-def test_split_combine_graph_replay_bits() -> None:
-    """Split partials + combine replayed as a CUDA graph give the bits of eager launches, over repeated replays
-    with fresh queries written into the captured input; the partials' buffers are poisoned (NaN) before each replay,
-    so a combine that read them before the attention grid wrote them would differ."""
+@pytest.mark.parametrize("name", ["csa_prefill", "hca_prefill", "swa_prefill", "csa_decode_pro", "hca_decode"])
+def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
+    """The serial Gluon kernel reading the step's keys dequantized once into BF16 rows (``keys="bf16"``) gives
+    the bits it gives reading and dequantizing the FP8 pages per chunk (``keys="fp8"``): the same key tiles, the
+    same math. Prefill chunks (where ``"auto"`` picks BF16 rows) and decode steps (forced; split, in clusters)."""
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+
+    cfg, kind, prefix, step, topk = CASES[name]
+    layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=len(name) + 1, topk=topk)
+    m = args["m"]
+    listed = xi if kind is LayerKind.CSA else None
+    counts = xi if kind is LayerKind.HCA else None
+    got = {}
+    for keys in ("bf16", "fp8"):
+        out = torch.full_like(args["q"], float("nan"))
+        lse = torch.full(out.shape[:2], float("nan"), device="cuda")
+        sparse_attention_fwd(
+            args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages if m else None,
+            batch.block_tables, batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos,
+            batch.token_slots, args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=m,
+            block_size=batch.block_size, entry_idx=listed, visible=counts,
+            max_entries=batch.addressable_entries(m) if counts is not None else 0,
+            max_visible=batch.addressable_entries(m) if m else None, out=out, lse=lse,
+            workspace=layer.workspace, impl="gluon", keys=keys)
+        got[keys] = out, lse
+    assert torch.isfinite(got["bf16"][0].float()).all()
+    assert torch.equal(got["bf16"][0].view(torch.int16), got["fp8"][0].view(torch.int16))
+    assert torch.equal(got["bf16"][1].view(torch.int32), got["fp8"][1].view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 5, 10, 16])
+def test_cluster_combine_matches_combine_kernel(splits: int) -> None:
+    """Each token's splits launched as one cluster that merges its partials (``combine="cluster"``) give the
+    combine kernel's output within one BF16 step and its lse within FP32 rounding, and both the torch backend's;
+    every output element is written (poisoned before). Flash (64 heads) and Pro (two head blocks per token)."""
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+
+    for cfg, prefix, step in ((FLASH, [9000, 12, 3000], [1, 3, 1]), (PRO, [9000, 700], [2, 1])):
+        layer, batch, args, ti, _ = make_case(cfg, LayerKind.CSA, prefix, step, "cuda", seed=splits)
+        o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
+        got = {}
+        for combine in ("cluster", "kernel"):
+            out = torch.full_like(args["q"], float("nan"))
+            lse = torch.full(out.shape[:2], float("nan"), device="cuda")
+            sparse_attention_fwd(
+                args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
+                batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
+                args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4,
+                block_size=batch.block_size, entry_idx=ti, out=out, lse=lse, workspace=layer.workspace,
+                num_splits=splits, impl="gluon", combine=combine)
+            assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all(), combine
+            err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
+            assert err <= 1e-2, (combine, err)
+            assert torch.allclose(lse, lse_ref, rtol=1e-3, atol=1e-3), combine
+            got[combine] = out.float(), lse
+        (o_c, l_c), (o_k, l_k) = got["cluster"], got["kernel"]
+        # Nope dims: one BF16 step of the kernel's value. Rope dims are rounded, rotated and rounded again: a
+        # one-step difference before the rotation moves both of a pair's outputs by up to a step of the pair's
+        # larger value.
+        nope_c, nope_k = o_c[..., :448], o_k[..., :448]
+        assert ((nope_c - nope_k).abs() <= nope_k.abs() * 2.0 ** -7).all(), (nope_c - nope_k).abs().max()
+        pair_max = o_k[..., 448:].unflatten(-1, (32, 2)).abs().amax(-1, keepdim=True).expand(-1, -1, -1, 2)
+        rope_diff = (o_c[..., 448:] - o_k[..., 448:]).unflatten(-1, (32, 2)).abs()
+        assert (rope_diff <= pair_max * 2.0 ** -6).all(), rope_diff.max()
+        assert torch.allclose(l_c, l_k, rtol=1e-6, atol=1e-6), (l_c - l_k).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["auto", "kernel"])
+def test_split_combine_graph_replay_bits(combine: str) -> None:
+    """Split partials + combine (in clusters, or by the combine kernel) replayed as a CUDA graph give the bits of
+    eager launches, over repeated replays with fresh queries written into the captured input; the partials'
+    buffers are poisoned (NaN) before each replay, so a merge that read them before every split wrote them would
+    differ."""
     from dsv4.kernels.sparse_attention import sparse_attention_fwd
 
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [5000, 12, 3000], [1, 3, 1], "cuda", seed=11)
@@ -252,7 +324,7 @@ def test_split_combine_graph_replay_bits() -> None:
             q, args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
             batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
             args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4, block_size=batch.block_size,
-            entry_idx=ti, out=out, lse=lse, workspace=layer.workspace, num_splits=5)
+            entry_idx=ti, out=out, lse=lse, workspace=layer.workspace, num_splits=5, combine=combine)
 
     run()  # compile and allocate the workspace outside the capture
     torch.cuda.synchronize()

@@ -35,11 +35,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import cluster as cluster_launch
 from . import sparse_attention_sm90, sparse_attention_sm90_ws
 
-__all__ = ["sparse_attention_fwd", "num_sms", "choose_impl", "choose_splits", "rows_are_words"]
+__all__ = ["sparse_attention_fwd", "bf16_keys", "num_sms", "choose_impl", "choose_splits", "rows_are_words"]
 
 HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
+ENTRY_BYTES = 584  # a stored entry: 576 data bytes + 8 scale bytes
 LOG2E = 1.4426950408889634
 # Kernel constants (globals a @triton.jit function reads must be tl.constexpr).
 NOPE_DIM = tl.constexpr(448)
@@ -503,6 +505,69 @@ def _combine_kernel(
     _store_rope(rope / scaled[:, None], pos, inv_freq, out + NOPE_DIM + r[None, :], head_ok[:, None], INTERPRET)
 
 
+@triton.jit
+def _e4m3_scaled(codes, e):
+    """``code · 2^(e − 127)`` rounded once to BF16, from the bits (no FP8 conversion: exact in the interpreter
+    too): ``codes`` uint8 E4M3 ``[N, 64]``, ``e`` int32 ``[N, 1]`` UE8M0 exponents. The FP32 product is exact (at
+    least 2^−135), so the one rounding is to BF16 — the values the Gluon kernels' dequantization gives."""
+    x = codes.to(tl.int32)
+    mag = x & 0x7F
+    normal = ((((mag >> 3) + 120) << 23) | ((mag & 7) << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)  # subnormal: m · 2^−9
+    value = (value.to(tl.int32, bitcast=True) | ((x & 0x80) << 24)).to(tl.float32, bitcast=True)  # −0 stays −0
+    scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)  # 2^(e − 127); e = 0: subnormal
+    return (value * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16_keys_kernel(
+    ring_ptr, stride_ring,  # uint8 [slots, ring_page_bytes]
+    pool_ptr, stride_page,  # uint8 [num_blocks, page_bytes]
+    block_tables_ptr, stride_bt,  # int32 [B, max_blocks]
+    cu_seqlens_ptr, start_pos_ptr, token_slots_ptr,  # StepBatch fields
+    out_ptr, stride_ob, entries,  # bf16 [B, WINDOW + entries, 512]
+    WINDOW: tl.constexpr, RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_ENTRIES: tl.constexpr,
+):
+    """Grid ``(WINDOW / 64 + ceil(entries / 64), B)``: 64 rows of request ``b``'s keys in BF16 — rows
+    ``0 … WINDOW − 1`` its ring's slots as stored (whatever position they hold), rows ``WINDOW + i`` its compressed
+    entries ``i`` up to those its last token of the step sees (``(start + new) // RATIO``; zeros beyond). Each
+    entry's 448 E4M3 codes × 2^(e − 127) per 64-dim block (``_e4m3_scaled``) and its 64 BF16 rope values."""
+    c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.arange(0, 64)
+    col = tl.arange(0, 64)
+    first = tl.load(cu_seqlens_ptr + b)
+    new = tl.load(cu_seqlens_ptr + b + 1) - first
+    if c < WINDOW // 64:
+        j = c * 64 + n
+        base = tl.load(token_slots_ptr + first) * stride_ring
+        ok = (j < WINDOW) & (new > 0)
+        data_off = base + j * DATA_BYTES
+        scale_off = (base + WINDOW * DATA_BYTES) // 8 + j
+        src = ring_ptr
+        row = j
+    else:
+        i = (c - WINDOW // 64) * 64 + n
+        ok = i < (tl.load(start_pos_ptr + b) + new) // RATIO
+        block = tl.load(block_tables_ptr + b * stride_bt + (i * RATIO) // BLOCK_SIZE, mask=ok, other=-1)
+        ok = ok & (block >= 0)
+        page = tl.maximum(block, 0).to(tl.int64) * stride_page
+        slot = (i * RATIO % BLOCK_SIZE) // RATIO
+        data_off = page + slot * DATA_BYTES
+        scale_off = (page + PAGE_ENTRIES * DATA_BYTES) // 8 + slot
+        src = pool_ptr
+        row = WINDOW + i
+    scales = tl.load(src.to(tl.pointer_type(tl.int64)) + scale_off, mask=ok, other=0)
+    out = out_ptr + b * stride_ob + row[:, None] * 512 + col[None, :]
+    keep = (row < WINDOW + entries)[:, None]
+    for blk in tl.static_range(7):
+        codes = tl.load(src + data_off[:, None] + (blk * 64 + col)[None, :], mask=ok[:, None], other=0)
+        e = ((scales >> (8 * blk)) & 0xFF).to(tl.int32)
+        tl.store(out + blk * 64, _e4m3_scaled(codes, e[:, None]), mask=keep)
+    rope = src.to(tl.pointer_type(tl.bfloat16)) + (data_off // 2 + NOPE_DIM // 2)
+    tl.store(out + NOPE_DIM, tl.load(rope[:, None] + col[None, :], mask=ok[:, None], other=0.0), mask=keep)
+
+
 # ------------------------------------------------------------------------------------------------ launcher
 _NUM_SMS: dict[int, int] = {}
 
@@ -541,6 +606,63 @@ def choose_splits(programs: int, max_chunks: int, sms: int, min_chunks: int = 2,
         raise ValueError(f"unknown split policy {policy!r}")
     per = -(-max_chunks // splits)
     return -(-max_chunks // per), per
+
+
+def _use_bf16_keys(keys: str, impl: str, gluon_ok: bool, tokens: int, requests: int, window: int,
+                   entries: int | None, keys_per_token: int) -> bool:
+    """Whether ``sparse_attention_fwd`` dequantizes the step's keys once into BF16 rows (``keys`` as there):
+    ``gluon_ok`` — a Hopper GPU and 16-byte aligned q / kv_new rows; ``entries`` the host bound on any token's
+    visible compressed entries (``None``: unknown); ``keys_per_token`` the keys each token attends."""
+    if keys not in ("auto", "bf16", "fp8"):
+        raise ValueError(f"unknown keys {keys!r}")
+    if keys == "fp8":
+        return False
+    applies = gluon_ok and impl in ("auto", "gluon") and entries is not None
+    if keys == "bf16":
+        if not applies:
+            raise ValueError("keys='bf16' needs the serial Gluon kernel (a Hopper GPU, impl 'auto' or 'gluon', "
+                             f"16-byte aligned q / kv_new rows; impl {impl!r}) and a bound on the visible entries "
+                             "(max_visible with entry_idx)")
+        return True
+    if not applies:
+        return False
+    gathered = requests * (window + entries) * HEAD_DIM * 2
+    return gathered * 8 <= tokens * keys_per_token * ENTRY_BYTES
+
+
+def bf16_keys(ring: torch.Tensor, pool: torch.Tensor | None, block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
+              start_pos: torch.Tensor, token_slots: torch.Tensor, *, window: int, ratio: int, block_size: int,
+              entries: int, workspace=None) -> torch.Tensor:
+    """A step's keys dequantized once (``_bf16_keys_kernel``): bf16 ``[B, window + entries, 512]``, per request
+    its ring's ``window`` slots as stored, then its compressed entries ``0 … entries − 1`` (those its tokens see;
+    zero rows beyond). ``entries`` ≥ every token's visible entries (host bound); 0 for window-only layers."""
+    B = block_tables.shape[0]
+    shape = (B, window + entries, HEAD_DIM)
+    rows = (workspace.get("sparse_attention.bf16_keys", shape, torch.bfloat16) if workspace is not None
+            else torch.empty(shape, dtype=torch.bfloat16, device=ring.device))
+    chunks = triton.cdiv(window, 64) + triton.cdiv(entries, 64)
+    if B and chunks:
+        _bf16_keys_kernel[(chunks, B)](
+            ring, ring.stride(0), pool if pool is not None else ring, pool.stride(0) if pool is not None else 0,
+            block_tables, block_tables.stride(0) if block_tables.dim() == 2 else 0, cu_seqlens, start_pos,
+            token_slots, rows, rows.stride(0), entries, WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size,
+            PAGE_ENTRIES=block_size // ratio if ratio else 1, num_warps=4)
+    return rows
+
+
+def _check_combine(combine: str, impl: str, splits: int) -> bool:
+    """Whether ``sparse_attention_fwd`` tries to merge a step's split partials in clusters (``combine`` as there;
+    ``splits`` per token): never for ``"kernel"``, 1 split, or another kernel than the serial Gluon one, where
+    ``"cluster"`` raises."""
+    if combine not in ("auto", "cluster", "kernel"):
+        raise ValueError(f"unknown combine {combine!r}")
+    if combine == "kernel" or splits == 1:
+        return False
+    applies = impl == "gluon" and splits <= cluster_launch.MAX_CLUSTER
+    if not applies and combine == "cluster":
+        raise ValueError(f"combine='cluster' needs impl 'gluon' (got {impl!r}) and 2-{cluster_launch.MAX_CLUSTER} "
+                         f"splits (got {splits})")
+    return applies
 
 
 def rows_are_words(q: torch.Tensor, kv_new: torch.Tensor) -> bool:
@@ -613,6 +735,9 @@ def sparse_attention_fwd(
     prefetch: bool = False,
     dequant: str = "cvt",
     impl: str = "auto",
+    combine: str = "auto",
+    keys: str = "auto",
+    max_visible: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``T`` query tokens over their window and compressed entries, sink, inverse RoPE.
 
@@ -653,6 +778,20 @@ def sparse_attention_fwd(
             ``rows_are_words``).
             The Gluon kernels need compute capability 9.x; ``block_h``, ``block_n``, ``num_warps``,
             ``num_stages``, ``prefetch`` and ``dequant`` do not apply to them.
+        combine: how split partials are merged: ``"kernel"`` by ``_combine_kernel`` after the attention grid;
+            ``"cluster"`` by the splits themselves — each token's splits launched as one thread-block cluster that
+            merges its partials after a cluster barrier (``sparse_attention_sm90``, ``kernels.cluster``: one
+            launch, no second kernel's start and dependent loads); ``"auto"`` (default) ``"cluster"`` where it
+            applies — the ``"gluon"`` kernel, 2 to 16 splits, every cluster of the step on the device at once —
+            else ``"kernel"``. ``"cluster"`` where it does not apply raises ``ValueError``.
+        keys: where the serial Gluon kernel gets its keys: ``"fp8"`` from the pages, each chunk dequantized by
+            the program that attends it; ``"bf16"`` from the step's keys dequantized once into BF16 rows first
+            (``bf16_keys``: every request's ring and the entries its tokens see — prefill chunks, where each key
+            serves many queries); ``"auto"`` (default) ``"bf16"`` where those rows are at most 1/8 of the bytes
+            the kernel would read as FP8 keys, the Gluon kernel applies and the entries' bound is known, else
+            ``"fp8"``. The values are the same bits either way. ``"bf16"`` runs the serial Gluon kernel.
+        max_visible: a host bound on the compressed entries any token of the step sees (``"bf16"`` keys with
+            ``entry_idx``; with ``visible`` it is ``max_entries``).
     Returns:
         ``(o [T, H, 512], lse fp32 [T, H])``: ``o`` with the inverse RoPE applied, ``lse`` with the sink.
     """
@@ -701,7 +840,10 @@ def sparse_attention_fwd(
         per = triton.cdiv(max_chunks, max(1, min(num_splits, max_chunks)))
         splits = triton.cdiv(max_chunks, per)
 
-    impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL)
+    entries = num_compressed if mode == MODE_ALL else (max_visible if mode == MODE_LIST else 0)
+    bf16 = _use_bf16_keys(keys, impl, hopper and rows_in_words, T, block_tables.shape[0], window, entries,
+                          window + min(num_compressed, entries or num_compressed))
+    impl = "gluon" if bf16 else choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL)
 
     if splits > 1:
         if workspace is not None:
@@ -741,8 +883,20 @@ def sparse_attention_fwd(
     )
     geometry = dict(WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size, PAGE_ENTRIES=page_entries,
                     MODE=int(mode), SPLIT=splits > 1)
+    key_rows = None
+    if bf16:
+        key_rows = bf16_keys(ring, pool, block_tables, cu_seqlens, start_pos, token_slots, window=window,
+                             ratio=ratio, block_size=block_size, entries=entries, workspace=workspace)
+    # Each token's splits as one cluster that merges its partials itself, where that applies and fits.
+    clustered = _check_combine(combine, impl, splits) and sparse_attention_sm90.launch_in_clusters(
+        grid, args, geometry, key_rows)
+    if combine == "cluster" and not clustered:
+        raise ValueError(f"combine='cluster': the device does not hold all {grid[0]} clusters of {splits} programs "
+                         "at once")
+    if clustered:
+        return out, lse
     if impl == "gluon":
-        sparse_attention_sm90.launch(grid, args, geometry)
+        sparse_attention_sm90.launch(grid, args, geometry, key_rows)
     elif impl == "gluon_ws":
         sparse_attention_sm90_ws.launch(grid, args, geometry)
     else:

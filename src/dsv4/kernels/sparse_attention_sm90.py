@@ -26,6 +26,17 @@ program writes an FP32 partial and ``sparse_attention._combine_kernel`` merges t
 stages the BF16 output through the (then free) query tiles for 16-byte stores, and rotates the rope dims back in
 registers.
 
+Split steps can also merge without the combine kernel (``launch_in_clusters``): each token's splits run as one
+thread-block cluster (``kernels.cluster``), which the hardware schedules at once; every split writes its partial,
+waits at ``barrier.cluster`` (release / acquire: the partials are then visible to all), and merges ``ceil(64 /
+splits)`` of the heads from all the partials (``_cluster_combine``, the combine kernel's formula in one pass with a
+running max). One launch instead of two: on an H200, Pro CSA B=8 (6 splits) 31.7-32.2 → 29.2-29.4 µs, Flash CSA
+B=64 (2 splits) 42.8-43.2 → 39.8-40.2, HCA-128K B=8 (9 splits) 27.8-28.4 → 26.5-27.1 (``benchmarks/RESULTS.md``).
+The merge itself costs 3-4 µs inside the kernel (its partial stores drained, the barrier, the partial rows read back
+from L2) against the combine kernel's 4-6 µs plus its launch. It applies where the device holds all clusters of the
+step at once: an H200 holds 15 clusters of 8 programs but only 7 of 10-16 (a cluster's programs share one GPC),
+so Flash CSA B=8 (10 splits of one chunk) keeps the combine kernel.
+
 Needs a CUDA device of compute capability 9.x (``available()``); there is no interpreter path.
 """
 
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cluster as cluster_launch
 from . import ptx
 
 try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Triton kernel serves
@@ -49,7 +61,7 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
 
-__all__ = ["available", "dequant_probe", "launch"]
+__all__ = ["available", "dequant_probe", "launch", "launch_in_clusters"]
 
 BLOCK_H = 64  # heads per program: the wgmma M of one warpgroup
 BLOCK_N = 64  # keys per chunk
@@ -68,6 +80,7 @@ if _HAVE_GLUON:
     BH = gl.constexpr(BLOCK_H)
     BN = gl.constexpr(BLOCK_N)
     NSTAGE = gl.constexpr(STAGES)
+    NW = gl.constexpr(NUM_WARPS)
     NOPE_DIM = gl.constexpr(448)
     DATA_BYTES = gl.constexpr(576)  # per entry: 448 E4M3 codes + 64 BF16 rope values
     MODE_WINDOW = gl.constexpr(0)
@@ -269,14 +282,22 @@ if _HAVE_GLUON:
         return o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)
 
     @gluon.jit
-    def _program_token(token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H):
+    def _program_token(token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H,
+                       CLUSTER: gl.constexpr):
         """The program's query: ``(t, head block, split, request, position, the request's first position this
-        step, its first row in the step, its ring slot)`` from the grid ``(T · ceil(H / 64), splits)`` and the
-        ``StepBatch`` fields (all int64 but the head block and split)."""
+        step, its first row in the step, its ring slot)`` from the grid ``(T · ceil(H / 64), splits)`` — or, in
+        clusters (``CLUSTER`` > 1), ``T · ceil(H / 64)`` clusters of ``CLUSTER`` consecutive programs, one per
+        split — and the ``StepBatch`` fields (all int64 but the head block and split)."""
         head_blocks = gl.cdiv(H, BH)
-        t = (gl.program_id(0) // head_blocks).to(gl.int64)
+        if CLUSTER > 1:
+            query = gl.program_id(0) // CLUSTER
+            split = gl.program_id(0) % CLUSTER
+        else:
+            query = gl.program_id(0)
+            split = gl.program_id(1)
+        t = (query // head_blocks).to(gl.int64)
         req = gl.load(token_request_ptr + t).to(gl.int64)
-        return (t, gl.program_id(0) % head_blocks, gl.program_id(1), req, gl.load(positions_ptr + t).to(gl.int64),
+        return (t, query % head_blocks, split, req, gl.load(positions_ptr + t).to(gl.int64),
                 gl.load(start_pos_ptr + req).to(gl.int64), gl.load(cu_seqlens_ptr + req).to(gl.int64),
                 gl.load(token_slots_ptr + t).to(gl.int64))
 
@@ -295,6 +316,80 @@ if _HAVE_GLUON:
         return n_comp, c_begin, gl.minimum(c_begin + chunks_per_split, WINDOW_CHUNKS + gl.cdiv(n_comp, BN))
 
     @gluon.jit
+    def _attend_chunk(q0, q1, q2, q3, k0, k1, k2, k3, p_smem, valid_smem, m_i, l_acc, o0, o1, o2, o3, qk_scale):
+        """One chunk of 64 keys (BF16 tiles ``k0 … k3`` in shared memory, which keys are real in ``valid_smem``)
+        against the 64 heads' queries ``q0 … q3``: S = Q·Kᵀ (wgmma), the online softmax (base 2) with running max
+        ``m_i`` ``[64]`` and per-element sums ``l_acc`` ``[64, 64]``, P (BF16) through ``p_smem``, O = O·α + P·K
+        into ``o0 … o3`` (FP32 ``[64, 256 / 128 / 64 / 64]``). Returns the updated ``(m_i, l_acc, o0, o1, o2,
+        o3)``."""
+        S_L: gl.constexpr = l_acc.type.layout
+        s = warpgroup_mma(q0, k0.permute((1, 0)), gl.zeros([BH, BN], gl.float32, layout=S_L), use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma(q1, k1.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q2, k2.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q3, k3.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        valid = valid_smem.load(gl.SliceLayout(0, S_L)) != 0
+        s = gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
+        # Online softmax (base 2). The sums stay per element (l_acc) and are reduced once after the loop: the row
+        # max is the only exchange between the two warpgroups (each holds half of a head's keys) per chunk.
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+        l_acc = l_acc * gl.expand_dims(alpha, 1)
+        o0 = _rescale(o0, alpha)
+        o1 = _rescale(o1, alpha)
+        o2 = _rescale(o2, alpha)
+        o3 = _rescale(o3, alpha)
+        p = gl.exp2(s - gl.expand_dims(gl.where(m_new == float("-inf"), 0.0, m_new), 1))
+        l_acc = l_acc + p
+        # The probabilities are rounded to BF16 for P·V; the denominator keeps the FP32 ones (SPEC §3 step 5).
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        o0 = warpgroup_mma(p_smem, k0, o0, is_async=True)
+        o1 = warpgroup_mma(p_smem, k1, o1, is_async=True)
+        o2 = warpgroup_mma(p_smem, k2, o2, is_async=True)
+        o3 = warpgroup_mma(p_smem, k3, o3, is_async=True)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+        return m_new, l_acc, o0, o1, o2, o3
+
+    @gluon.jit
+    def _issue_bf16_chunk(c, live, raw, stage, pos, start, first_row, key_rows, kv_new_ptr, stride_kvt,
+                          k0, k1, k2, k3, valid_smem, WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
+        """Start the asynchronous copies of chunk ``c``'s BF16 keys straight into key tiles ``stage`` of ``k0 …
+        k3`` (nothing is read when not ``live``; rows without a key are zero-filled): a window slot from the
+        request's BF16 ring rows (``key_rows``: its ``[WINDOW + entries, 512]`` block) or, for this step's tokens,
+        from ``kv_new``; a compressed entry ``i`` from row ``WINDOW + i``. Records which keys are real."""
+        raw = gl.convert_layout(raw, gl.SliceLayout(1, Q_L))
+        n = gl.arange(0, BN, layout=gl.SliceLayout(1, Q_L))
+        if c < WINDOW_CHUNKS:
+            j = c * BN + n
+            p = pos - (WINDOW - 1) + j
+            fresh = live & (j < WINDOW) & (p >= start) & (p >= 0)
+            held = live & (raw == p) & (raw >= 0)
+            rows = gl.where(fresh, kv_new_ptr + (first_row + gl.maximum(p - start, 0)) * stride_kvt,
+                            key_rows + (gl.maximum(p, 0) % WINDOW) * 512)
+            valid = held | fresh
+        else:
+            valid = live & (raw >= 0)
+            rows = key_rows + (WINDOW + gl.maximum(raw, 0)) * 512
+        ok = gl.expand_dims(valid, 1)
+        _copy_keys(rows, ok, k0.index(stage), 0, 256)
+        _copy_keys(rows, ok, k1.index(stage), 256, 128)
+        _copy_keys(rows, ok, k2.index(stage), 384, 64)
+        _copy_keys(rows, ok, k3.index(stage), 448, 64)
+        valid_smem.index(stage).store(gl.convert_layout(valid, KEY_L).to(gl.int32))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _copy_keys(rows, ok, dst, FIRST: gl.constexpr, W: gl.constexpr):
+        """Asynchronous copy of dims ``FIRST … FIRST + W − 1`` of 64 BF16 key rows (``rows``: pointers ``[64]``,
+        16-byte aligned) into the tile ``dst`` ``[64, W]`` (rows not ``ok`` zero-filled, not read)."""
+        col = gl.arange(0, W, layout=gl.SliceLayout(0, Q_L))
+        ptrs = gl.max_contiguous(gl.expand_dims(rows, 1) + FIRST + gl.expand_dims(col, 0), [1, 8])
+        async_copy.async_copy_global_to_shared(dst, ptrs, mask=ok)
+
+    @gluon.jit
     def _sparse_attention_sm90_kernel(
         q_ptr, stride_qt, stride_qh,  # [T, H, 512] bf16
         kv_new_ptr, stride_kvt,  # [T, 512] bf16
@@ -310,10 +405,13 @@ if _HAVE_GLUON:
         lse_ptr, stride_lt,  # fp32 [T, H]
         po_ptr, plse_ptr,  # fp32 [T, S, H, 512], [T, S, H] (SPLIT only)
         H, num_compressed, chunks_per_split, num_splits, qk_scale,
+        keys_ptr, stride_kb,  # KEYS_BF16: bf16 [B, WINDOW + entries, 512] each request's keys (sparse_attention.bf16_keys)
         WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGE_ENTRIES: gl.constexpr,
-        MODE: gl.constexpr, SPLIT: gl.constexpr,
+        MODE: gl.constexpr, SPLIT: gl.constexpr, CLUSTER: gl.constexpr, KEYS_BF16: gl.constexpr,
     ):
-        """Grid ``(T · ceil(H / 64), splits)``: token ``t``, head block and split of its key chunks."""
+        """Grid ``(T · ceil(H / 64), splits)``: token ``t``, head block and split of its key chunks; or clusters of
+        ``CLUSTER`` programs, the splits of one token and head block, which merge their partials themselves
+        (``_write_output``)."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
         O0_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
         O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
@@ -324,23 +422,14 @@ if _HAVE_GLUON:
         WINDOW_CHUNKS: gl.constexpr = (WINDOW + BN - 1) // BN
 
         t, hb, split, req, pos, start, first_row, slot = _program_token(
-            token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H)
+            token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H, CLUSTER)
 
         # Dims in four groups (0-255, 256-383, 384-447, rope 448-511), each its own tile.
         q0 = gl.allocate_shared_memory(gl.bfloat16, [BH, 256], TILE_SL)
         q1 = gl.allocate_shared_memory(gl.bfloat16, [BH, 128], TILE_SL)
         q2 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
         q3 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
-        k0 = gl.allocate_shared_memory(gl.bfloat16, [BN, 256], TILE_SL)
-        k1 = gl.allocate_shared_memory(gl.bfloat16, [BN, 128], TILE_SL)
-        k2 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
-        k3 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], TILE_SL)
-        codes0 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 4, 64], RAW_SL)
-        codes1 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 2, 64], RAW_SL)
-        codes2 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 1, 64], RAW_SL)
-        rope_stage = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 1, 64], RAW_SL)
-        scale_smem = gl.allocate_shared_memory(gl.int64, [NSTAGE, BN], VEC_SL)
         valid_smem = gl.allocate_shared_memory(gl.int32, [NSTAGE, BN], VEC_SL)
 
         # The queries, loaded and stored synchronously (an asynchronous copy overlapped with the first lookups
@@ -355,89 +444,104 @@ if _HAVE_GLUON:
         n_comp, c_begin, c_end = _split_chunks(t, split, visible_ptr, num_compressed, chunks_per_split,
                                                WINDOW_CHUNKS, MODE)
 
-        # Prologue: chunk c_begin in flight, the lookups of c_begin+1 done, the entries of c_begin+2 requested.
-        e0 = _chunk_entries(c_begin, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
-                            WINDOW, WINDOW_CHUNKS, MODE)
-        b0 = _chunk_blocks(c_begin, e0, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
-        _issue_chunk(c_begin, c_begin < c_end, e0, b0, 0, pos, start, slot, ring_ptr, stride_ring, pool_ptr,
-                     stride_page, codes0, codes1, codes2, rope_stage, scale_smem, valid_smem,
-                     WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
-        e1 = _chunk_entries(c_begin + 1, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
-                            stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
-        b1 = _chunk_blocks(c_begin + 1, e1, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
-        e2 = _chunk_entries(c_begin + 2, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
-                            stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
-
         m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         l_acc = gl.zeros([BH, BN], gl.float32, layout=S_L)  # Σ p per head and key column
         o0 = gl.zeros([BH, 256], gl.float32, layout=O0_L)
         o1 = gl.zeros([BH, 128], gl.float32, layout=O1_L)
         o2 = gl.zeros([BH, 64], gl.float32, layout=O2_L)
         o3 = gl.zeros([BH, 64], gl.float32, layout=O2_L)
-        s_zero = gl.zeros([BH, BN], gl.float32, layout=S_L)
 
-        for c in range(c_begin, c_end):
-            stage = (c - c_begin) % NSTAGE
-            # Look ahead: copy chunk c+1, block tables of c+2, entries of c+3 (used next iteration: no stall).
-            _issue_chunk(c + 1, c + 1 < c_end, e1, b1, 1 - stage, pos, start, slot, ring_ptr, stride_ring,
-                         pool_ptr, stride_page, codes0, codes1, codes2, rope_stage, scale_smem, valid_smem,
-                         WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
-            b1 = _chunk_blocks(c + 2, e2, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
-            e1 = e2
-            e2 = _chunk_entries(c + 3, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+        if KEYS_BF16:
+            # The keys already in BF16 (dequantized once per step): each chunk copied straight into one of two
+            # sets of key tiles, a chunk ahead; no block tables, no dequantization.
+            k0 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 256], TILE_SL)
+            k1 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 128], TILE_SL)
+            k2 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 64], TILE_SL)
+            k3 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 64], TILE_SL)
+            key_rows = keys_ptr + req * stride_kb
+            e0 = _chunk_entries(c_begin, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
+                                WINDOW, WINDOW_CHUNKS, MODE)
+            _issue_bf16_chunk(c_begin, c_begin < c_end, e0, 0, pos, start, first_row, key_rows, kv_new_ptr,
+                              stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
+            e1 = _chunk_entries(c_begin + 1, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
                                 stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+            e2 = _chunk_entries(c_begin + 2, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                                stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+            for c in range(c_begin, c_end):
+                stage = (c - c_begin) % NSTAGE
+                # Chunk c's keys are in (each thread's copies, fenced for the tensor cores, published by the
+                # barrier), and every warpgroup is done with chunk c−1's tiles: the other set takes chunk c+1.
+                async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
+                _issue_bf16_chunk(c + 1, c + 1 < c_end, e1, 1 - stage, pos, start, first_row, key_rows,
+                                  kv_new_ptr, stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
+                e1 = e2
+                e2 = _chunk_entries(c + 3, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                                    stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+                m_i, l_acc, o0, o1, o2, o3 = _attend_chunk(
+                    q0, q1, q2, q3, k0.index(stage), k1.index(stage), k2.index(stage), k3.index(stage), p_smem,
+                    valid_smem.index(stage), m_i, l_acc, o0, o1, o2, o3, qk_scale)
+        else:
+            k0 = gl.allocate_shared_memory(gl.bfloat16, [BN, 256], TILE_SL)
+            k1 = gl.allocate_shared_memory(gl.bfloat16, [BN, 128], TILE_SL)
+            k2 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
+            k3 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
+            codes0 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 4, 64], RAW_SL)
+            codes1 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 2, 64], RAW_SL)
+            codes2 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 1, 64], RAW_SL)
+            rope_stage = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 1, 64], RAW_SL)
+            scale_smem = gl.allocate_shared_memory(gl.int64, [NSTAGE, BN], VEC_SL)
+            # Prologue: chunk c_begin in flight, the lookups of c_begin+1 done, the entries of c_begin+2 requested.
+            e0 = _chunk_entries(c_begin, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
+                                WINDOW, WINDOW_CHUNKS, MODE)
+            b0 = _chunk_blocks(c_begin, e0, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+            _issue_chunk(c_begin, c_begin < c_end, e0, b0, 0, pos, start, slot, ring_ptr, stride_ring, pool_ptr,
+                         stride_page, codes0, codes1, codes2, rope_stage, scale_smem, valid_smem,
+                         WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
+            e1 = _chunk_entries(c_begin + 1, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                                stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+            b1 = _chunk_blocks(c_begin + 1, e1, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+            e2 = _chunk_entries(c_begin + 2, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                                stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
+            for c in range(c_begin, c_end):
+                stage = (c - c_begin) % NSTAGE
+                # Look ahead: copy chunk c+1, block tables of c+2, entries of c+3 (used next iteration: no stall).
+                _issue_chunk(c + 1, c + 1 < c_end, e1, b1, 1 - stage, pos, start, slot, ring_ptr, stride_ring,
+                             pool_ptr, stride_page, codes0, codes1, codes2, rope_stage, scale_smem, valid_smem,
+                             WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
+                b1 = _chunk_blocks(c + 2, e2, req, block_tables_ptr, stride_bt, RATIO, BLOCK_SIZE, WINDOW_CHUNKS)
+                e1 = e2
+                e2 = _chunk_entries(c + 3, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
+                                    stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
 
-            # Chunk c's bytes are in (every thread waited for its own copies; the barrier publishes them, and
-            # orders this chunk's writes of the key tiles / P after the previous chunk's wgmma reads).
-            async_copy.wait_group(1)
-            gl.thread_barrier()
-            _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt,
-                              codes0, codes1, codes2, rope_stage, scale_smem, k0, k1, k2, k3, WINDOW, WINDOW_CHUNKS)
-            fence_async_shared()
-            gl.thread_barrier()
-
-            s = warpgroup_mma(q0, k0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q1, k1.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(q2, k2.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(q3, k3.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s])
-            valid = valid_smem.index(stage).load(gl.SliceLayout(0, S_L)) != 0
-            s = gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
-            # Online softmax (base 2). The sums stay per element (l_acc) and are reduced once after the loop: the
-            # row max is the only exchange between the two warpgroups (each holds half of a head's keys) per chunk.
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-            l_acc = l_acc * gl.expand_dims(alpha, 1)
-            o0 = _rescale(o0, alpha)
-            o1 = _rescale(o1, alpha)
-            o2 = _rescale(o2, alpha)
-            o3 = _rescale(o3, alpha)
-            m_i = m_new
-            p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
-            l_acc = l_acc + p
-            # The probabilities are rounded to BF16 for P·V; the denominator keeps the FP32 ones (SPEC §3 step 5).
-            p_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            o0 = warpgroup_mma(p_smem, k0, o0, is_async=True)
-            o1 = warpgroup_mma(p_smem, k1, o1, is_async=True)
-            o2 = warpgroup_mma(p_smem, k2, o2, is_async=True)
-            o3 = warpgroup_mma(p_smem, k3, o3, is_async=True)
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+                # Chunk c's bytes are in (every thread waited for its own copies; the barrier publishes them, and
+                # orders this chunk's writes of the key tiles / P after the previous chunk's wgmma reads).
+                async_copy.wait_group(1)
+                gl.thread_barrier()
+                _dequantize_chunk(c, stage, pos, start, first_row, kv_new_ptr, stride_kvt, codes0, codes1, codes2,
+                                  rope_stage, scale_smem, k0, k1, k2, k3, WINDOW, WINDOW_CHUNKS)
+                fence_async_shared()
+                gl.thread_barrier()
+                m_i, l_acc, o0, o1, o2, o3 = _attend_chunk(q0, q1, q2, q3, k0, k1, k2, k3, p_smem,
+                                                           valid_smem.index(stage), m_i, l_acc, o0, o1, o2, o3,
+                                                           qk_scale)
         async_copy.wait_group(0)
         l_i = gl.sum(l_acc, 1)
 
         _write_output(o0, o1, o2, o3, m_i, l_i, q0, q1, q2, heads, t, hb, H, pos, split, num_splits, sink_ptr,
-                      inv_freq_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, SPLIT)
+                      inv_freq_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, SPLIT, CLUSTER)
 
     @gluon.jit
     def _write_output(o0, o1, o2, o3, m_i, l_i, q0, q1, q2, heads, t, hb, H, pos, split, num_splits, sink_ptr,
                       inv_freq_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr,
-                      SPLIT: gl.constexpr):
+                      SPLIT: gl.constexpr, CLUSTER: gl.constexpr):
         """The program's result from its accumulators (``o0 … o3`` FP32 ``[64, dims]``, running max ``m_i`` and sum
         ``l_i`` per head, base 2; ``heads`` int ``[64]``): with ``SPLIT`` the partial o/l and its log-sum-exp (an
-        empty split: lse −inf, o 0), else the sink applied, the BF16 output staged through the query tiles ``q0 …
-        q2`` (free once the last S = Q·Kᵀ is done) for 16-byte stores, the rope dims rotated back, and the lse."""
+        empty split: lse −inf, o 0) — then, in a cluster of the token's splits (``CLUSTER`` > 1), this program's
+        share of the merge (``_cluster_combine``) once every split's partial is written —, else the sink
+        applied, the BF16 output staged through the query tiles ``q0 … q2`` (free once the last S = Q·Kᵀ is
+        done) for 16-byte stores, the rope dims rotated back, and the lse."""
         HL: gl.constexpr = heads.type.layout
         head_ok = heads < H
         if SPLIT:
@@ -451,6 +555,11 @@ if _HAVE_GLUON:
             _store_group(o2, inv, po_ptr, row * 512, head_ok, 6)
             _store_group(o3, inv, po_ptr, row * 512, head_ok, 7)
             gl.store(plse_ptr + row, gl.convert_layout(plse, HL), mask=head_ok)
+            if CLUSTER > 1:
+                cos, sin = _unrotation(pos, inv_freq_ptr)  # requested before the wait
+                _cluster_barrier()
+                _cluster_combine(po_ptr, plse_ptr, t, hb, H, split, num_splits, cos, sin, sink_ptr, o_ptr,
+                                 stride_ot, stride_oh, lse_ptr, stride_lt, CLUSTER)
         else:
             sink = gl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
             m_use = gl.convert_layout(gl.where(m_i == float("-inf"), 0.0, m_i), HL)
@@ -465,27 +574,104 @@ if _HAVE_GLUON:
             _store_tile(q1, o_ptr + t * stride_ot, stride_oh, hb, H, 4)
             _store_tile(q2, o_ptr + t * stride_ot, stride_oh, hb, H, 6)
             # The rope dims: rounded to BF16, rotated back by −pos, rounded again (as the reference).
-            _store_rope(_rescale(o3, inv).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb, H, pos,
-                        inv_freq_ptr)
+            cos, sin = _unrotation(pos, inv_freq_ptr)
+            _store_rope(_rescale(o3, inv).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb * BH, H,
+                        cos, sin)
+
+    # The rope dims' output layout: [heads, 32 pairs, 2] (any number of heads).
+    PAIR_L = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0]))
 
     @gluon.jit
-    def _store_rope(o3, rope_ptr, stride_oh, hb, H, pos, inv_freq_ptr):
-        """Store the rope dims of 64 heads' outputs (``o3`` BF16 ``[64, 64]``, any layout) at ``rope_ptr +
-        h·stride_oh + i``, rotated by ``−pos·ω_i`` per adjacent pair in FP32 and rounded to BF16 again."""
-        PAIR_L: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
+    def _unrotation(pos, inv_freq_ptr):
+        """``(cos, −sin)`` of ``pos·ω_i`` per rope pair ``i``, fp32 ``[1, 32]`` (``_store_rope``'s layout)."""
+        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
+        angle = pos.to(gl.float32) * gl.load(inv_freq_ptr + pair)
+        return (gl.expand_dims(gl.extra.libdevice.cos(angle), 0),
+                gl.expand_dims(-gl.extra.libdevice.sin(angle), 0))
+
+    @gluon.jit
+    def _store_rope(o3, rope_ptr, stride_oh, head0, head_end, cos, sin):
+        """Store the rope dims of heads ``head0 …`` (``o3`` BF16 ``[rows, 64]``, any layout) at ``rope_ptr +
+        h·stride_oh + i``, rotated back per adjacent pair (``cos`` / ``sin`` of ``−pos·ω_i``: ``_unrotation``) in
+        FP32 and rounded to BF16 again; heads from ``head_end`` on are not stored."""
+        ROWS: gl.constexpr = o3.shape[0]
         ROW2_L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [8, 1], [1, 0])
-        pairs = gl.convert_layout(gl.reshape(gl.convert_layout(o3, ROW2_L), [BH, 32, 2]), PAIR_L)
+        pairs = gl.convert_layout(gl.reshape(gl.convert_layout(o3, ROW2_L), [ROWS, 32, 2]), PAIR_L)
         re, im = gl.split(pairs.to(gl.float32))
-        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
+        heads = head0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
         pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
         half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIR_L)))
-        angle = pos.to(gl.float32) * gl.load(inv_freq_ptr + pair)
-        cos = gl.expand_dims(gl.extra.libdevice.cos(angle), 0)
-        sin = gl.expand_dims(-gl.extra.libdevice.sin(angle), 0)
         out = gl.join(re * cos - im * sin, re * sin + im * cos)
         ptrs = rope_ptr + heads[:, None, None] * stride_oh + (2 * pair)[None, :, None] + half[None, None, :]
-        mask = (heads < H)[:, None, None] & (half >= 0)[None, None, :]
+        mask = (heads < head_end)[:, None, None] & (half >= 0)[None, None, :]
         gl.store(ptrs, out.to(gl.bfloat16), mask=mask)
+
+    @gluon.jit
+    def _cluster_barrier():
+        """Every thread of the cluster waits here for every other (``barrier.cluster``, arrive with release and
+        wait with acquire semantics: the global writes each CTA made before it are visible to all after it)."""
+        ONE_L: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # one element per thread
+        token = gl.zeros([32 * NW], gl.int32, ONE_L)
+        gl.inline_asm_elementwise(
+            "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; mov.b32 $0, $1;",
+            "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _cluster_combine(po_ptr, plse_ptr, t, hb, H, rank, num_splits, cos, sin, sink_ptr, o_ptr, stride_ot,
+                         stride_oh, lse_ptr, stride_lt, CLUSTER: gl.constexpr):
+        """Program ``rank`` of a cluster holding token ``t``'s ``CLUSTER`` splits (head block ``hb``) merges its
+        share of the 64 heads — ``ceil(64 / CLUSTER)`` of them, 8 at a time — from every split's partial row
+        (``po_ptr`` fp32 ``[T, S, H, 512]``, log-sum-exp ``plse_ptr`` ``[T, S, H]``, base 2) as
+        ``sparse_attention._combine_kernel`` does: ``o = Σ_s 2^{lse_s − M} o_s / (Σ_s 2^{lse_s − M} + 2^{sink −
+        M})`` with ``M`` the largest of the ``lse_s`` and the sink, the BF16 output with its rope dims rotated back
+        (``cos`` / ``sin``: ``_unrotation``), and the lse (natural log)."""
+        HPC: gl.constexpr = (BH + CLUSTER - 1) // CLUSTER
+        C_L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])  # [8 heads, 512 dims]
+        R_L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [NW, 1], [1, 0])  # [8 heads, 64 rope dims]
+        d = gl.arange(0, 512, layout=gl.SliceLayout(0, C_L))
+        r = gl.arange(0, 64, layout=gl.SliceLayout(0, R_L))
+        head_end = gl.minimum(H, hb * BH + gl.minimum((rank + 1) * HPC, BH))
+        for g in gl.static_range((HPC + 7) // 8):
+            head0 = hb * BH + rank * HPC + g * 8
+            heads = head0 + gl.arange(0, 8, layout=gl.SliceLayout(1, C_L))
+            ok = heads < head_end
+            heads_r = head0 + gl.arange(0, 8, layout=gl.SliceLayout(1, R_L))
+            ok_r = heads_r < head_end
+            # One pass with a running max (the sums so far rescaled when it grows), so that no load waits for
+            # another: every split's rows are requested at once.
+            m = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, C_L))
+            nope = gl.zeros([8, 512], gl.float32, layout=C_L)
+            rope = gl.zeros([8, 64], gl.float32, layout=R_L)
+            weight = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, C_L))
+            for s in gl.static_range(CLUSTER):
+                row = (t * num_splits + s) * H + heads
+                plse = gl.load(plse_ptr + row, mask=ok, other=float("-inf"))
+                po = gl.load(po_ptr + gl.expand_dims(row * 512, 1) + gl.expand_dims(d, 0),
+                             mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < NOPE_DIM, 0), other=0.0)
+                row_r = (t * num_splits + s) * H + heads_r
+                po_r = gl.load(po_ptr + gl.expand_dims(row_r * 512 + NOPE_DIM, 1) + gl.expand_dims(r, 0),
+                               mask=gl.expand_dims(ok_r, 1), other=0.0)
+                m_new = gl.maximum(m, plse)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # 0 while no split has a key
+                grown = gl.exp2(m - m_use)  # ≤ 1; 0 before the first split with a key
+                w = gl.exp2(plse - m_use)  # 0 where absent
+                nope = nope * gl.expand_dims(grown, 1) + gl.expand_dims(w, 1) * po
+                grown_r = gl.expand_dims(gl.convert_layout(grown, gl.SliceLayout(1, R_L)), 1)
+                rope = rope * grown_r + gl.expand_dims(gl.convert_layout(w, gl.SliceLayout(1, R_L)), 1) * po_r
+                weight = weight * grown + w
+                m = m_new
+            sink = gl.load(sink_ptr + heads, mask=ok, other=0.0) * 1.4426950408889634
+            top = gl.maximum(m, sink)
+            kept = gl.exp2(m - top)  # 1 where m ≥ sink; 0 where no split has a key
+            denom = weight * kept + gl.exp2(sink - top)
+            gl.store(lse_ptr + t * stride_lt + heads, (top + gl.log2(denom)) * 0.6931471805599453, mask=ok)
+            scaled = denom / kept  # inf where no split has a key: o = 0
+            out = o_ptr + t * stride_ot + gl.expand_dims(heads * stride_oh, 1) + gl.expand_dims(d, 0)
+            gl.store(out, (nope / gl.expand_dims(scaled, 1)).to(o_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < NOPE_DIM, 0))
+            scaled_r = gl.expand_dims(gl.convert_layout(scaled, gl.SliceLayout(1, R_L)), 1)
+            _store_rope((rope / scaled_r).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, head0,
+                        head_end, cos, sin)
 
     @gluon.jit
     def _probe_group(pages_ptr, out_ptr, rows, scales, FIRST: gl.constexpr, NB: gl.constexpr):
@@ -512,7 +698,31 @@ def dequant_probe(pages: torch.Tensor, out: torch.Tensor) -> None:
     _dequant_probe_kernel[(1,)](pages, out, num_warps=NUM_WARPS)
 
 
-def launch(grid: tuple[int, int], args: tuple, geometry: dict) -> None:
+def _key_args(keys: torch.Tensor | None, args: tuple) -> dict:
+    """The kernel's BF16-key arguments: ``keys`` bf16 ``[B, WINDOW + entries, 512]`` (``sparse_attention.
+    bf16_keys``) or ``None`` (the FP8 pages are read and dequantized per chunk)."""
+    if keys is None:
+        return dict(keys_ptr=args[0], stride_kb=0, KEYS_BF16=False)
+    return dict(keys_ptr=keys, stride_kb=keys.stride(0), KEYS_BF16=True)
+
+
+def launch(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tensor | None = None) -> None:
     """Launch the Gluon kernel: ``args`` / ``geometry`` are ``sparse_attention_fwd``'s prepared arguments and
-    geometry constexprs (the Triton kernel's, see there)."""
-    _sparse_attention_sm90_kernel[grid](*args, **geometry, num_warps=NUM_WARPS)
+    geometry constexprs (the Triton kernel's, see there); ``keys``: the step's keys already in BF16, or ``None``."""
+    _sparse_attention_sm90_kernel[grid](*args, **geometry, **_key_args(keys, args), CLUSTER=1, num_warps=NUM_WARPS)
+
+
+def launch_in_clusters(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tensor | None = None) -> bool:
+    """Launch a split step (``grid`` = (queries · head blocks, splits), ``geometry["SPLIT"]``) with each token's
+    splits as one cluster that merges its partials itself (no ``_combine_kernel``; ``kernels.cluster``), if the
+    device holds every cluster of the step at once and there are 2 to ``cluster.MAX_CLUSTER`` splits. Returns
+    whether it launched (else nothing ran)."""
+    splits = grid[1]
+    if not (geometry["SPLIT"] and 2 <= splits <= cluster_launch.MAX_CLUSTER):
+        return False
+    kwargs = dict(geometry, **_key_args(keys, args), CLUSTER=splits, num_warps=NUM_WARPS)
+    compiled = cluster_launch.compiled_kernel(_sparse_attention_sm90_kernel, (grid[0], 1), args, kwargs)
+    if cluster_launch.max_active_clusters(compiled, splits) < grid[0]:
+        return False
+    cluster_launch.launch(_sparse_attention_sm90_kernel, compiled, (grid[0], 1), splits, args, kwargs)
+    return True

@@ -398,7 +398,7 @@ if _HAVE_GLUON:
             mbarrier.arrive(k_free.index(buf))  # after the partition's barrier: both warpgroups are done with it
 
         _write_output(o0, o1, o2, o3, m_i, l_i, q0, q1, q2, heads, t, hb, H, pos, split, num_splits, sink_ptr,
-                      inv_freq_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, SPLIT)
+                      inv_freq_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, SPLIT, 1)
 
     @gluon.jit
     def _sparse_attention_ws_kernel(
@@ -424,7 +424,7 @@ if _HAVE_GLUON:
         WINDOW_CHUNKS: gl.constexpr = (WINDOW + BN - 1) // BN
 
         t, hb, split, req, pos, start, first_row, slot = _program_token(
-            token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H)
+            token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H, 1)
         pos = pos.to(gl.int32)  # the producer's lookups run in int32 (fewer registers)
         start = start.to(gl.int32)
 

@@ -99,6 +99,7 @@ def attend(
         entry_idx=listed,
         visible=counts,
         max_entries=batch.addressable_entries(m) if counts is not None else 0,
+        max_visible=batch.addressable_entries(m) if m else None,
         workspace=layer.workspace,
         **KERNEL_OPTIONS,
     )

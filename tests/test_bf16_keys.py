@@ -1,0 +1,70 @@
+"""A step's keys dequantized once into BF16 rows (``sparse_attention.bf16_keys``), against the storage's decode.
+
+Runs the Triton kernel under the interpreter on the CPU (it converts no FP8 in hardware: the E4M3 codes are decoded
+from their bits) and on a GPU when there is one: every ring slot and every entry a request's tokens see, bit for
+bit equal to ``KVStorage.read`` (the exact FP32 decode) rounded once to BF16; zero rows beyond; the FP8 pages
+untouched. (That the attention kernel gives the same bits with these rows as with the pages: GPU tests in
+``test_gpu_attention.py``.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_test_util import run_interpreted
+
+pytest.importorskip("triton")
+
+_SCRIPT = r"""
+import sys, torch
+from test_gpu_attention import FLASH, PRO, make_case
+from dsv4.config import LayerKind
+from dsv4.kernels.sparse_attention import bf16_keys
+
+device = sys.argv[1]
+for cfg, kind, prefix, step in ((FLASH, LayerKind.CSA, [3000, 0], [300, 77]), (PRO, LayerKind.HCA, [1000, 40], [200, 9]),
+                                (FLASH, LayerKind.SWA, [200, 5], [70, 1])):
+    layer, batch, args, _, _ = make_case(cfg, kind, prefix, step, device, seed=len(prefix) + prefix[0])
+    m, W, bs = args["m"], batch.window, batch.block_size
+    entries = batch.addressable_entries(m) if m else 0
+    pool = layer.kv_pages if m else None
+    before = (layer.ring.clone(), None if pool is None else pool.clone())
+    rows = bf16_keys(layer.ring, pool, batch.block_tables, batch.cu_seqlens, batch.start_pos, batch.token_slots,
+                     window=W, ratio=m, block_size=bs, entries=entries).cpu()
+    assert torch.equal(layer.ring, before[0]) and (pool is None or torch.equal(pool, before[1]))
+    storage = layer.schema.kv_storage
+    for b, (start, new) in enumerate(zip(batch.start_positions, batch.num_new)):
+        slot = int(batch.slots[b])
+        ring = storage.read(layer.ring, torch.full((W,), slot, device=device), torch.arange(W, device=device))
+        assert torch.equal(rows[b, :W].view(torch.int16), ring.cpu().to(torch.bfloat16).view(torch.int16)), (kind, b)
+        seen = (start + new) // m if m else 0
+        if seen:
+            i = torch.arange(seen)
+            blocks = batch.block_tables[b].cpu()[(i * m) // bs].long()
+            want = storage.read(pool, blocks.to(device), ((i * m % bs) // m).to(device)).cpu().to(torch.bfloat16)
+            assert torch.equal(rows[b, W:W + seen].view(torch.int16), want.view(torch.int16)), (kind, b)
+        assert not rows[b, W + seen:].any(), (kind, b)
+print("ok")
+"""
+
+
+def test_bf16_keys_interpreted() -> None:
+    """The kernel under the Triton interpreter (CPU): CSA, HCA and window-only layers, two requests each."""
+    run_interpreted(_SCRIPT, "cpu")
+
+
+@pytest.mark.gpu
+def test_bf16_keys_gpu() -> None:
+    """The same checks on the GPU (the compiled kernel)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import subprocess
+    import sys
+
+    from kernel_test_util import _ROOT
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(_ROOT, "src"), os.path.join(_ROOT, "tests")]))
+    res = subprocess.run([sys.executable, "-c", _SCRIPT, "cuda"], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
