@@ -60,6 +60,7 @@ DECODE = {
 PREFILL = {
     "prefill_flash_csa": (64, 4, 512, 8192),
     "prefill_pro_csa": (128, 4, 1024, 8192),
+    "prefill_flash_hca_128k": (64, 128, 0, 131072),  # no FlashMLA reference: the kernel choice's check
 }
 
 

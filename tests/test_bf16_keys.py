@@ -22,10 +22,17 @@ from test_gpu_attention import FLASH, PRO, make_case
 from dsv4.config import LayerKind
 from dsv4.kernels.sparse_attention import bf16_keys
 
+import dsv4
 device = sys.argv[1]
-for cfg, kind, prefix, step in ((FLASH, LayerKind.CSA, [3000, 0], [300, 77]), (PRO, LayerKind.HCA, [1000, 40], [200, 9]),
-                                (FLASH, LayerKind.SWA, [200, 5], [70, 1])):
-    layer, batch, args, _, _ = make_case(cfg, kind, prefix, step, device, seed=len(prefix) + prefix[0])
+TINY = dsv4.ModelConfig.preset("tiny")  # a 16-token window (less than one 64-row chunk), 32-token blocks
+for cfg, kind, prefix, step, bs in ((FLASH, LayerKind.CSA, [3000, 0], [300, 77], 256),
+                                    (PRO, LayerKind.HCA, [1000, 40], [200, 9], 256),
+                                    (FLASH, LayerKind.SWA, [200, 5], [70, 1], 256),
+                                    (TINY, LayerKind.SWA, [30, 3], [40, 2], 32),
+                                    (TINY, LayerKind.CSA, [300, 0], [41, 5], 32),
+                                    (TINY, LayerKind.HCA, [300, 7], [41, 5], 32)):
+    layer, batch, args, _, _ = make_case(cfg, kind, prefix, step, device, seed=len(prefix) + prefix[0],
+                                         block_size=bs)
     m, W, bs = args["m"], batch.window, batch.block_size
     entries = batch.addressable_entries(m) if m else 0
     pool = layer.kv_pages if m else None
@@ -50,7 +57,8 @@ print("ok")
 
 
 def test_bf16_keys_interpreted() -> None:
-    """The kernel under the Triton interpreter (CPU): CSA, HCA and window-only layers, two requests each."""
+    """The kernel under the Triton interpreter (CPU): CSA, HCA and window-only layers, two requests each, at
+    V4's shapes and the tiny config's (a window shorter than one chunk of rows)."""
     run_interpreted(_SCRIPT, "cpu")
 
 

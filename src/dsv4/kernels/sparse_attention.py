@@ -528,17 +528,18 @@ def _bf16_keys_kernel(
     out_ptr, stride_ob, entries,  # bf16 [B, WINDOW + entries, 512]
     WINDOW: tl.constexpr, RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_ENTRIES: tl.constexpr,
 ):
-    """Grid ``(WINDOW / 64 + ceil(entries / 64), B)``: 64 rows of request ``b``'s keys in BF16 — rows
+    """Grid ``(ceil(WINDOW / 64) + ceil(entries / 64), B)``: 64 rows of request ``b``'s keys in BF16 — rows
     ``0 … WINDOW − 1`` its ring's slots as stored (whatever position they hold), rows ``WINDOW + i`` its compressed
     entries ``i`` up to those its last token of the step sees (``(start + new) // RATIO``; zeros beyond). Each
     entry's 448 E4M3 codes × 2^(e − 127) per 64-dim block (``_e4m3_scaled``) and its 64 BF16 rope values."""
+    RING_CHUNKS: tl.constexpr = (WINDOW + 63) // 64
     c = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = tl.arange(0, 64)
     col = tl.arange(0, 64)
     first = tl.load(cu_seqlens_ptr + b)
     new = tl.load(cu_seqlens_ptr + b + 1) - first
-    if c < WINDOW // 64:
+    if c < RING_CHUNKS:
         j = c * 64 + n
         base = tl.load(token_slots_ptr + first) * stride_ring
         ok = (j < WINDOW) & (new > 0)
@@ -546,8 +547,9 @@ def _bf16_keys_kernel(
         scale_off = (base + WINDOW * DATA_BYTES) // 8 + j
         src = ring_ptr
         row = j
+        keep = j < WINDOW
     else:
-        i = (c - WINDOW // 64) * 64 + n
+        i = (c - RING_CHUNKS) * 64 + n
         ok = i < (tl.load(start_pos_ptr + b) + new) // RATIO
         block = tl.load(block_tables_ptr + b * stride_bt + (i * RATIO) // BLOCK_SIZE, mask=ok, other=-1)
         ok = ok & (block >= 0)
@@ -557,9 +559,10 @@ def _bf16_keys_kernel(
         scale_off = (page + PAGE_ENTRIES * DATA_BYTES) // 8 + slot
         src = pool_ptr
         row = WINDOW + i
+        keep = i < entries
     scales = tl.load(src.to(tl.pointer_type(tl.int64)) + scale_off, mask=ok, other=0)
     out = out_ptr + b * stride_ob + row[:, None] * 512 + col[None, :]
-    keep = (row < WINDOW + entries)[:, None]
+    keep = keep[:, None]
     for blk in tl.static_range(7):
         codes = tl.load(src + data_off[:, None] + (blk * 64 + col)[None, :], mask=ok[:, None], other=0)
         e = ((scales >> (8 * blk)) & 0xFF).to(tl.int32)
