@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_test_util import run_interpreted
+from kernel_test_util import run_interpreted, run_script
 
 pytest.importorskip("triton")
 
@@ -67,12 +67,4 @@ def test_bf16_keys_gpu() -> None:
     """The same checks on the GPU (the compiled kernel)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import subprocess
-    import sys
-
-    from kernel_test_util import _ROOT
-    import os
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(_ROOT, "src"), os.path.join(_ROOT, "tests")]))
-    res = subprocess.run([sys.executable, "-c", _SCRIPT, "cuda"], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    run_script(_SCRIPT, "cuda", interpret=False)

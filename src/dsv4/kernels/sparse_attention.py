@@ -19,7 +19,13 @@ key), block 7 the BF16 rope dims. A key block is dequantized in registers (E4M3 
 BF16) and feeds the tensor-core products ``S += Q_b·K_bᵀ`` and ``O_b += P·K_b``; no BF16 copy of the keys is
 written to memory. The softmax is the online one in base 2 with P rounded to BF16 for P·V and FP32 sums; the sink
 enters the denominator at the end. With several splits per token each program writes an FP32 partial
-(``o/l`` and its log-sum-exp) and ``_combine_kernel`` merges them.
+(``o/l`` and its log-sum-exp) and ``_combine_kernel`` merges them — or, with the Hopper kernel of
+``sparse_attention_sm90``, the splits of a token run as one thread-block cluster and merge them themselves
+(``combine``).
+
+Prefill chunks (``keys``): each key serves many queries there, so ``bf16_keys`` first writes the step's keys
+dequantized once as BF16 rows (``_bf16_keys_kernel``: every request's ring, then the entries its tokens see) and the
+Hopper kernel copies chunks of rows instead of dequantizing the pages per query — the same values.
 
 The inverse RoPE of the output (rotation of the last 64 dims by ``−t``, adjacent pairs) is fused into the final
 store; like the reference, the output is rounded to BF16 before the rotation and again after it.
