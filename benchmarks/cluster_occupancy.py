@@ -41,9 +41,11 @@ def main() -> None:
         except ValueError as err:
             print(f"splits {size}: {err}")
     torch.cuda.synchronize()
-    print(f"# {torch.cuda.get_device_name()}, {a.shape} B={a.batch} ({a.batch * -(-heads // 64)} clusters a step)")
+    clusters = a.batch * -(-heads // 64)
+    print(f"# {torch.cuda.get_device_name()}, {a.shape} B={a.batch} ({clusters} clusters a step)")
     for size, fit in sorted(seen.items()):
-        print(f"cluster of {size:2d}: {fit:3d} resident at once -> {'clusters' if fit >= a.batch * -(-heads // 64) else 'combine kernel'}")
+        print(f"cluster of {size:2d}: {fit:3d} resident at once -> "
+              f"{'clusters' if fit >= clusters else 'combine kernel'}")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for combine in ("kernel", "auto"):
         for _ in range(3):

@@ -268,6 +268,30 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
 
 
 @pytest.mark.gpu
+def test_bf16_keys_short_bound_reads_no_further() -> None:
+    """An entry index beyond the BF16 rows (the caller's ``max_visible`` too small) is no key — not a read past the
+    buffer: the output is the FP8 path's with those indices set to −1, bit for bit."""
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+
+    layer, batch, args, _, idx = make_case(FLASH, LayerKind.CSA, [3000, 2000], [300, 77], "cuda", seed=21)
+    bound = 300  # entries 0…299 get rows; the lists reach past 700
+    assert int(idx.max()) >= bound
+    got = {}
+    for keys, listed in (("bf16", idx), ("fp8", torch.where(idx < bound, idx, -1))):
+        out = torch.full_like(args["q"], float("nan"))
+        lse = torch.full(out.shape[:2], float("nan"), device="cuda")
+        sparse_attention_fwd(
+            args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
+            batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
+            args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4, block_size=batch.block_size,
+            entry_idx=listed, max_visible=bound, out=out, lse=lse, workspace=layer.workspace, impl="gluon",
+            keys=keys)
+        got[keys] = out, lse
+    assert torch.equal(got["bf16"][0].view(torch.int16), got["fp8"][0].view(torch.int16))
+    assert torch.equal(got["bf16"][1].view(torch.int32), got["fp8"][1].view(torch.int32))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [2, 5, 10, 16])
 def test_cluster_combine_matches_combine_kernel(splits: int) -> None:
     """Each token's splits launched as one cluster that merges its partials (``combine="cluster"``) give the

@@ -361,12 +361,13 @@ if _HAVE_GLUON:
         return m_new, l_acc, o0, o1, o2, o3
 
     @gluon.jit
-    def _issue_bf16_chunk(c, live, raw, stage, pos, start, first_row, key_rows, kv_new_ptr, stride_kvt,
+    def _issue_bf16_chunk(c, live, raw, stage, pos, start, first_row, key_rows, key_entries, kv_new_ptr, stride_kvt,
                           k0, k1, k2, k3, valid_smem, WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
         """Start the asynchronous copies of chunk ``c``'s BF16 keys straight into key tiles ``stage`` of ``k0 …
         k3`` (nothing is read when not ``live``; rows without a key are zero-filled): a window slot from the
-        request's BF16 ring rows (``key_rows``: its ``[WINDOW + entries, 512]`` block) or, for this step's tokens,
-        from ``kv_new``; a compressed entry ``i`` from row ``WINDOW + i``. Records which keys are real."""
+        request's BF16 ring rows (``key_rows``: its ``[WINDOW + key_entries, 512]`` block) or, for this step's
+        tokens, from ``kv_new``; a compressed entry ``i`` from row ``WINDOW + i`` (an index beyond the rows — a
+        caller's bound too small — is no key, never an out-of-bounds read). Records which keys are real."""
         raw = gl.convert_layout(raw, gl.SliceLayout(1, Q_L))
         n = gl.arange(0, BN, layout=gl.SliceLayout(1, Q_L))
         if c < WINDOW_CHUNKS:
@@ -378,7 +379,7 @@ if _HAVE_GLUON:
                             key_rows + (gl.maximum(p, 0) % WINDOW) * 512)
             valid = held | fresh
         else:
-            valid = live & (raw >= 0)
+            valid = live & (raw >= 0) & (raw < key_entries)
             rows = key_rows + (WINDOW + gl.maximum(raw, 0)) * 512
         ok = gl.expand_dims(valid, 1)
         _copy_keys(rows, ok, k0.index(stage), 0, 256)
@@ -412,7 +413,7 @@ if _HAVE_GLUON:
         lse_ptr, stride_lt,  # fp32 [T, H]
         po_ptr, plse_ptr,  # fp32 [T, S, H, 512], [T, S, H] (SPLIT only)
         H, num_compressed, chunks_per_split, num_splits, qk_scale,
-        keys_ptr, stride_kb,  # KEYS_BF16: bf16 [B, WINDOW + entries, 512] each request's keys (sparse_attention.bf16_keys)
+        keys_ptr, stride_kb, key_entries,  # KEYS_BF16: bf16 [B, WINDOW + key_entries, 512] (sparse_attention.bf16_keys)
         WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGE_ENTRIES: gl.constexpr,
         MODE: gl.constexpr, SPLIT: gl.constexpr, CLUSTER: gl.constexpr, KEYS_BF16: gl.constexpr,
     ):
@@ -468,8 +469,8 @@ if _HAVE_GLUON:
             key_rows = keys_ptr + req * stride_kb
             e0 = _chunk_entries(c_begin, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
                                 WINDOW, WINDOW_CHUNKS, MODE)
-            _issue_bf16_chunk(c_begin, c_begin < c_end, e0, 0, pos, start, first_row, key_rows, kv_new_ptr,
-                              stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
+            _issue_bf16_chunk(c_begin, c_begin < c_end, e0, 0, pos, start, first_row, key_rows, key_entries,
+                              kv_new_ptr, stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
             e1 = _chunk_entries(c_begin + 1, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
                                 stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
             e2 = _chunk_entries(c_begin + 2, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
@@ -481,7 +482,7 @@ if _HAVE_GLUON:
                 async_copy.wait_group(0)
                 fence_async_shared()
                 gl.thread_barrier()
-                _issue_bf16_chunk(c + 1, c + 1 < c_end, e1, 1 - stage, pos, start, first_row, key_rows,
+                _issue_bf16_chunk(c + 1, c + 1 < c_end, e1, 1 - stage, pos, start, first_row, key_rows, key_entries,
                                   kv_new_ptr, stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
                 e1 = e2
                 e2 = _chunk_entries(c + 3, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
@@ -705,18 +706,20 @@ def dequant_probe(pages: torch.Tensor, out: torch.Tensor) -> None:
     _dequant_probe_kernel[(1,)](pages, out, num_warps=NUM_WARPS)
 
 
-def _key_args(keys: torch.Tensor | None, args: tuple) -> dict:
+def _key_args(keys: torch.Tensor | None, args: tuple, geometry: dict) -> dict:
     """The kernel's BF16-key arguments: ``keys`` bf16 ``[B, WINDOW + entries, 512]`` (``sparse_attention.
     bf16_keys``) or ``None`` (the FP8 pages are read and dequantized per chunk)."""
     if keys is None:
-        return dict(keys_ptr=args[0], stride_kb=0, KEYS_BF16=False)
-    return dict(keys_ptr=keys, stride_kb=keys.stride(0), KEYS_BF16=True)
+        return dict(keys_ptr=args[0], stride_kb=0, key_entries=0, KEYS_BF16=False)
+    return dict(keys_ptr=keys, stride_kb=keys.stride(0), key_entries=keys.shape[1] - geometry["WINDOW"],
+                KEYS_BF16=True)
 
 
 def launch(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tensor | None = None) -> None:
     """Launch the Gluon kernel: ``args`` / ``geometry`` are ``sparse_attention_fwd``'s prepared arguments and
     geometry constexprs (the Triton kernel's, see there); ``keys``: the step's keys already in BF16, or ``None``."""
-    _sparse_attention_sm90_kernel[grid](*args, **geometry, **_key_args(keys, args), CLUSTER=1, num_warps=NUM_WARPS)
+    _sparse_attention_sm90_kernel[grid](*args, **geometry, **_key_args(keys, args, geometry), CLUSTER=1,
+                                        num_warps=NUM_WARPS)
 
 
 def launch_in_clusters(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tensor | None = None) -> bool:
@@ -727,7 +730,7 @@ def launch_in_clusters(grid: tuple[int, int], args: tuple, geometry: dict, keys:
     splits = grid[1]
     if not (geometry["SPLIT"] and 2 <= splits <= cluster_launch.MAX_CLUSTER):
         return False
-    kwargs = dict(geometry, **_key_args(keys, args), CLUSTER=splits, num_warps=NUM_WARPS)
+    kwargs = dict(geometry, **_key_args(keys, args, geometry), CLUSTER=splits, num_warps=NUM_WARPS)
     compiled = cluster_launch.compiled_kernel(_sparse_attention_sm90_kernel, (grid[0], 1), args, kwargs)
     if cluster_launch.max_active_clusters(compiled, splits) < grid[0]:
         return False
