@@ -241,7 +241,8 @@ def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
 def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
     """The serial Gluon kernel reading the step's keys dequantized once into BF16 rows (``keys="bf16"``) gives
     the bits it gives reading and dequantizing the FP8 pages per chunk (``keys="fp8"``): the same key tiles, the
-    same math. Prefill chunks (where ``"auto"`` picks BF16 rows) and decode steps (forced; split, in clusters)."""
+    same math; so does the warp-specialized prefill kernel (``impl="gluon_prefill"``, prefill chunks). Prefill
+    chunks (where ``"auto"`` picks BF16 rows) and decode steps (forced; split, in clusters)."""
     from dsv4.kernels.sparse_attention import sparse_attention_fwd
 
     cfg, kind, prefix, step, topk = CASES[name]
@@ -249,8 +250,9 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
     m = args["m"]
     listed = xi if kind is LayerKind.CSA else None
     counts = xi if kind is LayerKind.HCA else None
+    runs = [("gluon", "bf16"), ("gluon", "fp8")] + ([("gluon_prefill", "bf16")] if "prefill" in name else [])
     got = {}
-    for keys in ("bf16", "fp8"):
+    for impl, keys in runs:
         out = torch.full_like(args["q"], float("nan"))
         lse = torch.full(out.shape[:2], float("nan"), device="cuda")
         sparse_attention_fwd(
@@ -260,11 +262,13 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
             block_size=batch.block_size, entry_idx=listed, visible=counts,
             max_entries=batch.addressable_entries(m) if counts is not None else 0,
             max_visible=batch.addressable_entries(m) if m else None, out=out, lse=lse,
-            workspace=layer.workspace, impl="gluon", keys=keys)
-        got[keys] = out, lse
-    assert torch.isfinite(got["bf16"][0].float()).all()
-    assert torch.equal(got["bf16"][0].view(torch.int16), got["fp8"][0].view(torch.int16))
-    assert torch.equal(got["bf16"][1].view(torch.int32), got["fp8"][1].view(torch.int32))
+            workspace=layer.workspace, impl=impl, keys=keys)
+        got[impl, keys] = out, lse
+    want_o, want_lse = got["gluon", "fp8"]
+    for run, (o, lse) in got.items():
+        assert torch.isfinite(o.float()).all(), run
+        assert torch.equal(o.view(torch.int16), want_o.view(torch.int16)), run
+        assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32)), run
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import cluster as cluster_launch
-from . import sparse_attention_sm90, sparse_attention_sm90_ws
+from . import sparse_attention_sm90, sparse_attention_sm90_prefill, sparse_attention_sm90_ws
 
 __all__ = ["sparse_attention_fwd", "bf16_keys", "num_sms", "choose_impl", "choose_splits", "rows_are_words"]
 
@@ -626,12 +626,12 @@ def _use_bf16_keys(keys: str, impl: str, gluon_ok: bool, tokens: int, requests: 
         raise ValueError(f"unknown keys {keys!r}")
     if keys == "fp8":
         return False
-    applies = gluon_ok and impl in ("auto", "gluon") and entries is not None
+    applies = gluon_ok and impl in ("auto", "gluon", "gluon_prefill") and entries is not None
     if keys == "bf16":
         if not applies:
-            raise ValueError("keys='bf16' needs the serial Gluon kernel (a Hopper GPU, impl 'auto' or 'gluon', "
-                             f"16-byte aligned q / kv_new rows; impl {impl!r}) and a bound on the visible entries "
-                             "(max_visible with entry_idx)")
+            raise ValueError("keys='bf16' needs a Gluon kernel (a Hopper GPU, impl 'auto', 'gluon' or "
+                             f"'gluon_prefill', 16-byte aligned q / kv_new rows; impl {impl!r}) and a bound on the "
+                             "visible entries (max_visible with entry_idx)")
         return True
     if not applies:
         return False
@@ -698,12 +698,12 @@ def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: 
         least = sparse_attention_sm90_ws.WS_MIN_CHUNKS_ALL if all_entries else sparse_attention_sm90_ws.WS_MIN_CHUNKS
         ws = rows_in_words and chunks_per_split >= least
         return "gluon_ws" if ws else "gluon"
-    if impl not in ("gluon", "gluon_ws", "triton"):
+    if impl not in ("gluon", "gluon_ws", "gluon_prefill", "triton"):
         raise ValueError(f"unknown impl {impl!r}")
     if impl != "triton" and not hopper:
         raise ValueError(f"impl={impl!r} needs a CUDA device of compute capability 9.x")
-    if impl == "gluon_ws" and not rows_in_words:
-        raise ValueError("impl='gluon_ws' reads q and kv_new rows as 16-byte words: their strides must be "
+    if impl in ("gluon_ws", "gluon_prefill") and not rows_in_words:
+        raise ValueError(f"impl={impl!r} reads q and kv_new rows as 16-byte words: their strides must be "
                          "multiples of 8 and their data 16-byte aligned")
     return impl
 
@@ -852,7 +852,13 @@ def sparse_attention_fwd(
     entries = num_compressed if mode == MODE_ALL else (max_visible if mode == MODE_LIST else 0)
     bf16 = _use_bf16_keys(keys, impl, hopper and rows_in_words, T, block_tables.shape[0], window, entries,
                           window + min(num_compressed, entries or num_compressed))
-    impl = "gluon" if bf16 else choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL)
+    if impl == "gluon_prefill" and not (bf16 and splits == 1):
+        raise ValueError("impl='gluon_prefill' takes the step's keys as BF16 rows (keys 'bf16' or 'auto' where it "
+                         f"picks them) and no splits (got {splits})")
+    if bf16:  # the warp-specialized prefill kernel where there are no splits, else the serial one
+        impl = "gluon_prefill" if impl in ("auto", "gluon_prefill") and splits == 1 else "gluon"
+    else:
+        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL)
 
     if splits > 1:
         if workspace is not None:
@@ -906,6 +912,8 @@ def sparse_attention_fwd(
         return out, lse
     if impl == "gluon":
         sparse_attention_sm90.launch(grid, args, geometry, key_rows)
+    elif impl == "gluon_prefill":
+        sparse_attention_sm90_prefill.launch(grid, args, geometry, key_rows)
     elif impl == "gluon_ws":
         sparse_attention_sm90_ws.launch(grid, args, geometry)
     else:

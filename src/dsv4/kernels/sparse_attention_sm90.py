@@ -199,7 +199,7 @@ if _HAVE_GLUON:
         _copy_tile(base.to(gl.pointer_type(gl.bfloat16)), (rows + NOPE_DIM) // 2, ok3, rope_stage.index(stage), 0, 1)
         async_copy.async_copy_global_to_shared(scale_smem.index(stage), base.to(gl.pointer_type(gl.int64)) + scale_off,
                                                mask=ok)
-        valid_smem.index(stage).store(valid.to(gl.int32))
+        valid_smem.index(stage).store(gl.convert_layout(valid, KEY_L).to(gl.int32))
         async_copy.commit_group()
 
     @gluon.jit
@@ -391,9 +391,10 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _copy_keys(rows, ok, dst, FIRST: gl.constexpr, W: gl.constexpr):
-        """Asynchronous copy of dims ``FIRST … FIRST + W − 1`` of 64 BF16 key rows (``rows``: pointers ``[64]``,
-        16-byte aligned) into the tile ``dst`` ``[64, W]`` (rows not ``ok`` zero-filled, not read)."""
-        col = gl.arange(0, W, layout=gl.SliceLayout(0, Q_L))
+        """Asynchronous copy of dims ``FIRST … FIRST + W − 1`` of 64 BF16 rows (``rows``: pointers ``[64]`` in a
+        slice of a 2-D layout, 16-byte aligned) into the tile ``dst`` ``[64, W]`` (rows not ``ok`` zero-filled, not
+        read)."""
+        col = gl.arange(0, W, layout=gl.SliceLayout(0, rows.type.layout.parent))
         ptrs = gl.max_contiguous(gl.expand_dims(rows, 1) + FIRST + gl.expand_dims(col, 0), [1, 8])
         async_copy.async_copy_global_to_shared(dst, ptrs, mask=ok)
 
@@ -586,13 +587,12 @@ if _HAVE_GLUON:
             _store_rope(_rescale(o3, inv).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb * BH, H,
                         cos, sin)
 
-    # The rope dims' output layout: [heads, 32 pairs, 2] (any number of heads).
-    PAIR_L = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0]))
-
     @gluon.jit
-    def _unrotation(pos, inv_freq_ptr):
-        """``(cos, −sin)`` of ``pos·ω_i`` per rope pair ``i``, fp32 ``[1, 32]`` (``_store_rope``'s layout)."""
-        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
+    def _unrotation(pos, inv_freq_ptr, NWARPS: gl.constexpr = NW):
+        """``(cos, −sin)`` of ``pos·ω_i`` per rope pair ``i``, fp32 ``[1, 32]`` in ``_store_rope``'s layout of
+        ``[heads, 32 pairs, 2]`` over ``NWARPS`` warps."""
+        PL: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [NWARPS, 1, 1], [2, 1, 0])
+        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))
         angle = pos.to(gl.float32) * gl.load(inv_freq_ptr + pair)
         return (gl.expand_dims(gl.extra.libdevice.cos(angle), 0),
                 gl.expand_dims(-gl.extra.libdevice.sin(angle), 0))
@@ -603,12 +603,13 @@ if _HAVE_GLUON:
         h·stride_oh + i``, rotated back per adjacent pair (``cos`` / ``sin`` of ``−pos·ω_i``: ``_unrotation``) in
         FP32 and rounded to BF16 again; heads from ``head_end`` on are not stored."""
         ROWS: gl.constexpr = o3.shape[0]
-        ROW2_L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [8, 1], [1, 0])
-        pairs = gl.convert_layout(gl.reshape(gl.convert_layout(o3, ROW2_L), [ROWS, 32, 2]), PAIR_L)
+        PL: gl.constexpr = cos.type.layout.parent
+        ROW2_L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [PL.warps_per_cta[0], 1], [1, 0])
+        pairs = gl.convert_layout(gl.reshape(gl.convert_layout(o3, ROW2_L), [ROWS, 32, 2]), PL)
         re, im = gl.split(pairs.to(gl.float32))
-        heads = head0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
-        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
-        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIR_L)))
+        heads = head0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
+        pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL)))
         out = gl.join(re * cos - im * sin, re * sin + im * cos)
         ptrs = rope_ptr + heads[:, None, None] * stride_oh + (2 * pair)[None, :, None] + half[None, None, :]
         mask = (heads < head_end)[:, None, None] & (half >= 0)[None, None, :]
