@@ -782,9 +782,11 @@ def sparse_attention_fwd(
             from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split, ``WS_MIN_CHUNKS_ALL`` for HCA; else
             ``"triton"``), ``"triton"`` this module's kernel, ``"gluon"`` the Hopper kernel of
             ``sparse_attention_sm90`` (asynchronous copies of the
-            raw keys one chunk ahead), or ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
+            raw keys one chunk ahead), ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
             (a producer partition dequantizes while the consumers compute; q and kv_new rows 16-byte aligned:
-            ``rows_are_words``).
+            ``rows_are_words``), or ``"gluon_prefill"`` the warp-specialized kernel of
+            ``sparse_attention_sm90_prefill`` over BF16 key rows (``keys``; no splits: a score and a value
+            warpgroup), which ``"auto"`` runs wherever the keys are BF16 rows and there are no splits.
             The Gluon kernels need compute capability 9.x; ``block_h``, ``block_n``, ``num_warps``,
             ``num_stages``, ``prefetch`` and ``dequant`` do not apply to them.
         combine: how split partials are merged: ``"kernel"`` by ``_combine_kernel`` after the attention grid;
@@ -798,7 +800,8 @@ def sparse_attention_fwd(
             (``bf16_keys``: every request's ring and the entries its tokens see — prefill chunks, where each key
             serves many queries); ``"auto"`` (default) ``"bf16"`` where those rows are at most 1/8 of the bytes
             the kernel would read as FP8 keys, the Gluon kernel applies and the entries' bound is known, else
-            ``"fp8"``. The values are the same bits either way. ``"bf16"`` runs the serial Gluon kernel.
+            ``"fp8"``. The values are the same bits either way. ``"bf16"`` runs ``"gluon_prefill"`` where there are
+            no splits (with ``impl`` ``"auto"``), else the serial Gluon kernel.
         max_visible: a host bound on the compressed entries any token of the step sees (``"bf16"`` keys with
             ``entry_idx``; with ``visible`` it is ``max_entries``).
     Returns:
