@@ -110,3 +110,34 @@ def test_cluster_combine_choice_off_gluon() -> None:
         _check_combine("cluster", "gluon", 17)
     with pytest.raises(ValueError, match="unknown combine"):
         _check_combine("bogus", "gluon", 10)
+
+
+def test_bf16_key_rows_choice() -> None:
+    """``keys="auto"`` dequantizes a step's keys once into BF16 rows only where those rows are at most 1/8 of the
+    FP8 key bytes the step reads (prefill chunks, not decode), on Hopper with a known bound on the visible entries;
+    ``"bf16"`` where that cannot run is an error naming why; an unknown ``keys`` is refused."""
+    from dsv4.kernels.sparse_attention import _use_bf16_keys
+
+    # a 4K-token prefill chunk of one request (8K context: 3,072 entries) vs a 64-request decode step
+    assert _use_bf16_keys("auto", "auto", True, 4096, 1, 128, 3072, 640)
+    assert not _use_bf16_keys("auto", "auto", True, 64, 64, 128, 2048, 640)
+    assert not _use_bf16_keys("auto", "auto", True, 4096, 1, 128, None, 640)  # CSA without max_visible
+    assert not _use_bf16_keys("auto", "auto", False, 4096, 1, 128, 3072, 640)  # no Hopper / unaligned rows
+    assert not _use_bf16_keys("auto", "gluon_ws", True, 4096, 1, 128, 3072, 640)
+    assert not _use_bf16_keys("fp8", "auto", True, 4096, 1, 128, 3072, 640)
+    assert _use_bf16_keys("bf16", "gluon", True, 64, 64, 128, 2048, 640)  # forced: applies anywhere it can run
+    with pytest.raises(ValueError, match="needs a Gluon kernel"):
+        _use_bf16_keys("bf16", "triton", True, 4096, 1, 128, 3072, 640)
+    with pytest.raises(ValueError, match="max_visible"):
+        _use_bf16_keys("bf16", "auto", True, 4096, 1, 128, None, 640)
+    with pytest.raises(ValueError, match="unknown keys"):
+        _use_bf16_keys("int8", "auto", True, 4096, 1, 128, 3072, 640)
+
+
+def test_prefill_kernel_is_an_explicit_choice_on_hopper_only() -> None:
+    """``impl="gluon_prefill"`` is a known kernel, checked like the others (Hopper, 16-byte rows)."""
+    with pytest.raises(ValueError, match="compute capability 9"):
+        choose_impl("gluon_prefill", False, True, 10)
+    with pytest.raises(ValueError, match="16-byte words"):
+        choose_impl("gluon_prefill", True, False, 10)
+    assert choose_impl("gluon_prefill", True, True, 10) == "gluon_prefill"
