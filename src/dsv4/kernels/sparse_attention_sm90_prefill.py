@@ -298,7 +298,8 @@ if _HAVE_GLUON:
         ], [4], [VALUE_REGS_C])
 
 
-def launch(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tensor, value_regs: int | None = None) -> None:
+def launch(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tensor,
+           value_regs: int | None = None) -> None:
     """Launch the kernel for a step without splits (``grid[1] == 1``): ``args`` / ``geometry`` are
     ``sparse_attention_fwd``'s prepared arguments and geometry constexprs, ``keys`` the step's BF16 key rows
     (``sparse_attention.bf16_keys``); ``value_regs`` the value warpgroup's registers per thread (default
