@@ -173,6 +173,26 @@ def compare(layer, batch, args, torch_idx, triton_idx):
     return err_o, err_l, o, o_ref
 
 
+def step_fwd(layer, batch, args, q=None, **options):
+    """``sparse_attention_fwd`` over a ``make_case`` step (its queries, or ``q``); ``options`` are the op's keywords
+    (``ratio`` 4 unless given). ``out`` / ``lse`` default to new NaN-filled tensors, so any element the kernels do
+    not write fails the checks. Returns ``(out, lse)``."""
+    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+
+    q = args["q"] if q is None else q
+    options.setdefault("ratio", 4)
+    out = options.pop("out", None)
+    out = torch.full_like(q, float("nan")) if out is None else out
+    lse = options.pop("lse", None)
+    lse = torch.full(out.shape[:2], float("nan"), device=q.device) if lse is None else lse
+    sparse_attention_fwd(
+        q, args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages if options["ratio"] else None,
+        batch.block_tables, batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos,
+        batch.token_slots, args["sink"], args["inv_freq"], args["scale"], window=batch.window,
+        block_size=batch.block_size, out=out, lse=lse, workspace=layer.workspace, **options)
+    return out, lse
+
+
 CASES = {
     # name: (cfg, kind, prefix lengths, step lengths, topk)
     "swa_decode": (FLASH, LayerKind.SWA, [0, 5, 300, 127, 128], [1, 2, 1, 4, 3], None),
@@ -217,19 +237,10 @@ def test_attend_matches_torch(name: str, variant: dict) -> None:
 @pytest.mark.gpu
 def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
     """Split-KV partials + combine give the same result, and every output element is written."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
-
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [5000, 12], [1, 3], "cuda", seed=7)
     o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
     for splits in (1, 3, 20):
-        out = torch.full_like(args["q"], float("nan"))
-        lse = torch.full(out.shape[:2], float("nan"), device="cuda")
-        sparse_attention_fwd(
-            args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
-            batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
-            args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4, block_size=batch.block_size,
-            entry_idx=ti, out=out, lse=lse, workspace=layer.workspace, num_splits=splits, **variant,
-        )
+        out, lse = step_fwd(layer, batch, args, entry_idx=ti, num_splits=splits, **variant)
         assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
         err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
         assert err <= 1e-2, (splits, err)
@@ -243,8 +254,6 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
     the bits it gives reading and dequantizing the FP8 pages per chunk (``keys="fp8"``): the same key tiles, the
     same math; so does the warp-specialized prefill kernel (``impl="gluon_prefill"``, prefill chunks). Prefill
     chunks (where ``"auto"`` picks BF16 rows) and decode steps (forced; split, in clusters)."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
-
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=len(name) + 1, topk=topk)
     m = args["m"]
@@ -253,17 +262,10 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
     runs = [("gluon", "bf16"), ("gluon", "fp8")] + ([("gluon_prefill", "bf16")] if "prefill" in name else [])
     got = {}
     for impl, keys in runs:
-        out = torch.full_like(args["q"], float("nan"))
-        lse = torch.full(out.shape[:2], float("nan"), device="cuda")
-        sparse_attention_fwd(
-            args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages if m else None,
-            batch.block_tables, batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos,
-            batch.token_slots, args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=m,
-            block_size=batch.block_size, entry_idx=listed, visible=counts,
+        got[impl, keys] = step_fwd(
+            layer, batch, args, ratio=m, entry_idx=listed, visible=counts,
             max_entries=batch.addressable_entries(m) if counts is not None else 0,
-            max_visible=batch.addressable_entries(m) if m else None, out=out, lse=lse,
-            workspace=layer.workspace, impl=impl, keys=keys)
-        got[impl, keys] = out, lse
+            max_visible=batch.addressable_entries(m) if m else None, impl=impl, keys=keys)
     want_o, want_lse = got["gluon", "fp8"]
     for run, (o, lse) in got.items():
         assert torch.isfinite(o.float()).all(), run
@@ -275,22 +277,12 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
 def test_bf16_keys_short_bound_reads_no_further() -> None:
     """An entry index beyond the BF16 rows (the caller's ``max_visible`` too small) is no key — not a read past the
     buffer: the output is the FP8 path's with those indices set to −1, bit for bit."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
-
     layer, batch, args, _, idx = make_case(FLASH, LayerKind.CSA, [3000, 2000], [300, 77], "cuda", seed=21)
     bound = 300  # entries 0…299 get rows; the lists reach past 700
     assert int(idx.max()) >= bound
     got = {}
     for keys, listed in (("bf16", idx), ("fp8", torch.where(idx < bound, idx, -1))):
-        out = torch.full_like(args["q"], float("nan"))
-        lse = torch.full(out.shape[:2], float("nan"), device="cuda")
-        sparse_attention_fwd(
-            args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
-            batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
-            args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4, block_size=batch.block_size,
-            entry_idx=listed, max_visible=bound, out=out, lse=lse, workspace=layer.workspace, impl="gluon",
-            keys=keys)
-        got[keys] = out, lse
+        got[keys] = step_fwd(layer, batch, args, entry_idx=listed, max_visible=bound, impl="gluon", keys=keys)
     assert torch.equal(got["bf16"][0].view(torch.int16), got["fp8"][0].view(torch.int16))
     assert torch.equal(got["bf16"][1].view(torch.int32), got["fp8"][1].view(torch.int32))
 
@@ -301,21 +293,12 @@ def test_cluster_combine_matches_combine_kernel(splits: int) -> None:
     """Each token's splits launched as one cluster that merges its partials (``combine="cluster"``) give the
     combine kernel's output within one BF16 step and its lse within FP32 rounding, and both the torch backend's;
     every output element is written (poisoned before). Flash (64 heads) and Pro (two head blocks per token)."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
-
     for cfg, prefix, step in ((FLASH, [9000, 12, 3000], [1, 3, 1]), (PRO, [9000, 700], [2, 1])):
         layer, batch, args, ti, _ = make_case(cfg, LayerKind.CSA, prefix, step, "cuda", seed=splits)
         o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
         got = {}
         for combine in ("cluster", "kernel"):
-            out = torch.full_like(args["q"], float("nan"))
-            lse = torch.full(out.shape[:2], float("nan"), device="cuda")
-            sparse_attention_fwd(
-                args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
-                batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
-                args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4,
-                block_size=batch.block_size, entry_idx=ti, out=out, lse=lse, workspace=layer.workspace,
-                num_splits=splits, impl="gluon", combine=combine)
+            out, lse = step_fwd(layer, batch, args, entry_idx=ti, num_splits=splits, impl="gluon", combine=combine)
             assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all(), combine
             err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
             assert err <= 1e-2, (combine, err)
@@ -340,19 +323,13 @@ def test_split_combine_graph_replay_bits(combine: str) -> None:
     eager launches, over repeated replays with fresh queries written into the captured input; the partials'
     buffers are poisoned (NaN) before each replay, so a merge that read them before every split wrote them would
     differ."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
-
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [5000, 12, 3000], [1, 3, 1], "cuda", seed=11)
     q = args["q"].clone()
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
 
     def run() -> None:
-        sparse_attention_fwd(
-            q, args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
-            batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
-            args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=4, block_size=batch.block_size,
-            entry_idx=ti, out=out, lse=lse, workspace=layer.workspace, num_splits=5, combine=combine)
+        step_fwd(layer, batch, args, q=q, out=out, lse=lse, entry_idx=ti, num_splits=5, combine=combine)
 
     run()  # compile and allocate the workspace outside the capture
     torch.cuda.synchronize()

@@ -101,8 +101,27 @@ if _HAVE_GLUON:
     BLK_L = gl.constexpr(gl.SliceLayout(2, TILE3_L))  # [64, blocks]
     Q_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))  # [64 heads, dims]: 16-byte stores
     KEY_L = gl.constexpr(gl.SliceLayout(1, BLK_L))  # [64] one value per key
+    # A BF16 operand tile of the tensor cores (128-byte swizzle).
+    TILE_SL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     # The 512 dims are kept in four groups, each its own shared-memory tile (a write to one tile never waits on a
     # read of another): FP8 blocks 0-3, 4-5, 6, then the 64 BF16 rope dims.
+
+    @gluon.jit
+    def _dim_tiles(ROWS: gl.constexpr, STAGES: gl.constexpr):
+        """The four BF16 shared-memory tiles a ``[ROWS, 512]`` operand is kept in (dims 0-255, 256-383, 384-447,
+        448-511: a write to one never waits on a read of another), each ``[STAGES, ROWS, dims]`` — or ``[ROWS,
+        dims]`` for ``STAGES`` = 0."""
+        if STAGES == 0:
+            t0 = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], TILE_SL)
+            t1 = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 128], TILE_SL)
+            t2 = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], TILE_SL)
+            t3 = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], TILE_SL)
+        else:
+            t0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, 256], TILE_SL)
+            t1 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, 128], TILE_SL)
+            t2 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, 64], TILE_SL)
+            t3 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, 64], TILE_SL)
+        return t0, t1, t2, t3
 
     @gluon.jit
     def _chunk_entries(c, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
@@ -361,32 +380,36 @@ if _HAVE_GLUON:
         return m_new, l_acc, o0, o1, o2, o3
 
     @gluon.jit
-    def _issue_bf16_chunk(c, live, raw, stage, pos, start, first_row, key_rows, key_entries, kv_new_ptr, stride_kvt,
-                          k0, k1, k2, k3, valid_smem, WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
-        """Start the asynchronous copies of chunk ``c``'s BF16 keys straight into key tiles ``stage`` of ``k0 …
-        k3`` (nothing is read when not ``live``; rows without a key are zero-filled): a window slot from the
-        request's BF16 ring rows (``key_rows``: its ``[WINDOW + key_entries, 512]`` block) or, for this step's
-        tokens, from ``kv_new``; a compressed entry ``i`` from row ``WINDOW + i`` (an index beyond the rows — a
-        caller's bound too small — is no key, never an out-of-bounds read). Records which keys are real."""
-        raw = gl.convert_layout(raw, gl.SliceLayout(1, Q_L))
-        n = gl.arange(0, BN, layout=gl.SliceLayout(1, Q_L))
-        if c < WINDOW_CHUNKS:
-            j = c * BN + n
-            p = pos - (WINDOW - 1) + j
-            fresh = live & (j < WINDOW) & (p >= start) & (p >= 0)
-            held = live & (raw == p) & (raw >= 0)
-            rows = gl.where(fresh, kv_new_ptr + (first_row + gl.maximum(p - start, 0)) * stride_kvt,
-                            key_rows + (gl.maximum(p, 0) % WINDOW) * 512)
-            valid = held | fresh
-        else:
-            valid = live & (raw >= 0) & (raw < key_entries)
-            rows = key_rows + (WINDOW + gl.maximum(raw, 0)) * 512
+    def _issue_bf16_chunk(c, live, raw, buf, pos, start, key_rows, key_entries, kv_new_rows, stride_kvt,
+                          k0, k1, k2, k3, valid_smem, WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr,
+                          RL: gl.constexpr):
+        """Start the asynchronous copies of chunk ``c``'s BF16 keys straight into key tiles ``buf`` of ``k0 … k3``
+        (nothing is read when not ``live``; rows without a key are zero-filled): a window slot from the request's
+        BF16 ring rows (``key_rows``: its ``[WINDOW + key_entries, 512]`` block) or, for this step's tokens, from
+        ``kv_new_rows`` (the request's first row of ``kv_new``); a compressed entry ``i`` from row ``WINDOW + i``
+        (an index beyond the rows — a caller's bound too small — is no key, never an out-of-bounds read). Records
+        which keys are real. ``raw``: the chunk's lookup (``_chunk_entries``); ``RL``: the 2-D register layout of
+        the copies (16-byte pieces of rows) for the calling warps. Branch-free: Triton 3.6 does not lower loads on
+        both sides of a branch inside a warp-specialized partition."""
+        raw = gl.convert_layout(raw, gl.SliceLayout(1, RL))
+        n = gl.arange(0, BN, layout=gl.SliceLayout(1, RL))
+        in_window = c < WINDOW_CHUNKS
+        j = c * BN + n
+        p = pos - (WINDOW - 1) + j
+        fresh = live & in_window & (j < WINDOW) & (p >= start) & (p >= 0)
+        held = live & in_window & (raw == p) & (raw >= 0)
+        listed = live & (not in_window) & (raw >= 0) & (raw < key_entries)
+        ring_row = key_rows + (gl.maximum(p, 0) % WINDOW) * 512
+        rows = gl.where(fresh, kv_new_rows + gl.maximum(p - start, 0).to(gl.int64) * stride_kvt,
+                        gl.where(in_window, ring_row, key_rows + (WINDOW + gl.maximum(raw, 0)).to(gl.int64) * 512))
+        valid = fresh | held | listed
         ok = gl.expand_dims(valid, 1)
-        _copy_keys(rows, ok, k0.index(stage), 0, 256)
-        _copy_keys(rows, ok, k1.index(stage), 256, 128)
-        _copy_keys(rows, ok, k2.index(stage), 384, 64)
-        _copy_keys(rows, ok, k3.index(stage), 448, 64)
-        valid_smem.index(stage).store(gl.convert_layout(valid, KEY_L).to(gl.int32))
+        _copy_keys(rows, ok, k0.index(buf), 0, 256)
+        _copy_keys(rows, ok, k1.index(buf), 256, 128)
+        _copy_keys(rows, ok, k2.index(buf), 384, 64)
+        _copy_keys(rows, ok, k3.index(buf), 448, 64)
+        ONE_L: gl.constexpr = gl.BlockedLayout([1], [32], [RL.warps_per_cta[0]], [0])
+        valid_smem.index(buf).store(gl.convert_layout(valid, ONE_L).to(gl.int32))
         async_copy.commit_group()
 
     @gluon.jit
@@ -425,7 +448,6 @@ if _HAVE_GLUON:
         O0_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
         O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
         O2_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-        TILE_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         RAW_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         WINDOW_CHUNKS: gl.constexpr = (WINDOW + BN - 1) // BN
@@ -434,10 +456,7 @@ if _HAVE_GLUON:
             token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H, CLUSTER)
 
         # Dims in four groups (0-255, 256-383, 384-447, rope 448-511), each its own tile.
-        q0 = gl.allocate_shared_memory(gl.bfloat16, [BH, 256], TILE_SL)
-        q1 = gl.allocate_shared_memory(gl.bfloat16, [BH, 128], TILE_SL)
-        q2 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
-        q3 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
+        q0, q1, q2, q3 = _dim_tiles(BH, 0)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], TILE_SL)
         valid_smem = gl.allocate_shared_memory(gl.int32, [NSTAGE, BN], VEC_SL)
 
@@ -463,15 +482,13 @@ if _HAVE_GLUON:
         if KEYS_BF16:
             # The keys already in BF16 (dequantized once per step): each chunk copied straight into one of two
             # sets of key tiles, a chunk ahead; no block tables, no dequantization.
-            k0 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 256], TILE_SL)
-            k1 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 128], TILE_SL)
-            k2 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 64], TILE_SL)
-            k3 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, BN, 64], TILE_SL)
+            k0, k1, k2, k3 = _dim_tiles(BN, NSTAGE)
             key_rows = keys_ptr + req * stride_kb
+            kv_new_rows = kv_new_ptr + first_row * stride_kvt
             e0 = _chunk_entries(c_begin, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
                                 WINDOW, WINDOW_CHUNKS, MODE)
-            _issue_bf16_chunk(c_begin, c_begin < c_end, e0, 0, pos, start, first_row, key_rows, key_entries,
-                              kv_new_ptr, stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
+            _issue_bf16_chunk(c_begin, c_begin < c_end, e0, 0, pos, start, key_rows, key_entries, kv_new_rows,
+                              stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS, Q_L)
             e1 = _chunk_entries(c_begin + 1, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
                                 stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
             e2 = _chunk_entries(c_begin + 2, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
@@ -483,8 +500,8 @@ if _HAVE_GLUON:
                 async_copy.wait_group(0)
                 fence_async_shared()
                 gl.thread_barrier()
-                _issue_bf16_chunk(c + 1, c + 1 < c_end, e1, 1 - stage, pos, start, first_row, key_rows, key_entries,
-                                  kv_new_ptr, stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
+                _issue_bf16_chunk(c + 1, c + 1 < c_end, e1, 1 - stage, pos, start, key_rows, key_entries,
+                                  kv_new_rows, stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS, Q_L)
                 e1 = e2
                 e2 = _chunk_entries(c + 3, t, pos, start, slot, n_comp, ring_pos_ptr, stride_rpos, idx_ptr,
                                     stride_idx, WINDOW, WINDOW_CHUNKS, MODE)
@@ -492,10 +509,7 @@ if _HAVE_GLUON:
                     q0, q1, q2, q3, k0.index(stage), k1.index(stage), k2.index(stage), k3.index(stage), p_smem,
                     valid_smem.index(stage), m_i, l_acc, o0, o1, o2, o3, qk_scale)
         else:
-            k0 = gl.allocate_shared_memory(gl.bfloat16, [BN, 256], TILE_SL)
-            k1 = gl.allocate_shared_memory(gl.bfloat16, [BN, 128], TILE_SL)
-            k2 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
-            k3 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], TILE_SL)
+            k0, k1, k2, k3 = _dim_tiles(BN, 0)
             codes0 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 4, 64], RAW_SL)
             codes1 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 2, 64], RAW_SL)
             codes2 = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BN, 1, 64], RAW_SL)

@@ -37,8 +37,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it the other kernels serve
         warpgroup_mma_wait,
     )
 
-    from .sparse_attention_sm90 import (_copy_keys, _program_token, _rescale, _split_chunks, _store_group,
-                                        _store_rope, _unrotation)
+    from .sparse_attention_sm90 import (TILE_SL, _copy_keys, _dim_tiles, _issue_bf16_chunk, _program_token,
+                                        _rescale, _split_chunks, _store_group, _store_rope, _unrotation)
 
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -58,7 +58,6 @@ if _HAVE_GLUON:
     NOPE_DIM = gl.constexpr(448)
     ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [64, dims]: 16-byte pieces
     KEY4_L = gl.constexpr(gl.SliceLayout(1, ROWS_L))  # [64]: one value per key or head
-    ONE_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # [64] over the warpgroup (for shared stores)
     MODE_LIST = gl.constexpr(1)
     S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
     OA_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
@@ -87,32 +86,6 @@ if _HAVE_GLUON:
         return gl.where(in_window, held, entry)
 
     @gluon.jit
-    def _issue_chunk(c, live, raw, buf, pos, start, key_rows, key_entries, kv_new_rows, stride_kvt,
-                     k0, k1, k2, k3, valid_smem, WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr):
-        """Start the asynchronous copies of chunk ``c``'s BF16 keys into key tiles ``buf`` (nothing read when not
-        ``live``; rows without a key zero-filled): a window slot from the request's ring rows (``key_rows``) or,
-        for this step's tokens, from ``kv_new_rows`` (the request's first row of ``kv_new``); a compressed entry
-        ``i`` from row ``WINDOW + i`` (none past ``key_entries``). Records which keys are real. No branch."""
-        n = gl.arange(0, BN, layout=KEY4_L)
-        in_window = c < WINDOW_CHUNKS
-        j = c * BN + n
-        p = pos - (WINDOW - 1) + j
-        fresh = live & in_window & (j < WINDOW) & (p >= start) & (p >= 0)
-        held = live & in_window & (raw == p) & (raw >= 0)
-        listed = live & (not in_window) & (raw >= 0) & (raw < key_entries)
-        ring_row = key_rows + (gl.maximum(p, 0) % WINDOW) * 512
-        rows = gl.where(fresh, kv_new_rows + gl.maximum(p - start, 0).to(gl.int64) * stride_kvt,
-                        gl.where(in_window, ring_row, key_rows + (WINDOW + gl.maximum(raw, 0)).to(gl.int64) * 512))
-        valid = fresh | held | listed
-        ok = gl.expand_dims(valid, 1)
-        _copy_keys(rows, ok, k0.index(buf), 0, 256)
-        _copy_keys(rows, ok, k1.index(buf), 256, 128)
-        _copy_keys(rows, ok, k2.index(buf), 384, 64)
-        _copy_keys(rows, ok, k3.index(buf), 448, 64)
-        valid_smem.index(buf).store(gl.convert_layout(valid, ONE_L).to(gl.int32))
-        async_copy.commit_group()
-
-    @gluon.jit
     def _score_partition(q0, q1, q2, q3, k0, k1, k2, k3, p_smem, alpha_smem, stats_smem, valid_smem, p_ready,
                          kv_free, done, t, hb, H, pos, start, n_comp, c_begin, c_end, q_ptr, stride_qt, stride_qh,
                          kv_new_rows, stride_kvt, ring_pos_row, idx_row, key_rows, key_entries, qk_scale, sink_ptr,
@@ -130,8 +103,8 @@ if _HAVE_GLUON:
         _copy_keys(q_rows, q_ok, q3, 448, 64)
         async_copy.commit_group()
         e0 = _entries(c_begin, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
-        _issue_chunk(c_begin, c_begin < c_end, e0, 0, pos, start, key_rows, key_entries, kv_new_rows, stride_kvt,
-                     k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
+        _issue_bf16_chunk(c_begin, c_begin < c_end, e0, 0, pos, start, key_rows, key_entries, kv_new_rows,
+                          stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS, ROWS_L)
         e1 = _entries(c_begin + 1, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
 
         m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -154,8 +127,8 @@ if _HAVE_GLUON:
             # (its k-th use waits for the release of use k−1; the first use of each buffer passes).
             nxt = 1 - buf
             mbarrier.wait(kv_free.index(nxt), (((i + 1) // 2) & 1) ^ 1)
-            _issue_chunk(c + 1, c + 1 < c_end, e1, nxt, pos, start, key_rows, key_entries, kv_new_rows, stride_kvt,
-                         k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS)
+            _issue_bf16_chunk(c + 1, c + 1 < c_end, e1, nxt, pos, start, key_rows, key_entries, kv_new_rows,
+                              stride_kvt, k0, k1, k2, k3, valid_smem, WINDOW, WINDOW_CHUNKS, ROWS_L)
             e1 = _entries(c + 2, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
             s = warpgroup_mma_wait(0, deps=[s])
             valid = valid_smem.index(buf).load(gl.SliceLayout(0, S_L)) != 0
@@ -254,19 +227,12 @@ if _HAVE_GLUON:
     ):
         """Grid ``(T · ceil(H / 64), 1)``: token ``t`` and head block; the score warpgroup (this partition) and the
         value warpgroup (a worker of ``VALUE_REGS_C`` registers per thread)."""
-        TILE_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         WINDOW_CHUNKS: gl.constexpr = (WINDOW + BN - 1) // BN
         t, hb, split, req, pos, start, first_row, slot = _program_token(
             token_request_ptr, positions_ptr, cu_seqlens_ptr, start_pos_ptr, token_slots_ptr, H, 1)
-        q0 = gl.allocate_shared_memory(gl.bfloat16, [BH, 256], TILE_SL)
-        q1 = gl.allocate_shared_memory(gl.bfloat16, [BH, 128], TILE_SL)
-        q2 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
-        q3 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
-        k0 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 256], TILE_SL)
-        k1 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 128], TILE_SL)
-        k2 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], TILE_SL)
-        k3 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], TILE_SL)
+        q0, q1, q2, q3 = _dim_tiles(BH, 0)
+        k0, k1, k2, k3 = _dim_tiles(BN, 2)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN], TILE_SL)
         alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BH], VEC_SL)
         stats_smem = gl.allocate_shared_memory(gl.float32, [2, BH], VEC_SL)  # final row max, row sum

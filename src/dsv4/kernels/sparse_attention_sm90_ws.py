@@ -49,8 +49,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .sparse_attention_sm90 import (_block_exponents, _fresh_rows, _program_token, _rescale, _split_chunks,
-                                        _write_output)
+    from .sparse_attention_sm90 import (TILE_SL, _block_exponents, _dim_tiles, _fresh_rows, _program_token,
+                                        _rescale, _split_chunks, _write_output)
 
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -90,7 +90,6 @@ if _HAVE_GLUON:
     # The 512 dims are kept in four groups, each its own shared-memory tile (a write to one tile never waits on a
     # read of another): FP8 blocks 0-3, 4-5, 6, then the 64 BF16 rope dims. The tiles are BF16 for wgmma and
     # written through 32-bit views (the 128-byte swizzle permutes 16-byte pieces, the same for either type).
-    TILE_SL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WORDS_SL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 
     @gluon.jit
@@ -429,15 +428,9 @@ if _HAVE_GLUON:
         start = start.to(gl.int32)
 
         # Dims in four groups (0-255, 256-383, 384-447, rope 448-511), each its own tile.
-        q0 = gl.allocate_shared_memory(gl.bfloat16, [BH, 256], TILE_SL)
-        q1 = gl.allocate_shared_memory(gl.bfloat16, [BH, 128], TILE_SL)
-        q2 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
-        q3 = gl.allocate_shared_memory(gl.bfloat16, [BH, 64], TILE_SL)
+        q0, q1, q2, q3 = _dim_tiles(BH, 0)
         # Two buffers of the BF16 key tiles: the producer fills one while the consumers read the other.
-        k0 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 256], TILE_SL)
-        k1 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 128], TILE_SL)
-        k2 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], TILE_SL)
-        k3 = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], TILE_SL)
+        k0, k1, k2, k3 = _dim_tiles(BN, 2)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], TILE_SL)
         valid_smem = gl.allocate_shared_memory(gl.int32, [2, BN], VEC_SL)
         scale_smem = gl.allocate_shared_memory(gl.int64, [2, BN], VEC_SL)
