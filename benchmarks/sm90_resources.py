@@ -59,7 +59,7 @@ KERNELS = {
         _ATTENTION_DIV16),
     "attention_prefill": ("dsv4.kernels.sparse_attention_sm90_prefill:_prefill_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=False, VALUE_REGS_C=168,
-             num_warps=4),
+             PRODUCER_REGS_C=88, num_warps=4),
         _ATTENTION_DIV16),
     "dequant_sm90": ("dsv4.kernels.sparse_attention_sm90:_dequant_probe_kernel",
         {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=8), set()),

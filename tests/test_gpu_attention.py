@@ -274,6 +274,29 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["csa_prefill", "hca_prefill", "swa_prefill"])
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_prefill_kernel_any_number_of_programs(name: str, programs: int, monkeypatch) -> None:
+    """The prefill kernel's persistent programs each take items (token, head block) one after the other, the next
+    item's queries and first keys copied in during the current item's last chunk: with 1, 3 or 7 programs (each
+    then runs hundreds of items, of different chunk counts for HCA) the outputs are the serial FP8 path's bits."""
+    from dsv4.kernels import sparse_attention
+
+    cfg, kind, prefix, step, topk = CASES[name]
+    layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs, topk=topk)
+    m = args["m"]
+    opts = dict(ratio=m, entry_idx=xi if kind is LayerKind.CSA else None,
+                visible=xi if kind is LayerKind.HCA else None,
+                max_entries=batch.addressable_entries(m) if kind is LayerKind.HCA else 0,
+                max_visible=batch.addressable_entries(m) if m else None)
+    want_o, want_lse = step_fwd(layer, batch, args, impl="gluon", keys="fp8", **opts)
+    monkeypatch.setattr(sparse_attention, "num_sms", lambda device: programs)
+    o, lse = step_fwd(layer, batch, args, impl="gluon_prefill", keys="bf16", **opts)
+    assert torch.equal(o.view(torch.int16), want_o.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32))
+
+
+@pytest.mark.gpu
 def test_bf16_keys_short_bound_reads_no_further() -> None:
     """An entry index beyond the BF16 rows (the caller's ``max_visible`` too small) is no key — not a read past the
     buffer: the output is the FP8 path's with those indices set to −1, bit for bit."""

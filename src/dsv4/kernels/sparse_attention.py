@@ -785,8 +785,9 @@ def sparse_attention_fwd(
             raw keys one chunk ahead), ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
             (a producer partition dequantizes while the consumers compute; q and kv_new rows 16-byte aligned:
             ``rows_are_words``), or ``"gluon_prefill"`` the warp-specialized kernel of
-            ``sparse_attention_sm90_prefill`` over BF16 key rows (``keys``; no splits: a score and a value
-            warpgroup), which ``"auto"`` runs wherever the keys are BF16 rows and there are no splits.
+            ``sparse_attention_sm90_prefill`` over BF16 key rows (``keys``; no splits: one persistent program per
+            SM, a copy, a score and a value warpgroup), which ``"auto"`` runs wherever the keys are BF16 rows and
+            there are no splits.
             The Gluon kernels need compute capability 9.x; ``block_h``, ``block_n``, ``num_warps``,
             ``num_stages``, ``prefetch`` and ``dequant`` do not apply to them.
         combine: how split partials are merged: ``"kernel"`` by ``_combine_kernel`` after the attention grid;
@@ -916,7 +917,7 @@ def sparse_attention_fwd(
     if impl == "gluon":
         sparse_attention_sm90.launch(grid, args, geometry, key_rows)
     elif impl == "gluon_prefill":
-        sparse_attention_sm90_prefill.launch(grid, args, geometry, key_rows)
+        sparse_attention_sm90_prefill.launch(grid, args, geometry, key_rows, num_sms(q.device))
     elif impl == "gluon_ws":
         sparse_attention_sm90_ws.launch(grid, args, geometry)
     else:
