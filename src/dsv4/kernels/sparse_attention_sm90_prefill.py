@@ -19,11 +19,11 @@ Warp specialization, 4 + 4 + 4 warps, the program's chunks numbered ``g`` across
 
 so the value warpgroup's half of P·V runs while the score warpgroup computes the next S and softmax, the copies and
 lookups run beside both, and an item's output is written while the next item's queries and first keys are copied
-in. Shared memory: Q, two buffers of key tiles, P and α (219 KB of 227). The arithmetic is the same as
-``sparse_attention_sm90``'s (the same MMA reduction per element, the per-element softmax sums, P rounded to BF16):
-the outputs are its bits (GPU test). The outputs go out in 16-byte stores (``_store_rows``), issued after the
-loads for the items ahead (H200, Flash prefill of 4K queries: 808 → 731 µs against 4-byte stores in the
-accumulators' layout, loads behind them).
+in. Shared memory: Q, two buffers of key tiles, P, α and the output conversion (221,344 of 232,448 bytes). The
+arithmetic is the same as ``sparse_attention_sm90``'s (the same MMA reduction per element, the per-element softmax
+sums, P rounded to BF16): the outputs are its bits (GPU test). The outputs go out in 16-byte stores
+(``_store_rows``), issued after the loads for the items ahead (H200, Flash prefill of 4K queries: 808 → 731 µs
+against 4-byte stores in the accumulators' layout with loads behind them).
 
 Registers per thread: the score warpgroup holds S, the per-element sums and O's first half (248), the value
 warpgroup O's second half (``VALUE_REGS``), the copy warpgroup addresses (``PRODUCER_REGS``). Needs a CUDA device
@@ -100,15 +100,16 @@ if _HAVE_GLUON:
         return gl.where(in_window, held, entry)
 
     @gluon.jit
-    def _store_rows(o, inv, dst_ptr, row_off, head_ok, FIRST: gl.constexpr):
-        """``o · inv`` rounded to BF16 (``o``: fp32 accumulator ``[64, W]`` of dims ``64·FIRST …``, ``inv`` per head)
-        at ``dst_ptr + row_off[h] + 64·FIRST + i``, 16 bytes per store: a quarter of the stores the accumulator's
-        own layout takes (``sparse_attention_sm90._store_group``), each sector written whole."""
+    def _store_rows(o, inv, dst_ptr, stride_oh, hb, H, FIRST: gl.constexpr):
+        """``o · inv`` rounded to BF16 (``o``: fp32 accumulator ``[64, W]`` of dims ``64·FIRST …`` of head block
+        ``hb``, ``inv`` per head) at ``dst_ptr + h·stride_oh + 64·FIRST + i`` (heads ≥ ``H`` not stored), 16 bytes
+        per store: a quarter of the stores the accumulator's own layout takes (``sparse_attention_sm90.
+        _store_group``), each sector written whole."""
         val = gl.convert_layout(_rescale(o, inv).to(dst_ptr.dtype.element_ty), OUT_L)
-        rows = gl.convert_layout(row_off, gl.SliceLayout(1, OUT_L))
-        ok = gl.convert_layout(head_ok, gl.SliceLayout(1, OUT_L))
+        heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, OUT_L))
         cols = FIRST * 64 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, OUT_L))
-        gl.store(dst_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0), val, mask=gl.expand_dims(ok, 1))
+        gl.store(dst_ptr + gl.expand_dims(heads * stride_oh, 1) + gl.expand_dims(cols, 0), val,
+                 mask=gl.expand_dims(heads < H, 1))
 
     @gluon.jit
     def _sink(sink_ptr, hb, H, L: gl.constexpr):
@@ -199,8 +200,7 @@ if _HAVE_GLUON:
         sink = _sink(sink_ptr, hb, H, HL)
         g = 0
         for it in range(gl.cdiv(items[0] - first, step)):
-            heads = hb * BH + gl.arange(0, BH, layout=KEY4_L)
-            head_ok = gl.convert_layout(heads < H, HL)
+            heads = hb * BH + gl.arange(0, BH, layout=HL)
             m_i = gl.full([BH], float("-inf"), gl.float32, layout=HL)
             l_acc = gl.zeros([BH, BN], gl.float32, layout=S_L)  # Σ p per head and key column (as sparse_attention_sm90)
             o0 = gl.zeros([BH, 256], gl.float32, layout=OA_L)
@@ -250,9 +250,8 @@ if _HAVE_GLUON:
             nsink = _sink(sink_ptr, nhb, H, HL)
             m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
             denom = l_i + gl.exp2(sink - m_use)
-            gl.store(lse_ptr + t * stride_lt + gl.convert_layout(heads, HL),
-                     (m_use + gl.log2(denom)) * 0.6931471805599453, mask=head_ok)
-            _store_rows(o0, 1.0 / denom, o_ptr, t * stride_ot + heads * stride_oh, heads < H, 0)
+            gl.store(lse_ptr + t * stride_lt + heads, (m_use + gl.log2(denom)) * 0.6931471805599453, mask=heads < H)
+            _store_rows(o0, 1.0 / denom, o_ptr + t * stride_ot, stride_oh, hb, H, 0)
             t, hb, c_end, sink = nt, nhb, nc_end, nsink
             nt, nhb, nc_end = nnt, nnhb, nnc_end
 
@@ -266,6 +265,7 @@ if _HAVE_GLUON:
         H = items[1]
         first = gl.program_id(0)
         step = gl.num_programs(0)
+        VL: gl.constexpr = gl.SliceLayout(1, OB1_L)  # per head, as the accumulators' rows
         g = 0
         for it in range(gl.cdiv(items[0] - first, step)):
             # The item's metadata in every iteration: carried over from the last one, the worker partition's
@@ -273,8 +273,7 @@ if _HAVE_GLUON:
             t, hb, pos, _, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
             # What the item's output needs besides O, requested while its chunks run.
             cos, sin = _unrotation(pos, inv_freq_ptr, 4)
-            heads = hb * BH + gl.arange(0, BH, layout=KEY4_L)
-            sink = _sink(sink_ptr, hb, H, KEY4_L)
+            sink = _sink(sink_ptr, hb, H, VL)
             o1 = gl.zeros([BH, 128], gl.float32, layout=OB1_L)
             o2 = gl.zeros([BH, 64], gl.float32, layout=OB2_L)
             o3 = gl.zeros([BH, 64], gl.float32, layout=OB2_L)
@@ -294,15 +293,14 @@ if _HAVE_GLUON:
                 g += 1
             par = it % 2
             mbarrier.wait(done.index(par), (it // 2) & 1)
-            m_i = stats_smem.index(2 * par).load(KEY4_L)
-            l_i = stats_smem.index(2 * par + 1).load(KEY4_L)
+            m_i = stats_smem.index(2 * par).load(VL)
+            l_i = stats_smem.index(2 * par + 1).load(VL)
             gl.thread_barrier()
             mbarrier.arrive(stats_free.index(par))
             m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
             inv = 1.0 / (l_i + gl.exp2(sink - m_use))
-            rows = t * stride_ot + heads * stride_oh
-            _store_rows(o1, inv, o_ptr, rows, heads < H, 4)
-            _store_rows(o2, inv, o_ptr, rows, heads < H, 6)
+            _store_rows(o1, inv, o_ptr + t * stride_ot, stride_oh, hb, H, 4)
+            _store_rows(o2, inv, o_ptr + t * stride_ot, stride_oh, hb, H, 6)
             _store_rope(_rescale(o3, inv).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb * BH, H,
                         cos, sin)
 
