@@ -202,7 +202,8 @@ if _HAVE_GLUON:
         for it in range(gl.cdiv(items[0] - first, step)):
             heads = hb * BH + gl.arange(0, BH, layout=HL)
             m_i = gl.full([BH], float("-inf"), gl.float32, layout=HL)
-            l_acc = gl.zeros([BH, BN], gl.float32, layout=S_L)  # Σ p per head and key column (as sparse_attention_sm90)
+            # Σ p per head and key column (as sparse_attention_sm90)
+            l_acc = gl.zeros([BH, BN], gl.float32, layout=S_L)
             o0 = gl.zeros([BH, 256], gl.float32, layout=OA_L)
             for c in range(c_end):
                 buf = g % 2
@@ -354,9 +355,9 @@ if _HAVE_GLUON:
                  visible_ptr, num_compressed, chunks_per_split, ring_pos_ptr, stride_rpos, idx_ptr, stride_idx,
                  keys_ptr, stride_kb, kv_new_ptr, stride_kvt)
         gl.warp_specialize([
-            (_score_partition, (q0, q1, q2, q3, k0, k1, k2, k3, p_smem, alpha_smem, stats_smem, valid_smem, kv_ready, kv_free,
-                                q_free, p_ready, done, stats_free, items, qk_scale, sink_ptr, o_ptr, stride_ot,
-                                stride_oh, lse_ptr, stride_lt, WINDOW_CHUNKS, MODE)),
+            (_score_partition, (q0, q1, q2, q3, k0, k1, k2, k3, p_smem, alpha_smem, stats_smem, valid_smem, kv_ready,
+                                kv_free, q_free, p_ready, done, stats_free, items, qk_scale, sink_ptr, o_ptr,
+                                stride_ot, stride_oh, lse_ptr, stride_lt, WINDOW_CHUNKS, MODE)),
             (_value_partition, (k1, k2, k3, p_smem, alpha_smem, stats_smem, p_ready, kv_free, done, stats_free, items,
                                 sink_ptr, inv_freq_ptr, o_ptr, stride_ot, stride_oh, WINDOW_CHUNKS, MODE)),
             (_copy_partition, (q0, q1, q2, q3, k0, k1, k2, k3, valid_smem, kv_ready, kv_free, q_free, items, q_ptr,
