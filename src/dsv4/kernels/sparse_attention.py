@@ -533,20 +533,22 @@ def _bf16_keys_kernel(
     cu_seqlens_ptr, start_pos_ptr, token_slots_ptr,  # StepBatch fields
     out_ptr, stride_ob, entries,  # bf16 [B, WINDOW + entries, 512]
     WINDOW: tl.constexpr, RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_ENTRIES: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """Grid ``(ceil(WINDOW / 64) + ceil(entries / 64), B)``: 64 rows of request ``b``'s keys in BF16 — rows
-    ``0 … WINDOW − 1`` its ring's slots as stored (whatever position they hold), rows ``WINDOW + i`` its compressed
-    entries ``i`` up to those its last token of the step sees (``(start + new) // RATIO``; zeros beyond). Each
-    entry's 448 E4M3 codes × 2^(e − 127) per 64-dim block (``_e4m3_scaled``) and its 64 BF16 rope values."""
-    RING_CHUNKS: tl.constexpr = (WINDOW + 63) // 64
+    """Grid ``(ceil(WINDOW / ROWS) + ceil(entries / ROWS), B)``: ``ROWS`` rows of request ``b``'s keys in BF16 —
+    rows ``0 … WINDOW − 1`` its ring's slots as stored (whatever position they hold), rows ``WINDOW + i`` its
+    compressed entries ``i`` up to those its last token of the step sees (``(start + new) // RATIO``; zeros
+    beyond). Each entry's 448 E4M3 codes × 2^(e − 127) per 64-dim block (``_e4m3_scaled``) and its 64 BF16 rope
+    values."""
+    RING_CHUNKS: tl.constexpr = (WINDOW + ROWS - 1) // ROWS
     c = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    n = tl.arange(0, 64)
+    n = tl.arange(0, ROWS)
     col = tl.arange(0, 64)
     first = tl.load(cu_seqlens_ptr + b)
     new = tl.load(cu_seqlens_ptr + b + 1) - first
     if c < RING_CHUNKS:
-        j = c * 64 + n
+        j = c * ROWS + n
         base = tl.load(token_slots_ptr + first) * stride_ring
         ok = (j < WINDOW) & (new > 0)
         data_off = base + j * DATA_BYTES
@@ -555,7 +557,7 @@ def _bf16_keys_kernel(
         row = j
         keep = j < WINDOW
     else:
-        i = (c - RING_CHUNKS) * 64 + n
+        i = (c - RING_CHUNKS) * ROWS + n
         ok = i < (tl.load(start_pos_ptr + b) + new) // RATIO
         block = tl.load(block_tables_ptr + b * stride_bt + (i * RATIO) // BLOCK_SIZE, mask=ok, other=-1)
         ok = ok & (block >= 0)
@@ -579,6 +581,8 @@ def _bf16_keys_kernel(
 
 # ------------------------------------------------------------------------------------------------ launcher
 _NUM_SMS: dict[int, int] = {}
+#: rows per program of ``_bf16_keys_kernel``: enough programs to fill the GPU for a step of one request
+BF16_KEY_ROWS = 16
 
 
 def num_sms(device: torch.device) -> int:
@@ -649,13 +653,13 @@ def bf16_keys(ring: torch.Tensor, pool: torch.Tensor | None, block_tables: torch
     shape = (B, window + entries, HEAD_DIM)
     rows = (workspace.get("sparse_attention.bf16_keys", shape, torch.bfloat16) if workspace is not None
             else torch.empty(shape, dtype=torch.bfloat16, device=ring.device))
-    chunks = triton.cdiv(window, 64) + triton.cdiv(entries, 64)
+    chunks = triton.cdiv(window, BF16_KEY_ROWS) + triton.cdiv(entries, BF16_KEY_ROWS)
     if B and chunks:
         _bf16_keys_kernel[(chunks, B)](
             ring, ring.stride(0), pool if pool is not None else ring, pool.stride(0) if pool is not None else 0,
             block_tables, block_tables.stride(0) if block_tables.dim() == 2 else 0, cu_seqlens, start_pos,
             token_slots, rows, rows.stride(0), entries, WINDOW=window, RATIO=max(ratio, 1), BLOCK_SIZE=block_size,
-            PAGE_ENTRIES=block_size // ratio if ratio else 1, num_warps=4)
+            PAGE_ENTRIES=block_size // ratio if ratio else 1, ROWS=BF16_KEY_ROWS, num_warps=4)
     return rows
 
 
