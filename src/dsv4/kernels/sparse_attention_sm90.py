@@ -303,6 +303,20 @@ if _HAVE_GLUON:
         gl.store(ptrs, tile.load(Q_L), mask=gl.expand_dims(heads < H, 1))
 
     @gluon.jit
+    def _masked_scores(q0, q1, q2, q3, k0, k1, k2, k3, valid_smem, qk_scale, S_L: gl.constexpr):
+        """S = Q·Kᵀ over the four dim tiles (``q0 … q3`` ``[64 heads, dims]``, key tiles ``k0 … k3`` ``[64 keys,
+        dims]`` in shared memory; wgmma, waited for) times ``qk_scale`` (base 2), −inf where ``valid_smem`` (int
+        ``[64]``) says there is no key: fp32 ``[64, 64]`` in ``S_L``."""
+        s = warpgroup_mma(q0, k0.permute((1, 0)), gl.zeros([BH, BN], gl.float32, layout=S_L),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(q1, k1.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q2, k2.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q3, k3.permute((1, 0)), s, is_async=True)
+        valid = valid_smem.load(gl.SliceLayout(0, S_L)) != 0
+        s = warpgroup_mma_wait(0, deps=[s])
+        return gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
+
+    @gluon.jit
     def _rescale(o, alpha):
         """``o · alpha[:, None]`` (alpha per head, any row layout)."""
         return o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)

@@ -45,8 +45,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it the other kernels serve
         warpgroup_mma_wait,
     )
 
-    from .sparse_attention_sm90 import (TILE_SL, _copy_keys, _dim_tiles, _issue_bf16_chunk, _rescale,
-                                        _split_chunks, _store_rope, _unrotation)
+    from .sparse_attention_sm90 import (TILE_SL, _copy_keys, _dim_tiles, _issue_bf16_chunk, _masked_scores,
+                                        _rescale, _split_chunks, _store_rope, _unrotation)
 
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -208,14 +208,8 @@ if _HAVE_GLUON:
             for c in range(c_end):
                 buf = g % 2
                 mbarrier.wait(kv_ready.index(buf), (g // 2) & 1)
-                s = warpgroup_mma(q0, k0.index(buf).permute((1, 0)), gl.zeros([BH, BN], gl.float32, layout=S_L),
-                                  use_acc=False, is_async=True)
-                s = warpgroup_mma(q1, k1.index(buf).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(q2, k2.index(buf).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(q3, k3.index(buf).permute((1, 0)), s, is_async=True)
-                valid = valid_smem.index(buf).load(gl.SliceLayout(0, S_L)) != 0
-                s = warpgroup_mma_wait(0, deps=[s])
-                s = gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
+                s = _masked_scores(q0, q1, q2, q3, k0.index(buf), k1.index(buf), k2.index(buf), k3.index(buf),
+                                   valid_smem.index(buf), qk_scale, S_L)
                 m_new = gl.maximum(m_i, gl.max(s, 1))
                 alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
                 l_acc = l_acc * gl.expand_dims(alpha, 1)

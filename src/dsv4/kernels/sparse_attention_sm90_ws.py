@@ -49,8 +49,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .sparse_attention_sm90 import (TILE_SL, _block_exponents, _dim_tiles, _fresh_rows, _program_token,
-                                        _rescale, _split_chunks, _write_output)
+    from .sparse_attention_sm90 import (TILE_SL, _block_exponents, _dim_tiles, _fresh_rows, _masked_scores,
+                                        _program_token, _rescale, _split_chunks, _write_output)
 
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -362,19 +362,13 @@ if _HAVE_GLUON:
         o1 = gl.zeros([BH, 128], gl.float32, layout=O1_L)
         o2 = gl.zeros([BH, 64], gl.float32, layout=O2_L)
         o3 = gl.zeros([BH, 64], gl.float32, layout=O2_L)
-        s_zero = gl.zeros([BH, BN], gl.float32, layout=S_L)
 
         for c in range(c_begin, c_end):
             i = c - c_begin
             buf = i % 2
             mbarrier.wait(k_ready.index(buf), (i // 2) & 1)
-            s = warpgroup_mma(q0, k0.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q1, k1.index(buf).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(q2, k2.index(buf).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(q3, k3.index(buf).permute((1, 0)), s, is_async=True)
-            valid = valid_smem.index(buf).load(gl.SliceLayout(0, S_L)) != 0
-            s = warpgroup_mma_wait(0, deps=[s])
-            s = gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
+            s = _masked_scores(q0, q1, q2, q3, k0.index(buf), k1.index(buf), k2.index(buf), k3.index(buf),
+                               valid_smem.index(buf), qk_scale, S_L)
             # Online softmax (base 2), as sparse_attention_sm90's but with the row sums taken per chunk.
             m_new = gl.maximum(m_i, gl.max(s, 1))
             alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
