@@ -263,8 +263,8 @@ if _HAVE_GLUON:
         VL: gl.constexpr = gl.SliceLayout(1, OB1_L)  # per head, as the accumulators' rows
         g = 0
         for it in range(gl.cdiv(items[0] - first, step)):
-            # The item's metadata in every iteration: carried over from the last one, the worker partition's
-            # metadata came out wrong with Triton 3.6 (chunk counts mixed up: a hang).
+            # The item's metadata in every iteration: carried over from the last one (as the score warpgroup does)
+            # the kernel hung with Triton 3.6 wherever items' chunk counts differ.
             t, hb, pos, _, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
             # What the item's output needs besides O, requested while its chunks run.
             cos, sin = _unrotation(pos, inv_freq_ptr, 4)
