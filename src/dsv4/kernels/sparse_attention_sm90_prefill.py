@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["PRODUCER_REGS", "VALUE_REGS", "launch"]
 
-BLOCK_H = 64  # heads per program: the wgmma M
+BLOCK_H = 64  # heads per item: the wgmma M
 BLOCK_N = 64  # keys per chunk
 #: registers per thread of the value warpgroup (O's second half: 128 of them) and of the copy warpgroup; the score
 #: warpgroup gets the rest
@@ -64,7 +64,6 @@ PRODUCER_REGS = 88
 if _HAVE_GLUON:
     BH = gl.constexpr(BLOCK_H)
     BN = gl.constexpr(BLOCK_N)
-    WARPS = gl.constexpr(4)  # per partition: one warpgroup
     NOPE_DIM = gl.constexpr(448)
     ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [64, dims]: 16-byte pieces
     KEY4_L = gl.constexpr(gl.SliceLayout(1, ROWS_L))  # [64]: one value per key or head
