@@ -68,7 +68,6 @@ if _HAVE_GLUON:
     ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [64, dims]: 16-byte pieces
     KEY4_L = gl.constexpr(gl.SliceLayout(1, ROWS_L))  # [64]: one value per key or head
     MODE_LIST = gl.constexpr(1)
-    MODE_ALL = gl.constexpr(2)
     S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
     OA_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
     OB1_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
