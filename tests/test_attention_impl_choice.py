@@ -1,9 +1,10 @@
 """Which sparse-attention kernel ``sparse_attention_fwd`` runs (``choose_impl``), on the CPU.
 
-The rule behind ``impl="auto"`` (measured on an H100, ``benchmarks/RESULTS.md``): the Triton kernel off Hopper; on
-Hopper the serial Gluon kernel, or the warp-specialized one from ``WS_MIN_CHUNKS`` chunks per split
-(``WS_MIN_CHUNKS_ALL`` for HCA) when the query and new-entry rows can be read as 16-byte words. Explicit choices are
-checked, with clear errors.
+The rule behind ``impl="auto"`` (measured on an H100 and an H200, ``benchmarks/RESULTS.md``): the Triton kernel off
+Hopper; on Hopper, when the query and new-entry rows can be read as 16-byte words, the pipelined kernel for steps
+without splits from ``PIPELINED_MIN_CHUNKS`` chunks per token, else the warp-specialized one from ``WS_MIN_CHUNKS``
+chunks per split (``WS_MIN_CHUNKS_ALL`` for HCA); otherwise the serial Gluon kernel. Explicit choices are checked,
+with clear errors.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 from dsv4.kernels import sparse_attention_sm90_ws  # noqa: E402
-from dsv4.kernels.sparse_attention import choose_impl, rows_are_words  # noqa: E402
+from dsv4.kernels.sparse_attention import PIPELINED_MIN_CHUNKS, choose_impl, rows_are_words  # noqa: E402
 
 LONG = sparse_attention_sm90_ws.WS_MIN_CHUNKS
 LONG_ALL = sparse_attention_sm90_ws.WS_MIN_CHUNKS_ALL
@@ -30,6 +31,22 @@ LONG_ALL = sparse_attention_sm90_ws.WS_MIN_CHUNKS_ALL
 ])
 def test_auto(hopper: bool, rows_in_words: bool, chunks: int, want: str) -> None:
     assert choose_impl("auto", hopper, rows_in_words, chunks) == want
+
+
+@pytest.mark.parametrize("chunks, all_entries, want", [
+    (PIPELINED_MIN_CHUNKS, False, "gluon_pipelined"),
+    (10 * LONG, True, "gluon_pipelined"),
+    (PIPELINED_MIN_CHUNKS - 1, False, "gluon"),  # window-only steps (2 chunks) keep the serial kernel
+    (PIPELINED_MIN_CHUNKS - 1, True, "gluon"),
+])
+def test_auto_unsplit(chunks: int, all_entries: bool, want: str) -> None:
+    """A step without splits (its head blocks fill the GPU) takes the pipelined kernel from
+    ``PIPELINED_MIN_CHUNKS`` chunks per token; with splits, or rows not 16-byte aligned, the rule above."""
+    assert choose_impl("auto", True, True, chunks, all_entries, unsplit=True) == want
+    assert choose_impl("auto", True, False, chunks, all_entries, unsplit=True) == "gluon"
+    assert choose_impl("auto", False, True, chunks, all_entries, unsplit=True) == "triton"
+    split = choose_impl("auto", True, True, chunks, all_entries, unsplit=False)
+    assert split == ("gluon_ws" if chunks >= (LONG_ALL if all_entries else LONG) else "gluon")
 
 
 @pytest.mark.parametrize("chunks, want", [(1, "gluon"), (LONG_ALL - 1, "gluon"), (LONG_ALL, "gluon_ws"),
@@ -134,10 +151,10 @@ def test_bf16_key_rows_choice() -> None:
         _use_bf16_keys("int8", "auto", True, 4096, 1, 128, 3072, 640)
 
 
-def test_prefill_kernel_is_an_explicit_choice_on_hopper_only() -> None:
-    """``impl="gluon_prefill"`` is a known kernel, checked like the others (Hopper, 16-byte rows)."""
+def test_pipelined_kernel_is_an_explicit_choice_on_hopper_only() -> None:
+    """``impl="gluon_pipelined"`` is a known kernel, checked like the others (Hopper, 16-byte rows)."""
     with pytest.raises(ValueError, match="compute capability 9"):
-        choose_impl("gluon_prefill", False, True, 10)
+        choose_impl("gluon_pipelined", False, True, 10)
     with pytest.raises(ValueError, match="16-byte words"):
-        choose_impl("gluon_prefill", True, False, 10)
-    assert choose_impl("gluon_prefill", True, True, 10) == "gluon_prefill"
+        choose_impl("gluon_pipelined", True, False, 10)
+    assert choose_impl("gluon_pipelined", True, True, 10) == "gluon_pipelined"

@@ -106,6 +106,7 @@ def make_case(
 VARIANTS = {
     "default": {},  # the Gluon kernel on Hopper, else the Triton one
     "ws": {"impl": "gluon_ws"},  # the warp-specialized Gluon kernel (Hopper only)
+    "pipelined": {"impl": "gluon_pipelined", "keys": "fp8"},  # score / value / copy warpgroups over the FP8 pages
     "kernel_combine": {"combine": "kernel"},  # split partials merged by the combine kernel, never in clusters
     "triton": {"impl": "triton"},
     "fill": {"split_policy": "fill"},
@@ -151,7 +152,9 @@ def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tupl
     out = torch.empty(64, 512, dtype=torch.bfloat16, device=device)
     interpret = device != "cuda"
     if options.get("impl", "auto") != "triton" and sparse_attention_sm90.available(torch.device(device)):
-        gluon = sparse_attention_sm90_ws if options.get("impl") == "gluon_ws" else sparse_attention_sm90
+        # the pipelined kernel dequantizes FP8 pages through the warp-specialized kernel's helpers
+        ws = options.get("impl") in ("gluon_ws", "gluon_pipelined")
+        gluon = sparse_attention_sm90_ws if ws else sparse_attention_sm90
         gluon.dequant_probe(pages.to(device), out)
         return out.float().cpu(), expected
     probe = sa._dequant_probe_kernel
@@ -252,14 +255,14 @@ def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
 def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
     """The serial Gluon kernel reading the step's keys dequantized once into BF16 rows (``keys="bf16"``) gives
     the bits it gives reading and dequantizing the FP8 pages per chunk (``keys="fp8"``): the same key tiles, the
-    same math; so does the warp-specialized prefill kernel (``impl="gluon_prefill"``, prefill chunks). Prefill
+    same math; so does the warp-specialized prefill kernel (``impl="gluon_pipelined"``, prefill chunks). Prefill
     chunks (where ``"auto"`` picks BF16 rows) and decode steps (forced; split, in clusters)."""
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=len(name) + 1, topk=topk)
     m = args["m"]
     listed = xi if kind is LayerKind.CSA else None
     counts = xi if kind is LayerKind.HCA else None
-    runs = [("gluon", "bf16"), ("gluon", "fp8")] + ([("gluon_prefill", "bf16")] if "prefill" in name else [])
+    runs = [("gluon", "bf16"), ("gluon", "fp8")] + ([("gluon_pipelined", "bf16")] if "prefill" in name else [])
     got = {}
     for impl, keys in runs:
         got[impl, keys] = step_fwd(
@@ -273,6 +276,15 @@ def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
         assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32)), run
 
 
+def _entry_options(kind: LayerKind, batch, args, triton_idx) -> dict:
+    """``step_fwd``'s keywords for a ``make_case`` step's compressed entries: CSA's lists or HCA's counts."""
+    m = args["m"]
+    return dict(ratio=m, entry_idx=triton_idx if kind is LayerKind.CSA else None,
+                visible=triton_idx if kind is LayerKind.HCA else None,
+                max_entries=batch.addressable_entries(m) if kind is LayerKind.HCA else 0,
+                max_visible=batch.addressable_entries(m) if m else None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["csa_prefill", "hca_prefill", "swa_prefill"])
 @pytest.mark.parametrize("programs", [1, 3, 7])
@@ -284,16 +296,35 @@ def test_prefill_kernel_any_number_of_programs(name: str, programs: int, monkeyp
 
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs, topk=topk)
-    m = args["m"]
-    opts = dict(ratio=m, entry_idx=xi if kind is LayerKind.CSA else None,
-                visible=xi if kind is LayerKind.HCA else None,
-                max_entries=batch.addressable_entries(m) if kind is LayerKind.HCA else 0,
-                max_visible=batch.addressable_entries(m) if m else None)
+    opts = _entry_options(kind, batch, args, xi)
     want_o, want_lse = step_fwd(layer, batch, args, impl="gluon", keys="fp8", **opts)
     monkeypatch.setattr(sparse_attention, "num_sms", lambda device: programs)
-    o, lse = step_fwd(layer, batch, args, impl="gluon_prefill", keys="bf16", **opts)
+    o, lse = step_fwd(layer, batch, args, impl="gluon_pipelined", keys="bf16", **opts)
     assert torch.equal(o.view(torch.int16), want_o.view(torch.int16))
     assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["csa_decode_pro", "hca_decode", "csa_prefill", "hca_1m"])
+@pytest.mark.parametrize("programs,splits", [(1, 1), (3, 5), (7, 2), (132, 9)])
+def test_pipelined_fp8_any_number_of_programs_and_splits(name: str, programs: int, splits: int,
+                                                         monkeypatch) -> None:
+    """The pipelined kernel over the FP8 pages (``impl="gluon_pipelined"``, ``keys="fp8"``: the copy warpgroup
+    dequantizes): with 1, 3, 7 or 132 persistent programs, each taking many (token, head block, split) items of
+    different chunk counts — empty splits included where a token sees fewer entries (HCA) — the outputs match
+    the torch backend."""
+    from dsv4.kernels import sparse_attention
+
+    cfg, kind, prefix, step, topk = CASES[name]
+    layer, batch, args, ti, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs + splits, topk=topk)
+    o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
+    monkeypatch.setattr(sparse_attention, "num_sms", lambda device: programs)
+    out, lse = step_fwd(layer, batch, args, num_splits=splits, impl="gluon_pipelined", keys="fp8",
+                        **_entry_options(kind, batch, args, xi))
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
+    assert err <= 1e-2, err
+    assert torch.allclose(lse, lse_ref, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -42,13 +42,18 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import cluster as cluster_launch
-from . import sparse_attention_sm90, sparse_attention_sm90_prefill, sparse_attention_sm90_ws
+from . import sparse_attention_sm90, sparse_attention_sm90_pipelined, sparse_attention_sm90_ws
 
 __all__ = ["sparse_attention_fwd", "bf16_keys", "num_sms", "choose_impl", "choose_splits", "rows_are_words"]
 
 HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
 ENTRY_BYTES = 584  # a stored entry: 576 data bytes + 8 scale bytes
 LOG2E = 1.4426950408889634
+#: ``impl="auto"`` runs ``sparse_attention_sm90_pipelined`` over FP8 pages for steps without splits from this many
+#: 64-key chunks per token (H200, 2026-11-26, against the serial / warp-specialized kernels: Flash CSA B=128 (10
+#: chunks) 56.5 vs 58.6 µs, Pro CSA B=64 / 128 (18) 77.8 / 145.4 vs 86.8 / 165.9, HCA-128K B=128 (18) 77.5 vs
+#: 82.2, HCA-1M B=128 (130) 424 vs 443; window-only steps (2 chunks) keep the serial kernel)
+PIPELINED_MIN_CHUNKS = 8
 # Kernel constants (globals a @triton.jit function reads must be tl.constexpr).
 NOPE_DIM = tl.constexpr(448)
 DATA_BYTES = tl.constexpr(576)  # per entry: 448 E4M3 codes + 64 BF16 rope values
@@ -630,11 +635,11 @@ def _use_bf16_keys(keys: str, impl: str, gluon_ok: bool, tokens: int, requests: 
         raise ValueError(f"unknown keys {keys!r}")
     if keys == "fp8":
         return False
-    applies = gluon_ok and impl in ("auto", "gluon", "gluon_prefill") and entries is not None
+    applies = gluon_ok and impl in ("auto", "gluon", "gluon_pipelined") and entries is not None
     if keys == "bf16":
         if not applies:
             raise ValueError("keys='bf16' needs a Gluon kernel (a Hopper GPU, impl 'auto', 'gluon' or "
-                             f"'gluon_prefill', 16-byte aligned q / kv_new rows; impl {impl!r}) and a bound on the "
+                             f"'gluon_pipelined', 16-byte aligned q / kv_new rows; impl {impl!r}) and a bound on the "
                              "visible entries (max_visible with entry_idx)")
         return True
     if not applies:
@@ -686,27 +691,32 @@ def rows_are_words(q: torch.Tensor, kv_new: torch.Tensor) -> bool:
             and q.data_ptr() % 16 == 0 and kv_new.data_ptr() % 16 == 0)
 
 
-def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: int, all_entries: bool = False) -> str:
-    """The kernel ``sparse_attention_fwd`` runs for ``impl`` (its argument): ``"auto"`` is ``"triton"`` off Hopper,
-    else ``"gluon_ws"`` (``sparse_attention_sm90_ws``) from ``WS_MIN_CHUNKS`` chunks per split (``WS_MIN_CHUNKS_ALL``
-    where every visible entry is attended, ``all_entries``: HCA) when the q / kv_new rows can be read as 16-byte
-    words (``rows_in_words``), else ``"gluon"``; an explicit choice is checked.
+def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: int, all_entries: bool = False,
+                unsplit: bool = False) -> str:
+    """The kernel ``sparse_attention_fwd`` runs for ``impl`` (its argument) over FP8 pages: ``"auto"`` is
+    ``"triton"`` off Hopper; on Hopper, when the q / kv_new rows can be read as 16-byte words (``rows_in_words``),
+    ``"gluon_pipelined"`` (``sparse_attention_sm90_pipelined``) for a step without splits (``unsplit``: the
+    tokens' head blocks fill the GPU) from ``PIPELINED_MIN_CHUNKS`` chunks per token, else ``"gluon_ws"``
+    (``sparse_attention_sm90_ws``) from ``WS_MIN_CHUNKS`` chunks per split (``WS_MIN_CHUNKS_ALL`` where every
+    visible entry is attended, ``all_entries``: HCA); otherwise ``"gluon"``. An explicit choice is checked.
 
     Raises:
-        ValueError: an unknown ``impl``, a Gluon kernel without a Hopper GPU (``hopper``), or ``"gluon_ws"``
-            without ``rows_in_words``.
+        ValueError: an unknown ``impl``, a Gluon kernel without a Hopper GPU (``hopper``), or ``"gluon_ws"`` /
+            ``"gluon_pipelined"`` without ``rows_in_words``.
     """
     if impl == "auto":
         if not hopper:
             return "triton"
+        if rows_in_words and unsplit and chunks_per_split >= PIPELINED_MIN_CHUNKS:
+            return "gluon_pipelined"
         least = sparse_attention_sm90_ws.WS_MIN_CHUNKS_ALL if all_entries else sparse_attention_sm90_ws.WS_MIN_CHUNKS
         ws = rows_in_words and chunks_per_split >= least
         return "gluon_ws" if ws else "gluon"
-    if impl not in ("gluon", "gluon_ws", "gluon_prefill", "triton"):
+    if impl not in ("gluon", "gluon_ws", "gluon_pipelined", "triton"):
         raise ValueError(f"unknown impl {impl!r}")
     if impl != "triton" and not hopper:
         raise ValueError(f"impl={impl!r} needs a CUDA device of compute capability 9.x")
-    if impl in ("gluon_ws", "gluon_prefill") and not rows_in_words:
+    if impl in ("gluon_ws", "gluon_pipelined") and not rows_in_words:
         raise ValueError(f"impl={impl!r} reads q and kv_new rows as 16-byte words: their strides must be "
                          "multiples of 8 and their data 16-byte aligned")
     return impl
@@ -782,16 +792,17 @@ def sparse_attention_fwd(
             HCA-1M B=64 504 vs 659) and equal on prefill (never split).
         prefetch: locate chunk ``c+1``'s compressed entries (index, block table, scales) during chunk ``c``.
         dequant: ``"cvt"`` (E4M3 → BF16 conversion, then × scale) or ``"bits"`` (``_dequant_bits``).
-        impl: ``"auto"`` (on a GPU of compute capability 9.x with Gluon available ``"gluon"``, or ``"gluon_ws"``
-            from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split, ``WS_MIN_CHUNKS_ALL`` for HCA; else
-            ``"triton"``), ``"triton"`` this module's kernel, ``"gluon"`` the Hopper kernel of
-            ``sparse_attention_sm90`` (asynchronous copies of the
-            raw keys one chunk ahead), ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws``
-            (a producer partition dequantizes while the consumers compute; q and kv_new rows 16-byte aligned:
-            ``rows_are_words``), or ``"gluon_prefill"`` the warp-specialized kernel of
-            ``sparse_attention_sm90_prefill`` over BF16 key rows (``keys``; no splits: one persistent program per
-            SM, a copy, a score and a value warpgroup), which ``"auto"`` runs wherever the keys are BF16 rows and
-            there are no splits.
+        impl: ``"auto"`` (``choose_impl``: on a GPU of compute capability 9.x with Gluon available
+            ``"gluon_pipelined"`` for steps without splits from ``PIPELINED_MIN_CHUNKS`` chunks per token,
+            ``"gluon_ws"`` from ``sparse_attention_sm90_ws.WS_MIN_CHUNKS`` chunks per split, ``WS_MIN_CHUNKS_ALL``
+            for HCA, else ``"gluon"``; ``"triton"`` elsewhere), ``"triton"`` this module's kernel, ``"gluon"`` the
+            Hopper kernel of ``sparse_attention_sm90`` (asynchronous copies of the raw keys one chunk ahead),
+            ``"gluon_ws"`` the warp-specialized one of ``sparse_attention_sm90_ws`` (a producer partition
+            dequantizes while the consumers compute; q and kv_new rows 16-byte aligned: ``rows_are_words``), or
+            ``"gluon_pipelined"`` the kernel of ``sparse_attention_sm90_pipelined`` (persistent programs of a copy,
+            a score and a value warpgroup; the copy warpgroup copies BF16 key rows or dequantizes the FP8 pages;
+            any number of splits), which ``"auto"`` also runs wherever the keys are BF16 rows and there are no
+            splits.
             The Gluon kernels need compute capability 9.x; ``block_h``, ``block_n``, ``num_warps``,
             ``num_stages``, ``prefetch`` and ``dequant`` do not apply to them.
         combine: how split partials are merged: ``"kernel"`` by ``_combine_kernel`` after the attention grid;
@@ -805,8 +816,9 @@ def sparse_attention_fwd(
             (``bf16_keys``: every request's ring and the entries its tokens see — prefill chunks, where each key
             serves many queries); ``"auto"`` (default) ``"bf16"`` where those rows are at most 1/8 of the bytes
             the kernel would read as FP8 keys, the Gluon kernel applies and the entries' bound is known, else
-            ``"fp8"``. The values are the same bits either way. ``"bf16"`` runs ``"gluon_prefill"`` where there are
-            no splits (with ``impl`` ``"auto"``), else the serial Gluon kernel.
+            ``"fp8"``. The values are the same bits either way. ``"bf16"`` runs ``"gluon_pipelined"`` where there are
+            no splits (with ``impl`` ``"auto"``), else the serial Gluon kernel (or ``"gluon_pipelined"`` when
+            named).
         max_visible: a host bound on the compressed entries any token of the step sees (``"bf16"`` keys with
             ``entry_idx``; with ``visible`` it is ``max_entries``).
     Returns:
@@ -860,13 +872,12 @@ def sparse_attention_fwd(
     entries = num_compressed if mode == MODE_ALL else (max_visible if mode == MODE_LIST else 0)
     bf16 = _use_bf16_keys(keys, impl, hopper and rows_in_words, T, block_tables.shape[0], window, entries,
                           window + min(num_compressed, entries or num_compressed))
-    if impl == "gluon_prefill" and not (bf16 and splits == 1):
-        raise ValueError("impl='gluon_prefill' takes the step's keys as BF16 rows (keys 'bf16' or 'auto' where it "
-                         f"picks them) and no splits (got {splits})")
-    if bf16:  # the warp-specialized prefill kernel where there are no splits, else the serial one
-        impl = "gluon_prefill" if impl in ("auto", "gluon_prefill") and splits == 1 else "gluon"
+    if impl == "gluon_pipelined":
+        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL, splits == 1)
+    elif bf16:  # the pipelined kernel where there are no splits, else the serial one
+        impl = "gluon_pipelined" if impl == "auto" and splits == 1 else "gluon"
     else:
-        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL)
+        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL, splits == 1)
 
     if splits > 1:
         if workspace is not None:
@@ -920,8 +931,8 @@ def sparse_attention_fwd(
         return out, lse
     if impl == "gluon":
         sparse_attention_sm90.launch(grid, args, geometry, key_rows)
-    elif impl == "gluon_prefill":
-        sparse_attention_sm90_prefill.launch(grid, args, geometry, key_rows, num_sms(q.device))
+    elif impl == "gluon_pipelined":
+        sparse_attention_sm90_pipelined.launch(grid, args, geometry, key_rows, num_sms(q.device))
     elif impl == "gluon_ws":
         sparse_attention_sm90_ws.launch(grid, args, geometry)
     else:
