@@ -158,3 +158,12 @@ def test_pipelined_kernel_is_an_explicit_choice_on_hopper_only() -> None:
     with pytest.raises(ValueError, match="16-byte words"):
         choose_impl("gluon_pipelined", True, False, 10)
     assert choose_impl("gluon_pipelined", True, True, 10) == "gluon_pipelined"
+
+
+def test_pipelined_fp8_pages_need_a_short_window() -> None:
+    """Over FP8 pages the pipelined kernel looks up window chunks only in an item's prologue: a longer window is
+    refused with a clear error before anything launches (``impl="auto"`` never picks it there)."""
+    from dsv4.kernels import sparse_attention_sm90_pipelined as pipelined
+
+    with pytest.raises(ValueError, match="windows of at most 256"):
+        pipelined.launch((4, 1), (), {"WINDOW": pipelined.FP8_MAX_WINDOW + 64}, None, 132)

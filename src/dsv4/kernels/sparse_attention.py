@@ -872,12 +872,13 @@ def sparse_attention_fwd(
     entries = num_compressed if mode == MODE_ALL else (max_visible if mode == MODE_LIST else 0)
     bf16 = _use_bf16_keys(keys, impl, hopper and rows_in_words, T, block_tables.shape[0], window, entries,
                           window + min(num_compressed, entries or num_compressed))
+    fits_pipelined = splits == 1 and window <= sparse_attention_sm90_pipelined.FP8_MAX_WINDOW
     if impl == "gluon_pipelined":
-        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL, splits == 1)
+        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL, fits_pipelined)
     elif bf16:  # the pipelined kernel where there are no splits, else the serial one
         impl = "gluon_pipelined" if impl == "auto" and splits == 1 else "gluon"
     else:
-        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL, splits == 1)
+        impl = choose_impl(impl, hopper, rows_in_words, per, mode == MODE_ALL, fits_pipelined)
 
     if splits > 1:
         if workspace is not None:

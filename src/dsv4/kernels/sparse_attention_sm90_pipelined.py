@@ -67,7 +67,7 @@ try:  # Gluon ships with Triton ≥ 3.4; without it the other kernels serve
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
 
-__all__ = ["FP8_PRODUCER_REGS", "FP8_VALUE_REGS", "PRODUCER_REGS", "VALUE_REGS", "launch"]
+__all__ = ["FP8_MAX_WINDOW", "FP8_PRODUCER_REGS", "FP8_VALUE_REGS", "PRODUCER_REGS", "VALUE_REGS", "launch"]
 
 BLOCK_H = 64  # heads per item: the wgmma M
 BLOCK_N = 64  # keys per chunk
@@ -81,6 +81,9 @@ FP8_VALUE_REGS = 160
 FP8_PRODUCER_REGS = 152
 #: over FP8 pages, prefetch each chunk's rows into L2 two chunks ahead
 FP8_PREFETCH_L2 = True
+#: the longest window the FP8 path takes: its copy warpgroup looks up window chunks only in an item's prologue
+#: (its first four chunks); later chunks' entries come from the entry list or the visible count
+FP8_MAX_WINDOW = 4 * BLOCK_N
 
 if _HAVE_GLUON:
     BH = gl.constexpr(BLOCK_H)
@@ -285,6 +288,7 @@ if _HAVE_GLUON:
         copied asynchronously into ``scale_smem`` (2 slots) / ``block_smem`` / ``entry_smem`` (4 slots each,
         by ``g``), read back an iteration later: no loaded value is carried in registers across the loop, whose
         end would wait for it — and (``PREFETCH``) chunk c+2's rows are prefetched into L2."""
+        gl.static_assert(WINDOW_CHUNKS <= 4, "window chunks are looked up in the item's prologue only")
         kv_row_words = items[17] // 2
         first = gl.program_id(0)
         step = gl.num_programs(0)
@@ -591,6 +595,9 @@ def launch(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tenso
     (defaults ``VALUE_REGS`` / ``PRODUCER_REGS`` for BF16 rows, ``FP8_VALUE_REGS`` / ``FP8_PRODUCER_REGS`` for
     FP8 pages; read at each launch)."""
     items = grid[0] * grid[1]
+    if keys is None and geometry["WINDOW"] > FP8_MAX_WINDOW:
+        raise ValueError(f"the pipelined kernel reads FP8 pages for windows of at most {FP8_MAX_WINDOW} keys "
+                         f"(got {geometry['WINDOW']}): use keys='bf16' or another impl")
     if items == 0:
         return
     if keys is None:
