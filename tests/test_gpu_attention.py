@@ -255,7 +255,7 @@ def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
 def test_bf16_keys_same_bits_as_fp8_keys(name: str) -> None:
     """The serial Gluon kernel reading the step's keys dequantized once into BF16 rows (``keys="bf16"``) gives
     the bits it gives reading and dequantizing the FP8 pages per chunk (``keys="fp8"``): the same key tiles, the
-    same math; so does the warp-specialized prefill kernel (``impl="gluon_pipelined"``, prefill chunks). Prefill
+    same math; so does the pipelined kernel over BF16 rows (``impl="gluon_pipelined"``, prefill chunks). Prefill
     chunks (where ``"auto"`` picks BF16 rows) and decode steps (forced; split, in clusters)."""
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=len(name) + 1, topk=topk)
@@ -289,9 +289,10 @@ def _entry_options(kind: LayerKind, batch, args, triton_idx) -> dict:
 @pytest.mark.parametrize("name", ["csa_prefill", "hca_prefill", "swa_prefill"])
 @pytest.mark.parametrize("programs", [1, 3, 7])
 def test_prefill_kernel_any_number_of_programs(name: str, programs: int, monkeypatch) -> None:
-    """The prefill kernel's persistent programs each take items (token, head block) one after the other, the next
-    item's queries and first keys copied in during the current item's last chunk: with 1, 3 or 7 programs (each
-    then runs hundreds of items, of different chunk counts for HCA) the outputs are the serial FP8 path's bits."""
+    """The pipelined kernel's persistent programs (over BF16 rows) each take items (token, head block) one after the
+    other, the next item's queries and first keys copied in during the current item's last chunk: with 1, 3 or 7
+    programs (each then runs hundreds of items, of different chunk counts for HCA) the outputs are the serial FP8
+    path's bits."""
     from dsv4.kernels import sparse_attention
 
     cfg, kind, prefix, step, topk = CASES[name]

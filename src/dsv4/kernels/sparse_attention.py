@@ -50,9 +50,9 @@ HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
 ENTRY_BYTES = 584  # a stored entry: 576 data bytes + 8 scale bytes
 LOG2E = 1.4426950408889634
 #: ``impl="auto"`` runs ``sparse_attention_sm90_pipelined`` over FP8 pages for steps without splits from this many
-#: 64-key chunks per token (H200, 2026-11-26, against the serial / warp-specialized kernels: Flash CSA B=128 (10
-#: chunks) 56.5 vs 58.6 µs, Pro CSA B=64 / 128 (18) 77.8 / 145.4 vs 86.8 / 165.9, HCA-128K B=128 (18) 77.5 vs
-#: 82.2, HCA-1M B=128 (130) 424 vs 443; window-only steps (2 chunks) keep the serial kernel)
+#: 64-key chunks per token (H200, 2026-11-26, against the serial / warp-specialized kernels in the same call: Flash
+#: CSA B=128 (10 chunks) 57.0 vs 57.8 µs, Pro CSA B=64 / 128 (18) 78.6 / 146.0 vs 86.0 / 164.9, HCA-128K B=128 (18)
+#: 77.6 vs 82.4, HCA-1M B=128 (130) 425.1 vs 441.6; window-only steps (2 chunks) keep the serial kernel)
 PIPELINED_MIN_CHUNKS = 8
 # Kernel constants (globals a @triton.jit function reads must be tl.constexpr).
 NOPE_DIM = tl.constexpr(448)
