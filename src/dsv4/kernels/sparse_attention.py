@@ -695,8 +695,9 @@ def choose_impl(impl: str, hopper: bool, rows_in_words: bool, chunks_per_split: 
                 unsplit: bool = False) -> str:
     """The kernel ``sparse_attention_fwd`` runs for ``impl`` (its argument) over FP8 pages: ``"auto"`` is
     ``"triton"`` off Hopper; on Hopper, when the q / kv_new rows can be read as 16-byte words (``rows_in_words``),
-    ``"gluon_pipelined"`` (``sparse_attention_sm90_pipelined``) for a step without splits (``unsplit``: the
-    tokens' head blocks fill the GPU) from ``PIPELINED_MIN_CHUNKS`` chunks per token, else ``"gluon_ws"``
+    ``"gluon_pipelined"`` (``sparse_attention_sm90_pipelined``) for a step it takes (``unsplit``: no splits — the
+    tokens' head blocks fill the GPU — and a window of at most its ``FP8_MAX_WINDOW`` keys) from
+    ``PIPELINED_MIN_CHUNKS`` chunks per token, else ``"gluon_ws"``
     (``sparse_attention_sm90_ws``) from ``WS_MIN_CHUNKS`` chunks per split (``WS_MIN_CHUNKS_ALL`` where every
     visible entry is attended, ``all_entries``: HCA); otherwise ``"gluon"``. An explicit choice is checked.
 

@@ -168,28 +168,14 @@ if _HAVE_GLUON:
         return (t, query % head_blocks, split, gl.load(items[3] + t).to(gl.int32), n_comp, c_begin, c_end)
 
     @gluon.jit
-    def _item_keys(t, items):
-        """Where token ``t``'s keys come from: ``(its request's first position this step, its ring positions, its
-        entry list, its request's BF16 key rows, its request's first kv_new row)``, the position int32, rows as
-        pointers."""
-        keys_ptr = items[14]
-        stride_kb = items[15]
+    def _item_rows(t, items):
+        """Where token ``t``'s keys are looked up: ``(its request, its ring slot, its request's first position this
+        step, its ring positions, its entry list, its request's first kv_new row)``, request and slot int64, the
+        position int32, rows as pointers."""
         req = gl.load(items[2] + t).to(gl.int64)
         slot = gl.load(items[6] + t).to(gl.int64)
-        return (gl.load(items[5] + req).to(gl.int32), items[10] + slot * items[11], items[12] + t * items[13],
-                keys_ptr + req * stride_kb, items[16] + gl.load(items[4] + req).to(gl.int64) * items[17])
-
-    @gluon.jit
-    def _item_pages(t, items):
-        """Where token ``t``'s FP8 keys come from: ``(its request's first position this step, its ring positions,
-        its entry list, its ring page, its request's block table, its request's first kv_new row as 32-bit
-        words)``, the position int32, rows as pointers."""
-        req = gl.load(items[2] + t).to(gl.int64)
-        slot = gl.load(items[6] + t).to(gl.int64)
-        kv_new_row = items[16] + gl.load(items[4] + req).to(gl.int64) * items[17]
-        return (gl.load(items[5] + req).to(gl.int32), items[10] + slot * items[11], items[12] + t * items[13],
-                items[19] + slot * items[20], items[21] + req * items[22],
-                kv_new_row.to(gl.pointer_type(gl.int32)))
+        return (req, slot, gl.load(items[5] + req).to(gl.int32), items[10] + slot * items[11],
+                items[12] + t * items[13], items[16] + gl.load(items[4] + req).to(gl.int64) * items[17])
 
     @gluon.jit
     def _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh):
@@ -218,7 +204,8 @@ if _HAVE_GLUON:
         g = 0
         for it in range(gl.cdiv(items[0] - first, step)):
             t, hb, _, pos, n_comp, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
-            start, ring_pos_row, idx_row, key_rows, kv_new_rows = _item_keys(t, items)
+            req, _, start, ring_pos_row, idx_row, kv_new_rows = _item_rows(t, items)
+            key_rows = items[14] + req * items[15]  # the request's BF16 key rows
             raw = _entries(c_begin, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
             mbarrier.wait(q_free, (it & 1) ^ 1)  # the first item passes
             _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh)  # committed with chunk 0's
@@ -239,12 +226,10 @@ if _HAVE_GLUON:
         """Chunk ``c``'s entry indices (``c`` past the window) into ``dst`` (``[64]``, shared memory, the entry
         list's dtype): ``MODE_LIST`` an asynchronous copy of the token's list (committed with the next group;
         keys past the list zero-filled, made −1 by ``_read_entries``), else stored as computed (no load)."""
-        n = gl.arange(0, BN, layout=KEY_L)
+        j = (c - WINDOW_CHUNKS) * BN + gl.arange(0, BN, layout=KEY_L)
         if MODE == MODE_LIST:
-            j = (c - WINDOW_CHUNKS) * BN + n
             async_copy.async_copy_global_to_shared(dst, idx_row + gl.maximum(j, 0), mask=(j >= 0) & (j < n_comp))
         else:
-            j = (c - WINDOW_CHUNKS) * BN + n
             dst.store(gl.where((j >= 0) & (j < n_comp), j, -1).to(dst.dtype))
 
     @gluon.jit
@@ -295,7 +280,10 @@ if _HAVE_GLUON:
         g = 0
         for it in range(gl.cdiv(items[0] - first, step)):
             t, hb, _, pos, n_comp, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
-            start, ring_pos_row, idx_row, ring_row, bt_row, kv_new_words = _item_pages(t, items)
+            req, slot, start, ring_pos_row, idx_row, kv_new_row = _item_rows(t, items)
+            ring_row = items[19] + slot * items[20]  # the token's ring page
+            bt_row = items[21] + req * items[22]  # its request's block table
+            kv_new_words = kv_new_row.to(gl.pointer_type(gl.int32))
             e0 = _chunk_entries(c_begin, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
             e1 = _chunk_entries(c_begin + 1, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS,
                                 MODE)
