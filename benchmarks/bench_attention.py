@@ -18,7 +18,7 @@ indices, q, o, lse (prefill: each compressed entry once, it is shared by the chu
 FLOPs / BF16 matmul rate, both measured in the same run.
 
     python benchmarks/bench_attention.py [--quick] [--json out.json] [--variants JSON] [--parallel-compile]
-        [--only flash_csa:8,pro_csa] [--set sparse_attention_sm90.NAME=VALUE ...]
+        [--only flash_csa:8,pro_csa] [--set sparse_attention_sm90.NAME=VALUE ...] [--flush zero|read]
 
 ``--variants`` compares keyword sets of ``sparse_attention_fwd`` in one process; ``--set`` changes a module constant
 of ``dsv4.kernels`` for the whole run (one process per setting for an A/B of kernel constants; not passed on to
@@ -151,9 +151,13 @@ def compile_in_parallel(quick: bool, variants: list[dict[str, Any]]) -> None:
 
 
 def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]] | None = None,
-        json_path: str | None = None, compile_only: bool = False, only: list[str] | None = None) -> list[dict]:
+        json_path: str | None = None, compile_only: bool = False, only: list[str] | None = None,
+        flush: str = "zero") -> list[dict]:
     """Time every shape (``quick``: the acceptance shapes only; ``only``: shapes named ``name:batch``) and return
-    roofline rows (``compile_only``: call each variant once per shape, no timing)."""
+    roofline rows (``compile_only``: call each variant once per shape, no timing). ``flush``: how L2 is flushed
+    before each timed call (``time_cuda``'s ``flush_l2``): ``"zero"`` (the default, as ``triton.testing.do_bench``
+    does: L2 left full of dirty lines, which the kernel writes back as it reads — up to an L2 of extra DRAM writes)
+    or ``"read"`` (clean lines)."""
     from dsv4.kernels.sparse_attention import sparse_attention_fwd
 
     variants = variants or [{}]
@@ -193,8 +197,8 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
                 if compile_only:
                     continue
                 # GPU time as CUDA-graph replays (how the engine's decode steps run); eager for reference
-                s = time_cuda(fn, warmup=5, iters=30, flush_l2=True, graph=True)
-                s_eager = time_cuda(fn, warmup=2, iters=20, flush_l2=True)
+                s = time_cuda(fn, warmup=5, iters=30, flush_l2=flush, graph=True)
+                s_eager = time_cuda(fn, warmup=2, iters=20, flush_l2=flush)
             except Exception as e:  # noqa: BLE001 - a failing variant is reported, the others still run
                 print(f"{name} B={batch} {var}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
                 continue
@@ -204,7 +208,7 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
             rows.append(roofline_row(
                 label, s, nbytes, flops, bw, rate, shape=name, batch=batch, tokens=T, heads=heads,
                 keys=args["_keys"], variant=var, variant_index=vi, flashmla_us=ref, diff_vs_first=diff,
-                vs_flashmla=(ref / (s * 1e6)) if ref else None, eager_us=s_eager * 1e6,
+                vs_flashmla=(ref / (s * 1e6)) if ref else None, eager_us=s_eager * 1e6, l2_flush=flush,
             ))
         del args, call
         torch.cuda.empty_cache()
@@ -215,7 +219,7 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
         return rows
     env = environment(device)
     print(f"# {env['device']}  torch {env['torch']}  triton {env['triton']}  copy {bw / 1e12:.2f} TB/s  "
-          f"bf16 mm {rate / 1e12:.0f} TFLOP/s")
+          f"bf16 mm {rate / 1e12:.0f} TFLOP/s  L2 flush {flush!r}")
     print(f"{'shape':80s} {'µs':>8s} {'eager':>8s} {'MB':>8s} {'GFLOP':>8s} {'roof%':>6s} {'FlashMLA µs':>11s} {'speedup':>7s}")
     for r in rows:
         ref = f"{r['flashmla_us']:.1f}" if r["flashmla_us"] else "-"
@@ -239,6 +243,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a constant of a dsv4.kernels module first (Python literal), e.g. "
                          "sparse_attention_sm90.WIDE_PARTIAL=False; repeatable")
+    ap.add_argument("--flush", choices=("zero", "read"), default="zero",
+                    help="L2 flush before each timed call: overwrite a 256 MiB buffer (dirty lines, the default) or "
+                         "read it (clean lines)")
     ap.add_argument("--parallel-compile", action="store_true",
                     help="first compile every variant in its own subprocess, side by side (warms the Triton cache); "
                          "with --compile-only nothing else")
@@ -259,7 +266,7 @@ def main() -> None:
         if a.compile_only:
             return
     run(quick=a.quick, variants=variants, json_path=a.json, compile_only=a.compile_only,
-        only=a.only.split(",") if a.only else None)
+        only=a.only.split(",") if a.only else None, flush=a.flush)
 
 
 if __name__ == "__main__":

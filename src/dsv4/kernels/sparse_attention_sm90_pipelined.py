@@ -7,8 +7,9 @@ instead of every warpgroup doing every phase, and one program per SM taking item
 across its items:
 
     copy warpgroup (worker):  per item its metadata and queries (once the previous item's last S is done:
-        ``q_free``), then per chunk its keys into key tiles ``g % 2`` (once both compute warpgroups released chunk
-        g−2 there: ``kv_free``) → ``kv_ready``. Two sources (``KEYS_BF16``):
+        ``q_free``; an item without chunks — an empty split — takes no queries and frees none), then per chunk
+        its keys into key tiles ``g % 2`` (once both compute warpgroups released chunk g−2 there: ``kv_free``) →
+        ``kv_ready``. Two sources (``KEYS_BF16``):
         - BF16 key rows (prefill chunks: the step's keys dequantized once, ``sparse_attention.bf16_keys``):
           ``_copy_partition`` copies them asynchronously, the next chunk's lookup in flight meanwhile;
         - the FP8 pages (decode): ``_dequant_partition`` dequantizes each chunk from registers as
@@ -178,12 +179,12 @@ if _HAVE_GLUON:
                 items[12] + t * items[13], items[16] + gl.load(items[4] + req).to(gl.int64) * items[17])
 
     @gluon.jit
-    def _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh):
+    def _copy_queries(q0, q1, q2, q3, t, hb, take, items, q_ptr, stride_qt, stride_qh):
         """Start the asynchronous copies of head block ``hb``'s queries of token ``t`` into ``q0 … q3`` (absent
-        heads zero-filled; committed with the next group)."""
+        heads zero-filled; committed with the next group) where ``take`` (an item with chunks), else nothing."""
         heads = hb * BH + gl.arange(0, BH, layout=KEY4_L)
         q_rows = q_ptr + t * stride_qt + heads * stride_qh
-        q_ok = gl.expand_dims(heads < items[1], 1)
+        q_ok = gl.expand_dims((heads < items[1]) & take, 1)
         _copy_keys(q_rows, q_ok, q0, 0, 256)
         _copy_keys(q_rows, q_ok, q1, 256, 128)
         _copy_keys(q_rows, q_ok, q2, 384, 64)
@@ -194,21 +195,25 @@ if _HAVE_GLUON:
                         stride_qt, stride_qh, key_entries, WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr,
                         MODE: gl.constexpr):
         """The copy warpgroup over BF16 key rows, over the program's items: each item's queries (once the score
-        warpgroup's last S of the item before is done: ``q_free``), then its chunks' keys, each into key tiles
-        ``g % 2`` (the program's ``g``-th chunk) once both compute warpgroups are done with chunk g−2 there
-        (``kv_free``), announced by ``kv_ready``. The next chunk's lookup is in flight while a chunk's copies
-        land."""
+        warpgroup's last S of the item before is done: ``q_free``, which counts only items with chunks — the score
+        warpgroup, not waiting on this one for an empty item, could otherwise run a phase ahead), then its chunks'
+        keys, each into key tiles ``g % 2`` (the program's ``g``-th chunk) once both compute warpgroups are done with
+        chunk g−2 there (``kv_free``), announced by ``kv_ready``. The next chunk's lookup is in flight while a
+        chunk's copies land."""
         stride_kvt = items[17]
         first = gl.program_id(0)
         step = gl.num_programs(0)
         g = 0
+        taken = 0  # items with chunks so far: the queries' uses of q_free
         for it in range(gl.cdiv(items[0] - first, step)):
             t, hb, _, pos, n_comp, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
             req, _, start, ring_pos_row, idx_row, kv_new_rows = _item_rows(t, items)
             key_rows = items[14] + req * items[15]  # the request's BF16 key rows
             raw = _entries(c_begin, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
-            mbarrier.wait(q_free, (it & 1) ^ 1)  # the first item passes
-            _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh)  # committed with chunk 0's
+            take = c_begin < c_end  # an item without chunks (an empty split) needs no queries
+            mbarrier.wait(q_free, (taken & 1) ^ 1, pred=take)  # the first passes
+            _copy_queries(q0, q1, q2, q3, t, hb, take, items, q_ptr, stride_qt, stride_qh)  # committed with chunk 0's
+            taken += take.to(gl.int32)
             for c in range(c_begin, c_end):
                 buf = g % 2
                 mbarrier.wait(kv_free.index(buf), ((g // 2) & 1) ^ 1)  # the first use of each buffer passes
@@ -278,6 +283,7 @@ if _HAVE_GLUON:
         first = gl.program_id(0)
         step = gl.num_programs(0)
         g = 0
+        taken = 0  # items with chunks so far: the queries' uses of q_free
         for it in range(gl.cdiv(items[0] - first, step)):
             t, hb, _, pos, n_comp, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
             req, slot, start, ring_pos_row, idx_row, kv_new_row = _item_rows(t, items)
@@ -302,8 +308,10 @@ if _HAVE_GLUON:
             entry_smem.index((g + 3) % 4).store(e3.to(entry_smem.dtype))
             block_smem.index((g + 1) % 4).store(b1)
             block_smem.index((g + 2) % 4).store(b2)
-            mbarrier.wait(q_free, (it & 1) ^ 1)  # the first item passes
-            _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh)  # committed with the scales
+            take = c_begin < c_end  # an item without chunks (an empty split) needs no queries
+            mbarrier.wait(q_free, (taken & 1) ^ 1, pred=take)  # the first passes
+            _copy_queries(q0, q1, q2, q3, t, hb, take, items, q_ptr, stride_qt, stride_qh)  # committed with the scales
+            taken += take.to(gl.int32)
             head = _chunk_address(c_begin, c_begin < c_end, e0, b0, pos, start, ring_row, pool_ptr, stride_page,
                                   WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
             _copy_scales(head, scale_smem.index(g % 2))
@@ -363,6 +371,13 @@ if _HAVE_GLUON:
         sink = _sink(sink_ptr, hb, H, HL)
         g = 0
         for it in range(gl.cdiv(items[0] - first, step)):
+            if SPLIT:
+                # With splits the item's metadata is read again here rather than carried over from the last
+                # iteration: carried, the kernel hung (Triton 3.6) where a program's items include empty splits
+                # (H100, hca_decode case, 7 or 132 programs × 2-9 splits); without splits the loads for the items
+                # ahead stay before this item's stores.
+                t, hb, split, _, _, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
+                sink = _sink(sink_ptr, hb, H, HL)
             heads = hb * BH + gl.arange(0, BH, layout=HL)
             m_i = gl.full([BH], float("-inf"), gl.float32, layout=HL)
             if ELEMENT_SUMS:  # Σ p per head and key column (as sparse_attention_sm90)
@@ -397,7 +412,6 @@ if _HAVE_GLUON:
                 gl.thread_barrier()
                 mbarrier.arrive(kv_free.index(buf))
                 g += 1
-            mbarrier.arrive(q_free, pred=c_end <= c_begin)  # an empty split frees the queries too
 
             if ELEMENT_SUMS:
                 # The row sums in sparse_attention_sm90's order (each of its warpgroups sums 32 key columns, then
