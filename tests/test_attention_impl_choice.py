@@ -167,3 +167,19 @@ def test_pipelined_fp8_pages_need_a_short_window() -> None:
 
     with pytest.raises(ValueError, match="windows of at most 256"):
         pipelined.launch((4, 1), (), {"WINDOW": pipelined.FP8_MAX_WINDOW + 64}, None, 132)
+
+
+def test_pipelined_kernel_takes_no_splits() -> None:
+    """The pipelined kernel's persistent programs share a step's items: ``step_splits`` gives it one split whatever
+    ``num_splits`` asks (a split without chunks broke its warpgroups' protocol on the GPU), and its launch refuses
+    a grid with splits; the other kernels split as asked or as ``choose_splits`` says."""
+    from dsv4.kernels import sparse_attention_sm90_pipelined as pipelined
+    from dsv4.kernels.sparse_attention import choose_splits, step_splits
+
+    for num_splits in (None, 1, 5, 9):
+        assert step_splits("gluon_pipelined", num_splits, 8, 18, 132, 1, "waves") == (1, 18)
+    assert step_splits("gluon", 9, 8, 7, 132, 1, "waves") == (7, 1)  # one chunk each: no empty split
+    assert step_splits("gluon", 5, 8, 18, 132, 1, "waves") == (5, 4)
+    assert step_splits("auto", None, 8, 18, 132, 1, "waves") == choose_splits(8, 18, 132, 1, "waves")
+    with pytest.raises(ValueError, match="takes no splits"):
+        pipelined.launch((4, 2), (), {"WINDOW": 128}, None, 132)

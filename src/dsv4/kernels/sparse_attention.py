@@ -44,7 +44,8 @@ from triton.language.extra import libdevice
 from . import cluster as cluster_launch
 from . import sparse_attention_sm90, sparse_attention_sm90_pipelined, sparse_attention_sm90_ws
 
-__all__ = ["sparse_attention_fwd", "bf16_keys", "num_sms", "choose_impl", "choose_splits", "rows_are_words"]
+__all__ = ["sparse_attention_fwd", "bf16_keys", "num_sms", "choose_impl", "choose_splits", "step_splits",
+           "rows_are_words"]
 
 HEAD_DIM = 512  # 448 FP8 nope dims + 64 BF16 rope dims
 ENTRY_BYTES = 584  # a stored entry: 576 data bytes + 8 scale bytes
@@ -626,6 +627,21 @@ def choose_splits(programs: int, max_chunks: int, sms: int, min_chunks: int = 2,
     return -(-max_chunks // per), per
 
 
+def step_splits(impl: str, num_splits: int | None, programs: int, max_chunks: int, sms: int, min_chunks: int,
+                policy: str) -> tuple[int, int]:
+    """``(num_splits, chunks_per_split)`` of a step for ``sparse_attention_fwd``'s ``impl`` / ``num_splits``:
+    ``"gluon_pipelined"`` takes none (its persistent programs share the items; a split without chunks broke its
+    warpgroups' protocol — ``sparse_attention_sm90_pipelined``), a given ``num_splits`` is met as closely as
+    ``max_chunks`` allows, else ``choose_splits`` (``programs``, ``max_chunks``, ``sms``, ``min_chunks``,
+    ``policy`` as there)."""
+    if impl == "gluon_pipelined":
+        return 1, max(max_chunks, 1)
+    if num_splits is None:
+        return choose_splits(programs, max_chunks, sms, min_chunks, policy)
+    per = -(-max_chunks // max(1, min(num_splits, max_chunks)))
+    return -(-max_chunks // per), per
+
+
 def _use_bf16_keys(keys: str, impl: str, gluon_ok: bool, tokens: int, requests: int, window: int,
                    entries: int | None, keys_per_token: int) -> bool:
     """Whether ``sparse_attention_fwd`` dequantizes the step's keys once into BF16 rows (``keys`` as there):
@@ -784,7 +800,7 @@ def sparse_attention_fwd(
         workspace: a ``dsv4.cache.Workspace`` for the split partials (else they are allocated).
         block_h, block_n, num_warps, num_stages: tiling (heads per program, keys per chunk).
         num_splits: force the number of key splits (default: ``choose_splits`` with ``min_chunks`` chunks or
-            more per split).
+            more per split; ``step_splits``).
         bf16_math: dequantize with BF16 multiplies (else FP32; same values).
 
     Kernel variants under measurement (same results; the defaults are the measured baseline):
@@ -802,8 +818,8 @@ def sparse_attention_fwd(
             dequantizes while the consumers compute; q and kv_new rows 16-byte aligned: ``rows_are_words``), or
             ``"gluon_pipelined"`` the kernel of ``sparse_attention_sm90_pipelined`` (persistent programs of a copy,
             a score and a value warpgroup; the copy warpgroup copies BF16 key rows or dequantizes the FP8 pages;
-            any number of splits), which ``"auto"`` also runs wherever the keys are BF16 rows and there are no
-            splits.
+            no splits: ``num_splits`` does not apply to it), which ``"auto"`` also runs wherever the keys are BF16
+            rows and there are no splits.
             The Gluon kernels need compute capability 9.x; ``block_h``, ``block_n``, ``num_warps``,
             ``num_stages``, ``prefetch`` and ``dequant`` do not apply to them.
         combine: how split partials are merged: ``"kernel"`` by ``_combine_kernel`` after the attention grid;
@@ -864,11 +880,8 @@ def sparse_attention_fwd(
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
     max_chunks = triton.cdiv(window, block_n) + triton.cdiv(num_compressed, block_n)
-    if num_splits is None:
-        splits, per = choose_splits(T * head_blocks, max_chunks, num_sms(q.device), min_chunks, split_policy)
-    else:
-        per = triton.cdiv(max_chunks, max(1, min(num_splits, max_chunks)))
-        splits = triton.cdiv(max_chunks, per)
+    splits, per = step_splits(impl, num_splits, T * head_blocks, max_chunks, num_sms(q.device), min_chunks,
+                              split_policy)
 
     entries = num_compressed if mode == MODE_ALL else (max_visible if mode == MODE_LIST else 0)
     bf16 = _use_bf16_keys(keys, impl, hopper and rows_in_words, T, block_tables.shape[0], window, entries,

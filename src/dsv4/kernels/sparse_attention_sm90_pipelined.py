@@ -1,15 +1,14 @@
 """Sparse attention in Gluon for Hopper (sm_90): persistent programs of a copy, a score and a value warpgroup.
 
-The op of ``sparse_attention_sm90`` — per query token, 64 heads and split of its key chunks (an *item*), its keys
-in chunks of 64; read that module for the key set and the numerics — with the work divided between warpgroups
+The op of ``sparse_attention_sm90`` — per query token and 64 heads (an *item*), its keys in chunks of 64; read
+that module for the key set and the numerics — with the work divided between warpgroups
 instead of every warpgroup doing every phase, and one program per SM taking items one after the other (program
 ``p``: items ``p``, ``p + programs``, …). Warp specialization, 4 + 4 + 4 warps, the program's chunks numbered ``g``
 across its items:
 
     copy warpgroup (worker):  per item its metadata and queries (once the previous item's last S is done:
-        ``q_free``; an item without chunks — an empty split — takes no queries and frees none), then per chunk
-        its keys into key tiles ``g % 2`` (once both compute warpgroups released chunk g−2 there: ``kv_free``) →
-        ``kv_ready``. Two sources (``KEYS_BF16``):
+        ``q_free``), then per chunk its keys into key tiles ``g % 2`` (once both compute warpgroups released chunk
+        g−2 there: ``kv_free``) → ``kv_ready``. Two sources (``KEYS_BF16``):
         - BF16 key rows (prefill chunks: the step's keys dequantized once, ``sparse_attention.bf16_keys``):
           ``_copy_partition`` copies them asynchronously, the next chunk's lookup in flight meanwhile;
         - the FP8 pages (decode): ``_dequant_partition`` dequantizes each chunk from registers as
@@ -20,10 +19,9 @@ across its items:
     score warpgroup (default partition), chunk g:  S = Q·Kᵀ for the whole chunk (m64n64: Q read once) → the online
         softmax over whole rows → P and α = 2^(m_old − m_new) into shared memory → ``p_ready`` → O[:, 0:256] =
         O·α + P·K[:, 0:256] → ``kv_free``; per item the row maxima and sums for the value warpgroup (``done``),
-        the lse and O[:, 0:256] (with splits: the split's partial rows and log-sum-exp, merged by
-        ``sparse_attention._combine_kernel``)
+        the lse and O[:, 0:256]
     value warpgroup (worker), chunk g:  wait ``p_ready`` → O[:, 256:512] = O·α + P·K[:, 256:512] → ``kv_free``;
-        per item O[:, 256:512] with the rope dims rotated back (or its half of the partial rows)
+        per item O[:, 256:512] with the rope dims rotated back
 
 so the value warpgroup's half of P·V runs while the score warpgroup computes the next S and softmax, the copies,
 dequantization and lookups run beside both, and an item's output is written while the next item's queries and
@@ -33,8 +31,13 @@ bytes over BF16 rows; 224,352 over FP8 pages with the lookup slots). The arithme
 outputs are its bits (GPU test); over FP8 pages the sums are per row (the copy warpgroup's registers leave the
 score warpgroup too few for per-element ones), within rounding of the others. The outputs go out in 16-byte stores
 (``_store_rows``), issued after the loads for the items ahead (H200, Flash prefill of 4K queries: 808 → 731 µs
-against 4-byte stores in the accumulators' layout with loads behind them); split partials in the accumulators'
-layout (FP32, 8-byte stores).
+against 4-byte stores in the accumulators' layout with loads behind them).
+
+No splits: the persistent programs already spread a step's items over the GPU, and a split without chunks breaks
+the copy warpgroup's protocol (``launch`` refuses a grid with splits). Measured on 2026-11-26 (H100) while the
+kernel took splits: with empty splits it hung, and with that fixed its queries' copy for an empty split (masked,
+so zero-filling) overwrote the queries of the item still running (wrong outputs over BF16 rows); at the shapes
+where splits apply it was slower than the serial and warp-specialized kernels anyway (``benchmarks/RESULTS.md``).
 
 Registers per thread: the score warpgroup holds S, the softmax sums and O's first half (the rest of the 64K), the
 value warpgroup O's second half (``VALUE_REGS`` / ``FP8_VALUE_REGS``), the copy warpgroup addresses
@@ -60,7 +63,7 @@ try:  # Gluon ships with Triton ≥ 3.4; without it the other kernels serve
     )
 
     from .sparse_attention_sm90 import (TILE_SL, _copy_keys, _dim_tiles, _issue_bf16_chunk, _masked_scores,
-                                        _rescale, _split_chunks, _store_group, _store_rope, _unrotation)
+                                        _rescale, _split_chunks, _store_rope, _unrotation)
     from .sparse_attention_sm90_ws import (KEY_L, _chunk_address, _chunk_blocks, _chunk_entries, _copy_blocks,
                                            _copy_scales, _dequantize_chunk, _request_chunk)
 
@@ -153,9 +156,9 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _item_chunks(item, items, WINDOW_CHUNKS: gl.constexpr, MODE: gl.constexpr):
-        """Work item ``item`` ((token · head blocks + head block) · splits + split) of the step (``items``: its
-        metadata, as ``_pipelined_kernel`` bundles it): ``(t, head block, split, position, compressed keys, first
-        chunk, end chunk)``; an item from ``num_items`` on has no chunks."""
+        """Work item ``item`` ((token · head blocks + head block) · splits + split; here 1 split) of the
+        step (``items``: its metadata, as ``_pipelined_kernel`` bundles it): ``(t, head block, split, position,
+        compressed keys, first chunk, end chunk)``; an item from ``num_items`` on has no chunks."""
         num_items = items[0]
         H = items[1]
         num_splits = items[18]
@@ -179,12 +182,12 @@ if _HAVE_GLUON:
                 items[12] + t * items[13], items[16] + gl.load(items[4] + req).to(gl.int64) * items[17])
 
     @gluon.jit
-    def _copy_queries(q0, q1, q2, q3, t, hb, take, items, q_ptr, stride_qt, stride_qh):
+    def _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh):
         """Start the asynchronous copies of head block ``hb``'s queries of token ``t`` into ``q0 … q3`` (absent
-        heads zero-filled; committed with the next group) where ``take`` (an item with chunks), else nothing."""
+        heads zero-filled; committed with the next group)."""
         heads = hb * BH + gl.arange(0, BH, layout=KEY4_L)
         q_rows = q_ptr + t * stride_qt + heads * stride_qh
-        q_ok = gl.expand_dims((heads < items[1]) & take, 1)
+        q_ok = gl.expand_dims(heads < items[1], 1)
         _copy_keys(q_rows, q_ok, q0, 0, 256)
         _copy_keys(q_rows, q_ok, q1, 256, 128)
         _copy_keys(q_rows, q_ok, q2, 384, 64)
@@ -195,25 +198,21 @@ if _HAVE_GLUON:
                         stride_qt, stride_qh, key_entries, WINDOW: gl.constexpr, WINDOW_CHUNKS: gl.constexpr,
                         MODE: gl.constexpr):
         """The copy warpgroup over BF16 key rows, over the program's items: each item's queries (once the score
-        warpgroup's last S of the item before is done: ``q_free``, which counts only items with chunks — the score
-        warpgroup, not waiting on this one for an empty item, could otherwise run a phase ahead), then its chunks'
-        keys, each into key tiles ``g % 2`` (the program's ``g``-th chunk) once both compute warpgroups are done with
-        chunk g−2 there (``kv_free``), announced by ``kv_ready``. The next chunk's lookup is in flight while a
-        chunk's copies land."""
+        warpgroup's last S of the item before is done: ``q_free``), then its chunks' keys, each into key tiles
+        ``g % 2`` (the program's ``g``-th chunk) once both compute warpgroups are done with chunk g−2 there
+        (``kv_free``), announced by ``kv_ready``. The next chunk's lookup is in flight while a chunk's copies
+        land."""
         stride_kvt = items[17]
         first = gl.program_id(0)
         step = gl.num_programs(0)
         g = 0
-        taken = 0  # items with chunks so far: the queries' uses of q_free
         for it in range(gl.cdiv(items[0] - first, step)):
             t, hb, _, pos, n_comp, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
             req, _, start, ring_pos_row, idx_row, kv_new_rows = _item_rows(t, items)
             key_rows = items[14] + req * items[15]  # the request's BF16 key rows
             raw = _entries(c_begin, pos, start, n_comp, ring_pos_row, idx_row, WINDOW, WINDOW_CHUNKS, MODE)
-            take = c_begin < c_end  # an item without chunks (an empty split) needs no queries
-            mbarrier.wait(q_free, (taken & 1) ^ 1, pred=take)  # the first passes
-            _copy_queries(q0, q1, q2, q3, t, hb, take, items, q_ptr, stride_qt, stride_qh)  # committed with chunk 0's
-            taken += take.to(gl.int32)
+            mbarrier.wait(q_free, (it & 1) ^ 1)  # the first item passes
+            _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh)  # committed with chunk 0's
             for c in range(c_begin, c_end):
                 buf = g % 2
                 mbarrier.wait(kv_free.index(buf), ((g // 2) & 1) ^ 1)  # the first use of each buffer passes
@@ -283,7 +282,6 @@ if _HAVE_GLUON:
         first = gl.program_id(0)
         step = gl.num_programs(0)
         g = 0
-        taken = 0  # items with chunks so far: the queries' uses of q_free
         for it in range(gl.cdiv(items[0] - first, step)):
             t, hb, _, pos, n_comp, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
             req, slot, start, ring_pos_row, idx_row, kv_new_row = _item_rows(t, items)
@@ -308,10 +306,8 @@ if _HAVE_GLUON:
             entry_smem.index((g + 3) % 4).store(e3.to(entry_smem.dtype))
             block_smem.index((g + 1) % 4).store(b1)
             block_smem.index((g + 2) % 4).store(b2)
-            take = c_begin < c_end  # an item without chunks (an empty split) needs no queries
-            mbarrier.wait(q_free, (taken & 1) ^ 1, pred=take)  # the first passes
-            _copy_queries(q0, q1, q2, q3, t, hb, take, items, q_ptr, stride_qt, stride_qh)  # committed with the scales
-            taken += take.to(gl.int32)
+            mbarrier.wait(q_free, (it & 1) ^ 1)  # the first item passes
+            _copy_queries(q0, q1, q2, q3, t, hb, items, q_ptr, stride_qt, stride_qh)  # committed with the scales
             head = _chunk_address(c_begin, c_begin < c_end, e0, b0, pos, start, ring_row, pool_ptr, stride_page,
                                   WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, WINDOW_CHUNKS)
             _copy_scales(head, scale_smem.index(g % 2))
@@ -353,31 +349,23 @@ if _HAVE_GLUON:
     @gluon.jit
     def _score_partition(q0, q1, q2, q3, k0, k1, k2, k3, p_smem, alpha_smem, stats_smem, valid_smem, kv_ready, kv_free,
                          q_free, p_ready, done, stats_free, items, qk_scale, sink_ptr, o_ptr, stride_ot, stride_oh,
-                         lse_ptr, stride_lt, po_ptr, plse_ptr, WINDOW_CHUNKS: gl.constexpr, MODE: gl.constexpr,
-                         SPLIT: gl.constexpr, ELEMENT_SUMS: gl.constexpr):
+                         lse_ptr, stride_lt, WINDOW_CHUNKS: gl.constexpr, MODE: gl.constexpr,
+                         ELEMENT_SUMS: gl.constexpr):
         """The score warpgroup, over the program's items: per chunk S = Q·Kᵀ, the online softmax, P and α for the
         value warpgroup (``p_ready``), O[:, 0:256] = O·α + P·K[:, 0:256], the key tiles released (``kv_free``;
         the queries after an item's last S: ``q_free``); after each item its row maxima and sums for the value
         warpgroup (``done``; the buffer of item i−2's freed by ``stats_free``), the lse and its half of the
-        output — with ``SPLIT`` the split's partial rows and log-sum-exp instead. The softmax denominators are
+        output. The softmax denominators are
         sums per head and key column (``ELEMENT_SUMS``: the serial kernel's order, its bits) or per head."""
         H = items[1]
-        num_splits = items[18]
         first = gl.program_id(0)
         step = gl.num_programs(0)
         HL: gl.constexpr = gl.SliceLayout(1, S_L)
-        t, hb, split, _, _, c_begin, c_end = _item_chunks(first, items, WINDOW_CHUNKS, MODE)
-        nt, nhb, nsplit, _, _, nc_begin, nc_end = _item_chunks(first + step, items, WINDOW_CHUNKS, MODE)
+        t, hb, _, _, _, c_begin, c_end = _item_chunks(first, items, WINDOW_CHUNKS, MODE)
+        nt, nhb, _, _, _, nc_begin, nc_end = _item_chunks(first + step, items, WINDOW_CHUNKS, MODE)
         sink = _sink(sink_ptr, hb, H, HL)
         g = 0
         for it in range(gl.cdiv(items[0] - first, step)):
-            if SPLIT:
-                # With splits the item's metadata is read again here rather than carried over from the last
-                # iteration: carried, the kernel hung (Triton 3.6) where a program's items include empty splits
-                # (H100, hca_decode case, 7 or 132 programs × 2-9 splits); without splits the loads for the items
-                # ahead stay before this item's stores.
-                t, hb, split, _, _, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
-                sink = _sink(sink_ptr, hb, H, HL)
             heads = hb * BH + gl.arange(0, BH, layout=HL)
             m_i = gl.full([BH], float("-inf"), gl.float32, layout=HL)
             if ELEMENT_SUMS:  # Σ p per head and key column (as sparse_attention_sm90)
@@ -412,6 +400,7 @@ if _HAVE_GLUON:
                 gl.thread_barrier()
                 mbarrier.arrive(kv_free.index(buf))
                 g += 1
+            mbarrier.arrive(q_free, pred=c_end <= c_begin)  # an item without chunks (none without splits) too
 
             if ELEMENT_SUMS:
                 # The row sums in sparse_attention_sm90's order (each of its warpgroups sums 32 key columns, then
@@ -426,34 +415,24 @@ if _HAVE_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(done.index(par))
             # The loads for the items ahead before this item's stores (a load issued after them would wait for them).
-            nnt, nnhb, nnsplit, _, _, nnc_begin, nnc_end = _item_chunks(first + (it + 2) * step, items,
+            nnt, nnhb, _, _, _, nnc_begin, nnc_end = _item_chunks(first + (it + 2) * step, items,
                                                                          WINDOW_CHUNKS, MODE)
             nsink = _sink(sink_ptr, nhb, H, HL)
             m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-            if SPLIT:
-                has = l_i > 0
-                row = (t * num_splits + split) * H
-                gl.store(plse_ptr + row + heads, gl.where(has, m_use + gl.log2(gl.where(has, l_i, 1.0)),
-                                                          float("-inf")), mask=heads < H)
-                # FP32 partial rows in the accumulator's layout (8-byte stores: no conversion through shared memory)
-                _store_group(o0, 1.0 / gl.where(has, l_i, 1.0), po_ptr, (row + heads) * 512, heads < H, 0)
-            else:
-                denom = l_i + gl.exp2(sink - m_use)
-                gl.store(lse_ptr + t * stride_lt + heads, (m_use + gl.log2(denom)) * 0.6931471805599453,
-                         mask=heads < H)
-                _store_rows(o0, 1.0 / denom, o_ptr + t * stride_ot, stride_oh, hb, H, 0)
-            t, hb, split, c_begin, c_end, sink = nt, nhb, nsplit, nc_begin, nc_end, nsink
-            nt, nhb, nsplit, nc_begin, nc_end = nnt, nnhb, nnsplit, nnc_begin, nnc_end
+            denom = l_i + gl.exp2(sink - m_use)
+            gl.store(lse_ptr + t * stride_lt + heads, (m_use + gl.log2(denom)) * 0.6931471805599453, mask=heads < H)
+            _store_rows(o0, 1.0 / denom, o_ptr + t * stride_ot, stride_oh, hb, H, 0)
+            t, hb, c_begin, c_end, sink = nt, nhb, nc_begin, nc_end, nsink
+            nt, nhb, nc_begin, nc_end = nnt, nnhb, nnc_begin, nnc_end
 
     @gluon.jit
     def _value_partition(k1, k2, k3, p_smem, alpha_smem, stats_smem, p_ready, kv_free, done, stats_free, items,
-                         sink_ptr, inv_freq_ptr, o_ptr, stride_ot, stride_oh, po_ptr, WINDOW_CHUNKS: gl.constexpr,
-                         MODE: gl.constexpr, SPLIT: gl.constexpr):
+                         sink_ptr, inv_freq_ptr, o_ptr, stride_ot, stride_oh, WINDOW_CHUNKS: gl.constexpr,
+                         MODE: gl.constexpr):
         """The value warpgroup, over the program's items: per chunk O[:, 256:512] = O·α + P·K[:, 256:512] once the
         score warpgroup's P is in (``p_ready``), then the key tiles released (``kv_free``); after each item its
-        half of the output, the rope dims rotated back (with ``SPLIT``: its half of the split's partial rows)."""
+        half of the output, the rope dims rotated back."""
         H = items[1]
-        num_splits = items[18]
         first = gl.program_id(0)
         step = gl.num_programs(0)
         VL: gl.constexpr = gl.SliceLayout(1, OB1_L)  # per head, as the accumulators' rows
@@ -461,7 +440,7 @@ if _HAVE_GLUON:
         for it in range(gl.cdiv(items[0] - first, step)):
             # The item's metadata in every iteration: carried over from the last one (as the score warpgroup does)
             # the kernel hung with Triton 3.6 wherever items' chunk counts differ.
-            t, hb, split, pos, _, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
+            t, hb, _, pos, _, c_begin, c_end = _item_chunks(first + it * step, items, WINDOW_CHUNKS, MODE)
             # What the item's output needs besides O, requested while its chunks run.
             cos, sin = _unrotation(pos, inv_freq_ptr, 4)
             sink = _sink(sink_ptr, hb, H, VL)
@@ -488,20 +467,12 @@ if _HAVE_GLUON:
             l_i = stats_smem.index(2 * par + 1).load(VL)
             gl.thread_barrier()
             mbarrier.arrive(stats_free.index(par))
-            if SPLIT:
-                inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
-                heads = hb * BH + gl.arange(0, BH, layout=VL)
-                rows = ((t * num_splits + split) * H + heads) * 512
-                _store_group(o1, inv, po_ptr, rows, heads < H, 4)
-                _store_group(o2, inv, po_ptr, rows, heads < H, 6)
-                _store_group(o3, inv, po_ptr, rows, heads < H, 7)
-            else:
-                m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-                inv = 1.0 / (l_i + gl.exp2(sink - m_use))
-                _store_rows(o1, inv, o_ptr + t * stride_ot, stride_oh, hb, H, 4)
-                _store_rows(o2, inv, o_ptr + t * stride_ot, stride_oh, hb, H, 6)
-                _store_rope(_rescale(o3, inv).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb * BH,
-                            H, cos, sin)
+            m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+            inv = 1.0 / (l_i + gl.exp2(sink - m_use))
+            _store_rows(o1, inv, o_ptr + t * stride_ot, stride_oh, hb, H, 4)
+            _store_rows(o2, inv, o_ptr + t * stride_ot, stride_oh, hb, H, 6)
+            _store_rope(_rescale(o3, inv).to(gl.bfloat16), o_ptr + t * stride_ot + NOPE_DIM, stride_oh, hb * BH, H,
+                        cos, sin)
 
     @gluon.jit
     def _pipelined_kernel(
@@ -517,10 +488,10 @@ if _HAVE_GLUON:
         sink_ptr, inv_freq_ptr,  # fp32 [H], fp32 [32]
         o_ptr, stride_ot, stride_oh,  # [T, H, 512] bf16
         lse_ptr, stride_lt,  # fp32 [T, H]
-        po_ptr, plse_ptr,  # fp32 [T, S, H, 512], [T, S, H] (SPLIT only)
+        po_ptr, plse_ptr,  # split partials: not used (no splits)
         H, num_compressed, chunks_per_split, num_splits, qk_scale,
         keys_ptr, stride_kb, key_entries,  # bf16 [B, WINDOW + key_entries, 512] (sparse_attention.bf16_keys)
-        num_items,  # T · ceil(H / 64) · splits: (token, head block, split)
+        num_items,  # T · ceil(H / 64): (token, head block)
         WINDOW: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGE_ENTRIES: gl.constexpr,
         MODE: gl.constexpr, SPLIT: gl.constexpr, KEYS_BF16: gl.constexpr, VALUE_REGS_C: gl.constexpr,
         PRODUCER_REGS_C: gl.constexpr, PREFETCH_L2: gl.constexpr,
@@ -528,7 +499,8 @@ if _HAVE_GLUON:
         """Grid ``(programs,)``, persistent: program ``p`` takes items ``p, p + programs, …`` one after the other;
         the score warpgroup (this partition), the value warpgroup and the copy warpgroup (workers of
         ``VALUE_REGS_C`` / ``PRODUCER_REGS_C`` registers per thread), which copies BF16 key rows (``KEYS_BF16``)
-        or dequantizes the FP8 pages."""
+        or dequantizes the FP8 pages. No splits (``SPLIT`` false)."""
+        gl.static_assert(not SPLIT, "the pipelined kernel takes no splits")
         VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         WINDOW_CHUNKS: gl.constexpr = (WINDOW + BN - 1) // BN
         q0, q1, q2, q3 = _dim_tiles(BH, 0)
@@ -560,11 +532,10 @@ if _HAVE_GLUON:
             gl.warp_specialize([
                 (_score_partition, (q0, q1, q2, q3, k0, k1, k2, k3, p_smem, alpha_smem, stats_smem, valid_smem,
                                     kv_ready, kv_free, q_free, p_ready, done, stats_free, items, qk_scale, sink_ptr,
-                                    o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, WINDOW_CHUNKS,
-                                    MODE, SPLIT, True)),
+                                    o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, WINDOW_CHUNKS, MODE, True)),
                 (_value_partition, (k1, k2, k3, p_smem, alpha_smem, stats_smem, p_ready, kv_free, done, stats_free,
-                                    items, sink_ptr, inv_freq_ptr, o_ptr, stride_ot, stride_oh, po_ptr,
-                                    WINDOW_CHUNKS, MODE, SPLIT)),
+                                    items, sink_ptr, inv_freq_ptr, o_ptr, stride_ot, stride_oh, WINDOW_CHUNKS,
+                                    MODE)),
                 (_copy_partition, (q0, q1, q2, q3, k0, k1, k2, k3, valid_smem, kv_ready, kv_free, q_free, items,
                                    q_ptr, stride_qt, stride_qh, key_entries, WINDOW, WINDOW_CHUNKS, MODE)),
             ], [4, 4], [VALUE_REGS_C, PRODUCER_REGS_C])
@@ -575,11 +546,10 @@ if _HAVE_GLUON:
             gl.warp_specialize([
                 (_score_partition, (q0, q1, q2, q3, k0, k1, k2, k3, p_smem, alpha_smem, stats_smem, valid_smem,
                                     kv_ready, kv_free, q_free, p_ready, done, stats_free, items, qk_scale, sink_ptr,
-                                    o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, po_ptr, plse_ptr, WINDOW_CHUNKS,
-                                    MODE, SPLIT, False)),
+                                    o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, WINDOW_CHUNKS, MODE, False)),
                 (_value_partition, (k1, k2, k3, p_smem, alpha_smem, stats_smem, p_ready, kv_free, done, stats_free,
-                                    items, sink_ptr, inv_freq_ptr, o_ptr, stride_ot, stride_oh, po_ptr,
-                                    WINDOW_CHUNKS, MODE, SPLIT)),
+                                    items, sink_ptr, inv_freq_ptr, o_ptr, stride_ot, stride_oh, WINDOW_CHUNKS,
+                                    MODE)),
                 (_dequant_partition, (q0, q1, q2, q3, k0, k1, k2, k3, valid_smem, scale_smem, block_smem, entry_smem,
                                       kv_ready, kv_free, q_free, items, q_ptr, stride_qt, stride_qh, pool_ptr,
                                       stride_page, WINDOW, RATIO, BLOCK_SIZE, PAGE_ENTRIES, MODE, WINDOW_CHUNKS,
@@ -589,14 +559,17 @@ if _HAVE_GLUON:
 
 def launch(grid: tuple[int, int], args: tuple, geometry: dict, keys: torch.Tensor | None, sms: int,
            value_regs: int | None = None, producer_regs: int | None = None) -> None:
-    """Launch the kernel for a step's ``grid`` = (tokens · head blocks, splits) of items as ``min(items, sms)``
+    """Launch the kernel for a step's ``grid`` = (tokens · head blocks, 1) of items as ``min(items, sms)``
     persistent programs: ``args`` / ``geometry`` are ``sparse_attention_fwd``'s prepared arguments and geometry
     constexprs, ``keys`` the step's BF16 key rows (``sparse_attention.bf16_keys``) or ``None`` (the FP8 pages are
     dequantized per chunk), ``sms`` the device's multiprocessors (one program each: its shared memory takes an
     SM); ``value_regs`` the value warpgroup's registers per thread, ``producer_regs`` the copy warpgroup's
     (defaults ``VALUE_REGS`` / ``PRODUCER_REGS`` for BF16 rows, ``FP8_VALUE_REGS`` / ``FP8_PRODUCER_REGS`` for
     FP8 pages; read at each launch)."""
-    items = grid[0] * grid[1]
+    if grid[1] != 1:
+        raise ValueError(f"the pipelined kernel takes no splits (got {grid[1]}): its persistent programs share the "
+                         "step's items")
+    items = grid[0]
     if keys is None and geometry["WINDOW"] > FP8_MAX_WINDOW:
         raise ValueError(f"the pipelined kernel reads FP8 pages for windows of at most {FP8_MAX_WINDOW} keys "
                          f"(got {geometry['WINDOW']}): use keys='bf16' or another impl")
