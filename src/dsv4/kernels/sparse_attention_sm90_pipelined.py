@@ -355,8 +355,8 @@ if _HAVE_GLUON:
         value warpgroup (``p_ready``), O[:, 0:256] = O·α + P·K[:, 0:256], the key tiles released (``kv_free``;
         the queries after an item's last S: ``q_free``); after each item its row maxima and sums for the value
         warpgroup (``done``; the buffer of item i−2's freed by ``stats_free``), the lse and its half of the
-        output. The softmax denominators are
-        sums per head and key column (``ELEMENT_SUMS``: the serial kernel's order, its bits) or per head."""
+        output. The softmax denominators are sums per head and key column (``ELEMENT_SUMS``: the serial kernel's
+        order, its bits) or per head."""
         H = items[1]
         first = gl.program_id(0)
         step = gl.num_programs(0)
@@ -415,8 +415,8 @@ if _HAVE_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(done.index(par))
             # The loads for the items ahead before this item's stores (a load issued after them would wait for them).
-            nnt, nnhb, _, _, _, nnc_begin, nnc_end = _item_chunks(first + (it + 2) * step, items,
-                                                                         WINDOW_CHUNKS, MODE)
+            nnt, nnhb, _, _, _, nnc_begin, nnc_end = _item_chunks(first + (it + 2) * step, items, WINDOW_CHUNKS,
+                                                                   MODE)
             nsink = _sink(sink_ptr, nhb, H, HL)
             m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
             denom = l_i + gl.exp2(sink - m_use)
