@@ -317,6 +317,19 @@ if _HAVE_GLUON:
         return gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
 
     @gluon.jit
+    def _running_max(m_i, s):
+        """One step of the online softmax (base 2) over scores ``s`` ``[64, n]``: the rows' new maxima ``m_new =
+        max(m_i, max_j s)`` and the factor ``α = 2^(m_i − m_new)`` of what was summed before (a row still at −inf
+        keeps its −inf and gets α = 0)."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        return m_new, gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+
+    @gluon.jit
+    def _probabilities(s, m):
+        """``2^(s − m)`` per row (``m`` from ``_running_max``; a row at −inf: every score −inf, every p 0)."""
+        return gl.exp2(s - gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 1))
+
+    @gluon.jit
     def _rescale(o, alpha):
         """``o · alpha[:, None]`` (alpha per head, any row layout)."""
         return o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)
@@ -373,14 +386,13 @@ if _HAVE_GLUON:
         s = gl.where(gl.expand_dims(valid, 0), s * qk_scale, float("-inf"))
         # Online softmax (base 2). The sums stay per element (l_acc) and are reduced once after the loop: the row
         # max is the only exchange between the two warpgroups (each holds half of a head's keys) per chunk.
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+        m_new, alpha = _running_max(m_i, s)
         l_acc = l_acc * gl.expand_dims(alpha, 1)
         o0 = _rescale(o0, alpha)
         o1 = _rescale(o1, alpha)
         o2 = _rescale(o2, alpha)
         o3 = _rescale(o3, alpha)
-        p = gl.exp2(s - gl.expand_dims(gl.where(m_new == float("-inf"), 0.0, m_new), 1))
+        p = _probabilities(s, m_new)
         l_acc = l_acc + p
         # The probabilities are rounded to BF16 for P·V; the denominator keeps the FP32 ones (SPEC §3 step 5).
         p_smem.store(p.to(gl.bfloat16))

@@ -63,7 +63,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it the other kernels serve
     )
 
     from .sparse_attention_sm90 import (TILE_SL, _copy_keys, _dim_tiles, _issue_bf16_chunk, _masked_scores,
-                                        _rescale, _split_chunks, _store_rope, _unrotation)
+                                        _probabilities, _rescale, _running_max, _split_chunks, _store_rope,
+                                        _unrotation)
     from .sparse_attention_sm90_ws import (KEY_L, _chunk_address, _chunk_blocks, _chunk_entries, _copy_blocks,
                                            _copy_scales, _dequantize_chunk, _request_chunk)
 
@@ -378,15 +379,13 @@ if _HAVE_GLUON:
                 mbarrier.wait(kv_ready.index(buf), (g // 2) & 1)
                 s = _masked_scores(q0, q1, q2, q3, k0.index(buf), k1.index(buf), k2.index(buf), k3.index(buf),
                                    valid_smem.index(buf), qk_scale, S_L)
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+                m_i, alpha = _running_max(m_i, s)
                 o0 = _rescale(o0, alpha)
-                p = gl.exp2(s - gl.expand_dims(gl.where(m_new == float("-inf"), 0.0, m_new), 1))
+                p = _probabilities(s, m_i)
                 if ELEMENT_SUMS:
                     l_acc = l_acc * gl.expand_dims(alpha, 1) + p
                 else:
                     l_acc = l_acc * alpha + gl.sum(p, 1)
-                m_i = m_new
                 # P (BF16, as SPEC §3 step 5) and α for the value warpgroup; the buffer's last reader (chunk g−2)
                 # is done: this chunk's keys were copied in only after that (kv_free).
                 p_smem.index(buf).store(p.to(gl.bfloat16))

@@ -50,7 +50,8 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from .sparse_attention_sm90 import (TILE_SL, _block_exponents, _dim_tiles, _fresh_rows, _masked_scores,
-                                        _program_token, _rescale, _split_chunks, _write_output)
+                                        _probabilities, _program_token, _rescale, _running_max, _split_chunks,
+                                        _write_output)
 
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -370,14 +371,12 @@ if _HAVE_GLUON:
             s = _masked_scores(q0, q1, q2, q3, k0.index(buf), k1.index(buf), k2.index(buf), k3.index(buf),
                                valid_smem.index(buf), qk_scale, S_L)
             # Online softmax (base 2), as sparse_attention_sm90's but with the row sums taken per chunk.
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+            m_i, alpha = _running_max(m_i, s)
             o0 = _rescale(o0, alpha)
             o1 = _rescale(o1, alpha)
             o2 = _rescale(o2, alpha)
             o3 = _rescale(o3, alpha)
-            m_i = m_new
-            p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
+            p = _probabilities(s, m_i)
             l_i = l_i * alpha + gl.sum(p, 1)
             # The probabilities are rounded to BF16 for P·V; the denominator keeps the FP32 ones (SPEC §3 step 5).
             p_smem.store(p.to(gl.bfloat16))
