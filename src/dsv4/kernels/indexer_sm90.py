@@ -31,24 +31,34 @@ visible count): there one accumulator is live (two would not fit), each tile's M
 chunk of one request: 585 µs at 32K context, 2,435 at 128K (the Triton kernel: 979 / 3,997; ``QT`` = 2 at 3
 programs per SM: 681 / 2,952), about 65% of the FP8 roofline.
 
-Registers (decode): ptxas takes 136 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
-``MAXNREG`` = 128 (4 programs per SM, an 8-byte spill outside the MMA path).
+Registers (decode): ptxas takes 136-162 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
+``MAXNREG`` = 128 (4 programs per SM, 16 bytes of spills: the two carried pages).
 
-Measured (Flash 64 heads, 128K decode, B=64): 71.2 µs on an H100 (73.2 before the 9-instruction key conversion and
-the cap, in the same run) vs 85 µs for the Triton kernel, 67% of the copy bandwidth; 71.1-71.9 µs on an H200 (48% of
-its copy bandwidth: the kernel is bound by instruction issue and latency, not bytes). The loop issues ~245
-instructions per tile and warp (conversion 72, head sum ~72, block tables ~36): at 4 programs per SM about half
-the issue slots are used, the rest waits on latency — more programs per SM help more than overlap within one.
-Tried and slower there: waiting for each tile's MMA only after the next one is issued (``wgmma.wait_group 1``;
+Measured (Flash 64 heads, 128K decode, B=64): 67.3-67.4 µs on an H200 (50% of its copy bandwidth), 68.6-68.9 on
+an H100 (69%) — with each tile's page looked up two tiles before its codes are requested; with the lookup right
+before the request, as until 2026-11-26, 70.2-70.7 / 70.9-71.5 µs in the same runs (B=128: 129.4 vs 138.3-138.7 µs
+on the H200). The Triton kernel takes 85 µs. The same time on both devices: the kernel is bound by instruction
+issue and latency, not bytes. The loop issues ~265 instructions per tile and warp (conversion 72, head sum ~72,
+block tables ~36); at 4 programs per SM about half the issue slots are used (ncu, H100: issue slots 53%; stall
+samples: issuing 20%, global-load waits 20%, not selected 13%, fixed-latency waits 12%). ptxas schedules the
+two-tile loop its own way: both tiles' conversions first, then the first MMA awaited at once and the second
+overlapped with a head sum — so a tile's codes are consumed about one tile after their request, and the first
+conversion waits on them (14% of the stall samples).
+Tried and slower: waiting for each tile's MMA only after the next one is issued (``wgmma.wait_group 1``;
 ptxas then keeps two accumulators live: 188 registers, 2 programs per SM, 96.7 µs; 167 with the head weights read
 from shared memory, 3 per SM, 78.3); key tiles copied by the TMA into 2-8 shared-memory stages (mbarriers, 106-117
 registers: 76-85 µs — Triton adds a CTA barrier around every mbarrier / TMA operation, ~4 per tile, and the
-loop grows to ~295 instructions per tile; deeper pipelines were slower, so bytes in flight are not what limits
-it); the tile's page read two tiles ahead (133 registers, 3 programs per SM: 86 µs), copies
-through shared memory in 3-8 ``cp.async`` stages (Gluon adds two barriers per tile and 4-byte copies: 79-89 µs),
-one bulk L2 prefetch per tile of the program's split at its start (86 µs), no overlap (synchronous MMA, one
-accumulator: 108 registers; 80.8 µs, 77.5 with 5 programs per SM at ``maxnreg`` 96); this kernel at ``maxnreg`` 96
-spills 152 bytes.
+loop grows to ~295 instructions per tile); copies through shared memory in 3-8 ``cp.async`` stages (Gluon adds two
+barriers per tile and 4-byte copies: 79-89 µs); one bulk L2 prefetch per tile of the program's split at its start
+(86 µs); no overlap (synchronous MMA, one accumulator: 108 registers; 80.8 µs, 77.5 with 5 programs per SM at
+``maxnreg`` 96; this kernel at ``maxnreg`` 96 spills 152 bytes). 2026-11-26 (A/B against this kernel in one run):
+each tile's MMA in two halves of the heads, each overlapping the other half's head sums (32 accumulator registers
+instead of 64: H100 73.7 µs at 4 programs per SM, 121.4 at ``maxnreg`` 96 / 5 per SM with 200 bytes of spills vs
+68.6); each tile brought into L2 by one bulk prefetch a tile before its register loads (H200 68.2-68.5 vs
+67.3-67.4); a data dependency (on the previous tile's scores, through a run-time zero) keeping each conversion
+behind the previous head sum (H100 72.5-72.6 vs 68.9); 4 / 8 / 32 / 64 programs per SM instead of 16 (H100
+81.9 / 77.3 / 72.0 / 81.9 vs 68.6 µs); the page lookup two tiles ahead uncapped (136 registers, 3 programs per SM:
+76.8).
 
 Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``indexer.index_scores`` picks this kernel
 where it applies and falls back to the Triton kernel elsewhere.
@@ -165,12 +175,24 @@ if _HAVE_GLUON:
         return codes, scales
 
     @gluon.jit
-    def _request_tile(bt_row, pages_ptr, page_bytes, tile, tile_hi, n_keys, ENTRIES: gl.constexpr):
-        """``_load_tile`` of key tile ``tile`` of a request (block-table row ``bt_row``); past ``tile_hi`` nothing
+    def _tile_page(bt_row, tile, tile_hi, ENTRIES: gl.constexpr):
+        """The physical page of key tile ``tile`` of a request (block-table row ``bt_row``; a tile past
+        ``tile_hi`` reads the last tile's entry), int32 scalar."""
+        return gl.load(bt_row + (gl.minimum(tile, tile_hi - 1) * BN) // ENTRIES)
+
+    @gluon.jit
+    def _request_tile_in(page, pages_ptr, page_bytes, tile, tile_hi, n_keys, ENTRIES: gl.constexpr):
+        """``_load_tile`` of key tile ``tile``, whose page (``_tile_page``) is ``page``; past ``tile_hi`` nothing
         is read (all keys masked)."""
-        page = gl.load(bt_row + (gl.minimum(tile, tile_hi - 1) * BN) // ENTRIES).to(gl.int64)
         n_valid = gl.where(tile < tile_hi, n_keys - tile * BN, 0)
-        return _load_tile(pages_ptr, page_bytes, page, (tile * BN) % ENTRIES, n_valid, ENTRIES)
+        return _load_tile(pages_ptr, page_bytes, page.to(gl.int64), (tile * BN) % ENTRIES, n_valid, ENTRIES)
+
+    @gluon.jit
+    def _request_tile(bt_row, pages_ptr, page_bytes, tile, tile_hi, n_keys, ENTRIES: gl.constexpr):
+        """``_load_tile`` of key tile ``tile`` of a request (block-table row ``bt_row``), its page looked up right
+        before; past ``tile_hi`` nothing is read (all keys masked)."""
+        return _request_tile_in(_tile_page(bt_row, tile, tile_hi, ENTRIES), pages_ptr, page_bytes, tile, tile_hi,
+                                n_keys, ENTRIES)
 
     @gluon.jit
     def _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, first_key, QT: gl.constexpr, HP: gl.constexpr):
@@ -227,26 +249,33 @@ if _HAVE_GLUON:
     def _decode_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
                       out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, HP: gl.constexpr):
         """A split's tiles ``tile_lo … tile_hi − 1`` for one query (``N = HP``). Tile i is converted and its MMA
-        started; tile i + 2 is requested into the registers tile i's codes leave; while the MMA runs, tile i − 1
-        (its accumulator carried over) is reduced and stored. Unrolled by two so that the two accumulators and the
-        two code buffers alternate in place (no copies); each converted operand is used in the iteration that
-        made it (a byte-typed tensor carried across iterations would be split into one register per byte)."""
+        started; tile i + 2 is requested into the registers tile i's codes leave, and tile i + 4's page looked
+        up (two int32 scalars carried: a request never waits for the block table); while the MMA runs, tile
+        i − 1 (its accumulator carried over) is reduced and stored. Unrolled by two so that the two accumulators,
+        the two code buffers and the two pages alternate in place (no copies); each converted operand is used in
+        the iteration that made it (a byte-typed tensor carried across iterations would be split into one
+        register per byte)."""
         codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, ENTRIES)
         codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, n_keys, ENTRIES)
+        page_x = _tile_page(bt_row, tile_lo + 2, tile_hi, ENTRIES)
+        page_y = _tile_page(bt_row, tile_lo + 3, tile_hi, ENTRIES)
         a, ks_a = _convert_tile(codes_x, scales_x, A_L)
         acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 2, tile_hi, n_keys, ENTRIES)
+        codes_x, scales_x = _request_tile_in(page_x, pages_ptr, page_bytes, tile_lo + 2, tile_hi, n_keys, ENTRIES)
+        page_x = _tile_page(bt_row, tile_lo + 4, tile_hi, ENTRIES)
         acc_a = warpgroup_mma_wait(0, deps=[acc_a])
         n_tiles = tile_hi - tile_lo
         for t in range(tile_lo + 1, tile_lo + 1 + (n_tiles - 1) // 2 * 2, 2):
             a, ks_b = _convert_tile(codes_y, scales_y, A_L)
             acc_b = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, t + 2, tile_hi, n_keys, ENTRIES)
+            codes_y, scales_y = _request_tile_in(page_y, pages_ptr, page_bytes, t + 2, tile_hi, n_keys, ENTRIES)
+            page_y = _tile_page(bt_row, t + 4, tile_hi, ENTRIES)
             _store_scores(acc_a, ks_a, w_half, out_row, out_stride, vis_q, (t - 1) * BN, 1, HP)
             acc_b = warpgroup_mma_wait(0, deps=[acc_b])
             a, ks_a = _convert_tile(codes_x, scales_x, A_L)
             acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, t + 3, tile_hi, n_keys, ENTRIES)
+            codes_x, scales_x = _request_tile_in(page_x, pages_ptr, page_bytes, t + 3, tile_hi, n_keys, ENTRIES)
+            page_x = _tile_page(bt_row, t + 5, tile_hi, ENTRIES)
             _store_scores(acc_b, ks_b, w_half, out_row, out_stride, vis_q, t * BN, 1, HP)
             acc_a = warpgroup_mma_wait(0, deps=[acc_a])
         if n_tiles % 2 == 0:  # one tile left
