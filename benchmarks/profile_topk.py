@@ -2,7 +2,8 @@
 scores with the scores kernel (as ``bench_indexer.py``), prints how the scores are distributed and how many
 candidates the ``"filter"`` bound keeps per row, then runs one top-k variant ``--calls`` times (for ncu / nsys).
 
-Usage: ``python benchmarks/profile_topk.py [--variant filter4] [--calls 3] [--batch 64] [--context 131072]``.
+Usage: ``python benchmarks/profile_topk.py [--variant filter4] [--calls 3] [--batch 64] [--context 131072]
+[--tokens 1]`` (``--tokens 4096``: the rows of a 4K-token prefill chunk per request).
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--tokens", type=int, default=1, help="query tokens per request (4096: a prefill chunk)")
     a = ap.parse_args()
-    s = _setup(a.batch, a.context, 1, "mxfp4")
-    _scores_fn(s, a.batch, 1)()
+    s = _setup(a.batch, a.context, a.tokens, "mxfp4")
+    _scores_fn(s, a.batch, a.tokens)()
     sc, vis = s["scores"], s["visible"]
-    f = sc.float()
     n = sc.shape[1]
+    f = sc.float().masked_fill(torch.arange(n, device=sc.device)[None, :] >= vis[:, None], float("-inf"))
     C = 64  # the launcher's group width at this shape (N // k >= 64)
-    bound = f[:, : n // C * C].view(sc.shape[0], -1, C).amax(dim=2).amin(dim=1)
+    g_max = f[:, : n // C * C].view(sc.shape[0], -1, C).amax(dim=2)
+    bound = g_max.masked_fill(g_max == float("-inf"), float("inf")).amin(dim=1)  # over the nonempty groups
     cand = (f >= bound[:, None]).sum(dim=1).float()
-    print(f"scores: {tuple(sc.shape)}, zeros {(f == 0).float().mean().item():.3f}, distinct per row "
+    print(f"scores: {tuple(sc.shape)}, zeros {(f == 0).float().mean().item():.3f}, distinct in row 0 "
           f"{torch.unique(f[0]).numel()}, candidates under the group bound: min {cand.min().item():.0f} "
           f"median {cand.median().item():.0f} max {cand.max().item():.0f}")
     opts = dict(VARIANTS[a.variant])

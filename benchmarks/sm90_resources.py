@@ -109,6 +109,9 @@ KERNELS = {
         {"s_stride", "hdr_stride", "cand_stride", "out_stride", "chunk"}),
     "topk_bisect": ("dsv4.kernels.topk:_bisect_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},
         dict(K=512, KEY_BITS=16, BLOCK=32768, C=64, FILL=512, PTX=True, num_warps=16), {"s_stride", "out_stride"}),
+    "topk_bisect_sm90": ("dsv4.kernels.topk_sm90:_bisect_topk_sm90_kernel", {"s_ptr": "*i16", "n_ptr": "*i64",
+                                                                             "out_ptr": "*i64"},
+        dict(K=512, BLOCK=32768, C=64, FILL=512, NW=16, num_warps=16), {"s_stride", "out_stride"}),
 }
 
 

@@ -547,6 +547,35 @@ def test_gpu_radix_topk_large(n: int, variant: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1024, 2048, 8192, 32768])
+def test_gpu_bisect_gluon_same_bits_as_triton(n: int) -> None:
+    """The Gluon "bisect" kernel (``topk_sm90``, Hopper) against the Triton one on the same rows: the same slots —
+    both scan in column order — on rows with ties at the threshold, all equal, ≤ k / k + 1 candidates, counts not
+    a multiple of 8 (a partly read vector), a huge spread of values, and −inf / +inf."""
+    from dsv4.kernels import topk_sm90
+
+    if not topk_sm90.available(torch.device("cuda")):
+        pytest.skip("needs sm_90 and Gluon")
+    g = torch.Generator(device="cuda").manual_seed(n)
+    T = 12
+    s = (torch.randn(T, n, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    s[0, : n // 3] = 0.5
+    s[1] = 0.25
+    s[2] = s[2].abs() * 1e-30
+    s[3, 5] = float("inf")
+    s[3, 9] = float("-inf")
+    s[4, :] = s[4, :64].repeat(n // 64)
+    counts = torch.tensor([n, n - 1, n - 5, n // 3 + 3, n, 512, 513, 7, 0, n - 8, n // 2 + 1, 1000],
+                          device="cuda").clamp(max=n)
+    outs = []
+    for use_gluon in (True, False):
+        out = torch.full((T, 512), -7, dtype=torch.int64, device="cuda")
+        outs.append(radix_topk(s, counts, 512, out=out, algorithm="bisect", gluon=use_gluon))
+    _check_topk(s, counts, 512, outs[0])
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpu_indexer_topk_variants(variant: str, monkeypatch) -> None:
     """The indexer's top-k through each variant (Flash shapes, MXFP4 and exact FP32 scores)."""

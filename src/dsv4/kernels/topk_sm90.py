@@ -1,0 +1,157 @@
+"""Top-k by bisection in Gluon for Hopper (sm_90): ``topk``'s ``"bisect"`` algorithm with an explicit register layout.
+
+Same semantics, arguments and outputs as ``topk._bisect_topk_kernel`` over BF16 scores — read its docstring and the
+``topk`` module's: one program per row holding the whole row, a lower bound of the threshold (the smallest maximum of
+groups of ``C`` columns), the threshold found bit by bit, then one scan that places the selection. The slots are the
+same (the scan runs in column order), so the outputs are that kernel's bits (GPU test).
+
+What differs is the layout. Triton gives the Triton kernel's ``[rows, C]`` register block (C ≤ 64 columns per row)
+eight contiguous columns per thread, so every row-wise reduction and scan crosses lanes: each bisection step's
+count took ~280 instructions per warp with 30 shuffles, the final scan ~2,750, and 128 registers spilled 576 bytes
+(ncu, H100, a 4K-token prefill chunk at 128K context: 4,096 rows × 32,768 columns, 1.41 ms, 145 K warp instructions
+per row). Here each thread holds ``BLOCK / threads`` contiguous columns (8 to 16: ``applies``): a group's maximum,
+a count and the scan are in-thread work plus one warp-level and one block-level step; a count is two instructions
+per key (``_count_below``); the row is read in 16-byte loads (masked by whole 8-column vectors, so rows must be
+multiples of 8 columns wide).
+
+Measured (H100, 2026-11-26, k = 512, the index scores of the scores kernel; against the Triton kernel in the same
+run, ``bench_indexer.py --topk-prefill`` / ``--topk-only``), µs: 4K-token prefill chunks — one request at 8K
+context (2,048 columns) 55.7–64.8 vs 73.8, at 32K (8,192) 266 vs 396, eight at 32K 2,049 vs 3,058; decode (CUDA
+graphs) at 32K context, B = 8 / 64 / 128: 12.5 / 12.4 / 16.8 vs 44.2 / 18.0 / 17.8; at 8K context the same times.
+
+Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``topk.radix_topk`` picks this kernel for
+``"bisect"`` over BF16 scores where ``applies`` (and ``gluon`` is not False) and keeps the Triton kernel elsewhere
+(FP32 scores, short rows, the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.4
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    _HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HAVE_GLUON = False
+
+__all__ = ["available", "applies", "launch"]
+
+#: the fewest and the most contiguous columns per thread this kernel takes (shorter and longer rows: the Triton
+#: kernel). At 64 per thread (32,768 columns, 16 warps) the row, its flags and its scan spill 672 bytes and the kernel
+#: is no faster than the Triton one (H100, a 4K-token chunk at 128K context: 1,462 vs 1,419 µs); at 16 it holds 98
+#: registers without spilling.
+MIN_COLUMNS_PER_THREAD = 8
+MAX_COLUMNS_PER_THREAD = 16
+#: the row width must be a multiple of this (the loads read whole 8-column vectors)
+VECTOR = 8
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Gluon top-k can run on ``device`` (compute capability 9.x, Gluon present)."""
+    if not _HAVE_GLUON or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def applies(key_bits: int, columns: int, row_stride: int, block: int, num_warps: int) -> bool:
+    """Whether a launch shape is one this kernel serves: BF16 scores (16-bit keys), rows of a multiple of
+    ``VECTOR`` columns and stride, and ``MIN_COLUMNS_PER_THREAD`` to ``MAX_COLUMNS_PER_THREAD`` columns of the
+    ``block`` per thread."""
+    per_thread = block // (32 * num_warps)
+    return (key_bits == 16 and columns % VECTOR == 0 and row_stride % VECTOR == 0
+            and MIN_COLUMNS_PER_THREAD <= per_thread <= MAX_COLUMNS_PER_THREAD)
+
+
+if _HAVE_GLUON:
+    VEC = gl.constexpr(VECTOR)
+
+    @gluon.jit
+    def _sortable_key16(bits):
+        """Order-preserving unsigned key of BF16 bits (int32 holding 16 bits), as ``topk._sortable_key``."""
+        u = bits & 0xFFFF
+        return gl.where(u >= 0x8000, u ^ 0xFFFF, u | 0x8000)
+
+    @gluon.jit
+    def _count_below(key, t):
+        """How many keys are below ``t`` (int32 scalar): the sign bits of ``key − t`` summed (keys and ``t`` are
+        below 2¹⁶), two instructions per key (``IADD`` + ``LEA.HI``) instead of a compare, a select and an add."""
+        return gl.sum(((key - t).to(gl.uint32, bitcast=True) >> 31).to(gl.int32), axis=0)
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _bisect_topk_sm90_kernel(
+        s_ptr, s_stride,            # int16 [T, s_stride]: BF16 score bits
+        n_ptr,                      # int64 [T]: candidates of each row (the first n_t columns)
+        out_ptr, out_stride,        # int64 [T, K] out
+        K: gl.constexpr,
+        BLOCK: gl.constexpr,        # columns held: a power of two >= every n_t
+        C: gl.constexpr,            # columns per group of the lower bound
+        FILL: gl.constexpr,         # slots written per step of the −1 fill
+        NW: gl.constexpr,           # warps
+    ):
+        """One program per row (``topk._bisect_topk_kernel``'s steps), thread ``i`` holding columns
+        ``i · PER … i · PER + PER − 1``."""
+        PER: gl.constexpr = BLOCK // (32 * NW)
+        L: gl.constexpr = gl.BlockedLayout([PER], [32], [NW], [0])
+        FL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        row = gl.program_id(0).to(gl.int64)
+        n = gl.load(n_ptr + row).to(gl.int32)
+        k_eff = gl.minimum(n, K)
+        out_row = out_ptr + row * out_stride
+        for start in gl.static_range(0, K, FILL):
+            o = start + gl.arange(0, FILL, layout=FL)
+            gl.store(out_row + o, gl.full([FILL], -1, gl.int64, FL), mask=(o >= k_eff) & (o < K))
+        cols = gl.arange(0, BLOCK, layout=L)
+        valid = cols < n
+        if n <= K:  # every candidate is selected
+            gl.store(out_row + cols, cols.to(gl.int64), mask=valid)
+        else:
+            # Whole 8-column vectors are read (the row width is a multiple of 8); columns past n get key 0, the
+            # smallest: every threshold tried below is >= 1, so they never count.
+            vec_in = (cols // VEC) * VEC < n
+            bits = gl.load(s_ptr + row * s_stride + cols, mask=vec_in, other=0).to(gl.int32)
+            key = gl.where(valid, _sortable_key16(bits), 0)
+            g_max = gl.max(gl.reshape(key, [BLOCK // C, C]), axis=1)  # of each group of C columns
+            hi_key = gl.max(g_max, axis=0)
+            groups = gl.cdiv(n, C)
+            if groups >= K:  # at least K nonempty groups: their smallest maximum is <= the k-th largest
+                g = gl.arange(0, BLOCK // C, layout=g_max.type.layout)
+                lo_key = gl.min(gl.where(g < groups, g_max, 0xFFFF), axis=0)
+            else:
+                lo_key = gl.min(gl.where(valid, key, 0xFFFF), axis=0)
+            # The bits above the highest one where lo_key and hi_key differ are the threshold's too.
+            diff = lo_key ^ hi_key
+            width = 0
+            for b in gl.static_range(16):
+                width += ((diff >> b) != 0).to(gl.int32)
+            thr = hi_key & ~((1 << width) - 1)
+            for i in range(width):  # the largest thr with at least k_eff keys >= thr, one bit at a time
+                t = thr | (1 << (width - 1 - i))
+                thr = gl.where(BLOCK - _count_below(key, t) >= k_eff, t, thr)
+            n_gt = BLOCK - _count_below(key, thr + 1)
+            remaining = k_eff - n_gt
+            # One inclusive scan in column order places both: the count above in the low 16 bits, the tied count
+            # in the high ones (rows of at most 32,768 columns).
+            flags = (key > thr).to(gl.int32) | ((valid & (key == thr)).to(gl.int32) << 16)
+            seen = gl.associative_scan(flags, 0, _add)
+            gt = (flags & 1) != 0
+            eq = flags > 1
+            rank = ((seen >> 16) & 0xFFFF) - 1
+            slot = gl.where(gt, (seen & 0xFFFF) - 1, gl.where(eq & (rank < remaining), n_gt + rank, -1))
+            gl.store(out_row + slot, cols.to(gl.int64), mask=slot >= 0)
+
+
+def launch(bits: torch.Tensor, counts: torch.Tensor, k: int, out: torch.Tensor, *, block: int, group: int,
+           fill: int, num_warps: int) -> torch.Tensor:
+    """Launch the kernel over ``bits`` (int16 ``[T, N]``, BF16 score bits; the caller checked ``available`` and
+    ``applies``): ``block`` columns held per row, ``group`` columns per group of the lower bound, ``fill`` slots per
+    step of the −1 fill, ``num_warps`` warps. Returns ``out`` (int64 ``[T, k]``)."""
+    T = bits.shape[0]
+    _bisect_topk_sm90_kernel[(T,)](bits, bits.stride(0), counts, out, out.stride(0), K=k, BLOCK=block, C=group,
+                                   FILL=fill, NW=num_warps, num_warps=num_warps)
+    return out
