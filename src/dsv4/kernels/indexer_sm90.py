@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ptx
+from . import hopper, ptx
 
 try:  # Gluon ships with Triton >= 3.4
     from triton.experimental import gluon
@@ -96,9 +96,7 @@ MIN_TILES_PER_PROGRAM = 8
 
 def available(device: torch.device) -> bool:
     """Whether the Gluon scores kernel can run on ``device`` (compute capability 9.x, Gluon present)."""
-    if not _HAVE_GLUON or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return _HAVE_GLUON and hopper.is_sm90(device)
 
 
 def applies(head_pad: int, entries_per_page: int) -> bool:

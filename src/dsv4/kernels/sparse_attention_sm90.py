@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from . import cluster as cluster_launch
-from . import ptx
+from . import hopper, ptx
 
 try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Triton kernel serves
     from triton.experimental import gluon
@@ -78,9 +78,7 @@ NUM_WARPS = 8
 
 def available(device: torch.device) -> bool:
     """Whether the Gluon kernel can run on ``device`` (a CUDA device of compute capability 9.x, Gluon present)."""
-    if not _HAVE_GLUON or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return _HAVE_GLUON and hopper.is_sm90(device)
 
 
 if _HAVE_GLUON:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from . import hopper
+
 try:  # Gluon ships with Triton >= 3.4
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -50,9 +52,7 @@ VECTOR = 8
 
 def available(device: torch.device) -> bool:
     """Whether the Gluon top-k can run on ``device`` (compute capability 9.x, Gluon present)."""
-    if not _HAVE_GLUON or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return _HAVE_GLUON and hopper.is_sm90(device)
 
 
 def applies(key_bits: int, columns: int, row_stride: int, block: int, num_warps: int) -> bool:
