@@ -12,8 +12,8 @@ written; no FLOPs.
 ``--quick`` also times every top-k variant (``dsv4.kernels.topk.VARIANTS`` and a few launch shapes,
 ``TOPK_LAUNCHES``) at B=8 / 64 / 128 × 128K decode and B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each
 checked against torch.topk (``check`` in the JSON rows); ``--topk-only`` / ``--topk-prefill`` time only those
-variants, on decode steps (8K–128K) / on 4K-token prefill chunks (one request at 8K / 32K / 128K, eight at 32K), each
-on the index scores the scores kernel computed for that step.
+variants, on decode steps (8K–128K) / on 4K-token prefill chunks (one request at 8K / 32K / 64K / 128K, eight at
+32K), each on the index scores the scores kernel computed for that step.
 
 Usage: ``python benchmarks/bench_indexer.py [--quick] [--no-sweep] [--topk-only | --topk-prefill] [--json out.json]``.
 """
@@ -143,8 +143,8 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
     """Measure; returns the rows (see ``roofline_row``). ``quick``: the acceptance shape (batch 64 × 128K decode,
     with a small config sweep of the scores kernel), batch 8 and 128 decode at 128K, and 4K prefill chunks (8 × 32K,
     1 × 128K). ``topk_only``: every ``TOPK_LAUNCHES`` entry on decode steps of 8 / 64 / 128 requests at 8K / 32K /
-    128K context, nothing else; ``topk_prefill``: the same on 4K-token prefill chunks (one request at 8K / 32K / 128K,
-    eight at 32K), each on the index scores the scores kernel computed for that chunk."""
+    64K / 128K context, nothing else; ``topk_prefill``: the same on 4K-token prefill chunks (one request at 8K / 32K /
+    64K / 128K, eight at 32K), each on the index scores the scores kernel computed for that chunk."""
     from dsv4.kernels.topk import radix_topk
 
     bw = measure_copy_bandwidth()
@@ -152,9 +152,9 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
     rows = [] if rows is None else rows  # a caller's list keeps the rows measured so far if the run is cut short
     CEILINGS.update(copy_bw_GBps=bw / 1e9, fp8_mm_TFLOPs=rate / 1e12)
     if topk_prefill:
-        shapes = [(1, 8192, 4096), (1, 32768, 4096), (1, 131072, 4096), (8, 32768, 4096)]
+        shapes = [(1, 8192, 4096), (1, 32768, 4096), (1, 65536, 4096), (1, 131072, 4096), (8, 32768, 4096)]
     elif topk_only:
-        shapes = [(b, c, 1) for c in (131072, 32768, 8192) for b in (64, 8, 128)]
+        shapes = [(b, c, 1) for c in (131072, 65536, 32768, 8192) for b in (64, 8, 128)]
     elif quick:
         shapes = [(64, 131072, 1), (8, 131072, 1), (128, 131072, 1), (8, 32768, 4096), (1, 131072, 4096)]
     else:

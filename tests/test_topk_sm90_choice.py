@@ -16,8 +16,8 @@ from dsv4.kernels import topk, topk_sm90  # noqa: E402
     (1024, 4, True),     # 8 columns per thread
     (2048, 8, True),
     (8192, 16, True),    # 16 per thread
-    (16384, 16, False),  # 32 per thread: the Triton kernel
-    (32768, 16, False),
+    (16384, 16, True),   # 32 per thread
+    (32768, 16, False),  # 64 per thread: the Triton kernel
     (512, 4, False),     # 4 per thread
 ])
 def test_applies_by_columns_per_thread(columns: int, warps: int, expected: bool) -> None:

@@ -35,7 +35,7 @@ Four algorithms (``radix_topk(..., algorithm=)``; with none named, ``default_var
   longer rows fall back to ``"filter"``): the same lower bound, then the bisection over the row itself, then one
   scan that places the selection. No candidate list and no barrier, so no residency limit; but the bisection's
   counts run over every column (64 per thread at 32K), which only pays on short rows. On Hopper, BF16 rows of
-  1,024 to 8,192 columns run the same steps in Gluon (``topk_sm90``: each thread's columns contiguous, the same
+  1,024 to 16,384 columns run the same steps in Gluon (``topk_sm90``: each thread's columns contiguous, the same
   output bits, 1.1–1.5× faster); ``gluon=False`` (variant ``"bisect_triton"``) keeps this Triton kernel.
 
 Measured on an H100 (2026-11-25, k=512, index scores of the scores kernel on random MXFP4 pools, CUDA-graph replays,

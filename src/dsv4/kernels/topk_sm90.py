@@ -9,15 +9,21 @@ What differs is the layout. Triton gives the Triton kernel's ``[rows, C]`` regis
 eight contiguous columns per thread, so every row-wise reduction and scan crosses lanes: each bisection step's
 count took ~280 instructions per warp with 30 shuffles, the final scan ~2,750, and 128 registers spilled 576 bytes
 (ncu, H100, a 4K-token prefill chunk at 128K context: 4,096 rows × 32,768 columns, 1.41 ms, 145 K warp instructions
-per row). Here each thread holds ``BLOCK / threads`` contiguous columns (8 to 16: ``applies``): a group's maximum,
+per row). Here each thread holds ``BLOCK / threads`` contiguous columns (8 to 32: ``applies``): a group's maximum,
 a count and the scan are in-thread work plus one warp-level and one block-level step; a count is two instructions
 per key (``_count_below``); the row is read in 16-byte loads (masked by whole 8-column vectors, so rows must be
 multiples of 8 columns wide).
 
 Measured (H100, 2026-11-26, k = 512, the index scores of the scores kernel; against the Triton kernel in the same
 run, ``bench_indexer.py --topk-prefill`` / ``--topk-only``), µs: 4K-token prefill chunks — one request at 8K
-context (2,048 columns) 55.7–64.8 vs 73.8, at 32K (8,192) 266 vs 396, eight at 32K 2,049 vs 3,058; decode (CUDA
-graphs) at 32K context, B = 8 / 64 / 128: 12.5 / 12.4 / 16.8 vs 44.2 / 18.0 / 17.8; at 8K context the same times.
+context (2,048 columns) 59.8 vs 73.6, at 32K (8,192) 266–276 vs 396, at 64K (16,384) 424 vs 637, eight at 32K
+2,049–2,126 vs 3,058; decode (CUDA graphs) at 32K context, B = 8 / 64 / 128: 12.2–12.6 / 12.2–18.5 / 15.5–16.4
+vs 15.8–16.1 / 15.3–18.1 / 17.6–17.9; at 64K 18.8 / 19.3 / 18.3 vs 24.7 / 25.0 / 25.4 (where ``"filter4"``, the
+default there, takes 20.1 / 21.1 / 24.1); at 8K context the same times.
+
+Differs from the Triton kernel in one place that does not change the outputs: columns past the row's count are
+told from real scores by their key 0 alone, and a real score whose key is 0 (the NaN bits 0xFFFF) is found by a
+count where the lower bound needs it (GPU test: a row whose selection needs 507 such scores).
 
 Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``topk.radix_topk`` picks this kernel for
 ``"bisect"`` over BF16 scores where ``applies`` (and ``gluon`` is not False) and keeps the Triton kernel elsewhere
@@ -41,11 +47,11 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 __all__ = ["available", "applies", "launch"]
 
 #: the fewest and the most contiguous columns per thread this kernel takes (shorter and longer rows: the Triton
-#: kernel). At 64 per thread (32,768 columns, 16 warps) the row, its flags and its scan spill 672 bytes and the kernel
-#: is no faster than the Triton one (H100, a 4K-token chunk at 128K context: 1,462 vs 1,419 µs); at 16 it holds 98
-#: registers without spilling.
+#: kernel). At 64 per thread (32,768 columns, 16 warps) it spills (392 bytes; a first version spilled 672 and was no
+#: faster than the Triton kernel: H100, a 4K-token chunk at 128K context, 1,462 vs 1,419 µs); at 32 it holds 127
+#: registers without spilling, at 16 85.
 MIN_COLUMNS_PER_THREAD = 8
-MAX_COLUMNS_PER_THREAD = 16
+MAX_COLUMNS_PER_THREAD = 32
 #: the row width must be a multiple of this (the loads read whole 8-column vectors)
 VECTOR = 8
 
@@ -106,16 +112,16 @@ if _HAVE_GLUON:
         for start in gl.static_range(0, K, FILL):
             o = start + gl.arange(0, FILL, layout=FL)
             gl.store(out_row + o, gl.full([FILL], -1, gl.int64, FL), mask=(o >= k_eff) & (o < K))
-        cols = gl.arange(0, BLOCK, layout=L)
-        valid = cols < n
         if n <= K:  # every candidate is selected
-            gl.store(out_row + cols, cols.to(gl.int64), mask=valid)
+            every = gl.arange(0, BLOCK, layout=L)
+            gl.store(out_row + every, every.to(gl.int64), mask=every < n)
         else:
+            cols = gl.arange(0, BLOCK, layout=L)
             # Whole 8-column vectors are read (the row width is a multiple of 8); columns past n get key 0, the
             # smallest: every threshold tried below is >= 1, so they never count.
             vec_in = (cols // VEC) * VEC < n
-            bits = gl.load(s_ptr + row * s_stride + cols, mask=vec_in, other=0).to(gl.int32)
-            key = gl.where(valid, _sortable_key16(bits), 0)
+            bits = gl.load(s_ptr + row * s_stride + cols, mask=vec_in, other=-1).to(gl.int32)
+            key = gl.where(cols < n, _sortable_key16(bits), 0)
             g_max = gl.max(gl.reshape(key, [BLOCK // C, C]), axis=1)  # of each group of C columns
             hi_key = gl.max(g_max, axis=0)
             groups = gl.cdiv(n, C)
@@ -123,7 +129,10 @@ if _HAVE_GLUON:
                 g = gl.arange(0, BLOCK // C, layout=g_max.type.layout)
                 lo_key = gl.min(gl.where(g < groups, g_max, 0xFFFF), axis=0)
             else:
-                lo_key = gl.min(gl.where(valid, key, 0xFFFF), axis=0)
+                # the smallest valid key: 0 if a score has the NaN bits 0xFFFF (key 0, like the BLOCK − n columns
+                # past n), else the smallest key above 0
+                lo_key = gl.where(_count_below(key, 1) > BLOCK - n, 0,
+                                  gl.min(gl.where(key > 0, key, 0xFFFF), axis=0))
             # The bits above the highest one where lo_key and hi_key differ are the threshold's too.
             diff = lo_key ^ hi_key
             width = 0
@@ -136,8 +145,11 @@ if _HAVE_GLUON:
             n_gt = BLOCK - _count_below(key, thr + 1)
             remaining = k_eff - n_gt
             # One inclusive scan in column order places both: the count above in the low 16 bits, the tied count
-            # in the high ones (rows of at most 32,768 columns).
-            flags = (key > thr).to(gl.int32) | ((valid & (key == thr)).to(gl.int32) << 16)
+            # in the high ones (rows of at most 32,768 columns). The columns again, from an arange the compiler
+            # does not merge with the first (plus n >> 31, a zero it cannot see: n >= 0): kept alive from the load
+            # to here, they and their mask spilled at 32 columns per thread.
+            cols = gl.arange(0, BLOCK, layout=L) + (n >> 31)
+            flags = (key > thr).to(gl.int32) | (((cols < n) & (key == thr)).to(gl.int32) << 16)
             seen = gl.associative_scan(flags, 0, _add)
             gt = (flags & 1) != 0
             eq = flags > 1
