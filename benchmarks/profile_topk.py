@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
 
 from bench_indexer import K_TOP, _scores_fn, _setup
-from dsv4.kernels.topk import VARIANTS, filter_header_shape, radix_topk
+from dsv4.kernels.topk import VARIANTS, _bound_group, filter_header_shape, radix_topk
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     sc, vis = s["scores"], s["visible"]
     n = sc.shape[1]
     f = sc.float().masked_fill(torch.arange(n, device=sc.device)[None, :] >= vis[:, None], float("-inf"))
-    C = 64  # the launcher's group width at this shape (N // k >= 64)
+    C = _bound_group(n, K_TOP, triton.next_power_of_2(n))  # the launcher's group width at this shape
     g_max = f[:, : n // C * C].view(sc.shape[0], -1, C).amax(dim=2)
     bound = g_max.masked_fill(g_max == float("-inf"), float("inf")).amin(dim=1)  # over the nonempty groups
     cand = (f >= bound[:, None]).sum(dim=1).float()

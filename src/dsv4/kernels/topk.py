@@ -878,7 +878,7 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
         inline_ptx: ``"filter"`` / ``"bisect"``: scattered loads and stores as inline PTX (``_store_columns``);
             default on the GPU, never in the interpreter; False: ``tl.load`` / ``tl.store`` (for A/B timing).
         gluon: ``"bisect"`` only: False keeps the Triton kernel where the Gluon one (``topk_sm90``: BF16 scores on
-            sm_90, rows of a multiple of 8 columns, at least 8 columns per thread) would run.
+            sm_90, rows of a multiple of 8 columns, 8 to 32 columns per thread: ``topk_sm90.applies``) would run.
     Returns:
         int64 ``[T, k]``: the selected indices (order unspecified; ties at the threshold broken by lowest index for
         ``"row"``, arbitrarily otherwise), −1 in the slots past ``min(k, counts[t])``.

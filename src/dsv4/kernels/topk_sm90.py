@@ -81,8 +81,8 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _count_below(key, t):
-        """How many keys are below ``t`` (int32 scalar): the sign bits of ``key − t`` summed (keys and ``t`` are
-        below 2¹⁶), two instructions per key (``IADD`` + ``LEA.HI``) instead of a compare, a select and an add."""
+        """How many keys are below ``t`` (int32 scalar): the sign bits of ``key − t`` summed (keys below 2¹⁶, ``t``
+        at most 2¹⁶), two instructions per key (``IADD`` + ``LEA.HI``) instead of a compare, a select and an add."""
         return gl.sum(((key - t).to(gl.uint32, bitcast=True) >> 31).to(gl.int32), axis=0)
 
     @gluon.jit
