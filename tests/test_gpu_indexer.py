@@ -302,9 +302,10 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
 
 
-def _mxfp4_score_bits(layer, batch, q, w, num_sms=None, config=None) -> torch.Tensor:
+def _mxfp4_score_bits(layer, batch, q, w, num_sms=None, config=None, dtype=torch.bfloat16) -> torch.Tensor:
     """The scores kernel's BF16 scores (as int16 bits; unwritten elements stay NaN) of MXFP4 queries ``q`` with head
-    weights ``w`` over ``layer``'s pool (block size 256), called directly with ``num_sms`` / ``config``."""
+    weights ``w`` over ``layer``'s pool (block size 256), called directly with ``num_sms`` / ``config``; with
+    ``dtype`` float32 the FP32 scores themselves."""
     from dsv4.kernels.indexer import FMT_MXFP4, index_scores
 
     qq = ti.queries_from_float(q, "mxfp4")
@@ -312,11 +313,11 @@ def _mxfp4_score_bits(layer, batch, q, w, num_sms=None, config=None) -> torch.Te
     wq[:, : w.shape[1]] = w
     wq *= qq.scale
     n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
-    out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=dtype, device="cuda")
     index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq, out,
                  fmt=FMT_MXFP4, m=M, block_size=256, entries_per_page=64, num_requests=batch.num_requests,
                  max_new=batch.max_new, max_entries=n_max, num_sms=num_sms, config=config)
-    return out.view(torch.int16)
+    return out.view(torch.int16) if dtype == torch.bfloat16 else out
 
 
 DECODE_STEPS = [
@@ -406,13 +407,19 @@ def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -
                              config={"maxnreg": 0, "PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1})
     live = ~torch.isnan(bits.view(torch.bfloat16))
     assert torch.equal(bits[live], ref_bits[:, : bits.shape[1]][live])
+    # FP32 scores: written at the same places, each the sum that rounds to the BF16 score
+    f32 = _mxfp4_score_bits(layer, batch, q, w, num_sms=12, config={"PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1},
+                            dtype=torch.float32)
+    live = ~torch.isnan(f32)
+    assert torch.equal(live, visible)
+    assert torch.equal(f32[live].to(torch.bfloat16).view(torch.int16), ref_bits[:, : f32.shape[1]][live])
     # the Triton kernel on the same step
     pick = kidx.pick_scores_config
     monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "GLUON": False})
     buf.fill_(float("nan"))
     got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
-    assert len(calls) == 6  # the default launch, four splits, one uncapped; GLUON=False took the Triton kernel
+    assert len(calls) == 7  # the default launch, four splits, one uncapped, FP32; GLUON=False took the Triton kernel
 
 
 CHUNK_STEPS = [

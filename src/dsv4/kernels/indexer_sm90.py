@@ -34,12 +34,17 @@ programs per SM: 681 / 2,952), about 65% of the FP8 roofline.
 Registers (decode): ptxas takes 136-162 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
 ``MAXNREG`` = 128 (4 programs per SM, 16 bytes of spills: the two carried pages).
 
-Measured (Flash 64 heads, 128K decode, B=64): 67.3-67.4 µs on an H200 (50% of its copy bandwidth), 68.6-68.9 on
-an H100 (69%) — with each tile's page looked up two tiles before its codes are requested; with the lookup right
-before the request, as until 2026-11-26, 70.2-70.7 / 70.9-71.5 µs in the same runs (B=128: 129.4 vs 138.3-138.7 µs
-on the H200). The Triton kernel takes 85 µs. The same time on both devices: the kernel is bound by instruction
-issue and latency, not bytes. The loop issues ~265 instructions per tile and warp (conversion 72, head sum ~72,
-block tables ~36); at 4 programs per SM about half the issue slots are used (ncu, H100: issue slots 53%; stall
+Measured (Flash 64 heads, 128K decode, B=64): 64.4-64.6 µs on an H200 (52% of its copy bandwidth; B=128
+123.8-124.6, 1M B=8 64.2-64.8) since each thread's two keys are loaded and their scores stored from one address,
+unmasked (a split's pipeline requests past its end read its last tile again), with a 32-bit wide page multiply and
+the key scale by a max and a shift: the loop went from 520 to 459 instructions per two tiles; 67.9 / 131.4 / 68.4
+µs before, same run. Before that (2026-11-26), 67.3-67.4 µs on an H200, 68.6-68.9 on an H100 — with each tile's
+page looked up two tiles before its codes are requested; with the lookup right before the request, 70.2-70.7 /
+70.9-71.5 µs in the same runs. The Triton kernel takes 82-85 µs. The same time on both devices: the kernel is
+bound by instruction issue and latency, not bytes — with every tile read from one page (L2 hits, no block-table
+lookups; a probe, wrong scores) it still takes 53.7 µs on the H200, with the key conversion replaced by two moves
+57.8. The loop issued ~265 instructions per tile and warp before the change above (conversion 72, head sum ~72,
+block tables ~36; now ~230); at 4 programs per SM about half the issue slots are used (ncu, H100: issue slots 53%; stall
 samples: issuing 20%, global-load waits 20%, not selected 13%, fixed-latency waits 12%). ptxas schedules the
 two-tile loop its own way: both tiles' conversions first, then the first MMA awaited at once and the second
 overlapped with a head sum — so a tile's codes are consumed about one tile after their request, and the first
@@ -125,14 +130,27 @@ def register_cap(qt: int) -> int:
 
 if _HAVE_GLUON:
     BN = gl.constexpr(BLOCK_N)
-    # A thread's four code words of a key (16 contiguous, aligned bytes) as one vector load (``gl.load`` does not
-    # vectorise over this layout); zeros where the mask is 0. Read-only path (the pool does not change in a step),
-    # not kept in L1: each code is read once (H100, B=64 × 128K: 77.5 → 73.5 µs; an L2 256-B sector hint alone
-    # changed nothing).
-    LOAD_V4_PTX = gl.constexpr("""{ .reg .pred p;
-        setp.ne.b32 p, $8, 0;
-        mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-        @p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4]; }""")
+    # A thread's codes of its two keys (16 contiguous, aligned bytes each, the second key 8 rows = 512 bytes after
+    # the first) as two vector loads from one address (``gl.load`` does not vectorise over this layout, and one
+    # address per key costs a 64-bit add each). Read-only path (the pool does not change in a step), not kept in
+    # L1: each code is read once (H100, B=64 × 128K: 77.5 → 73.5 µs; an L2 256-B sector hint alone changed
+    # nothing). Unpredicated: every tile lies in an allocated page (``_request_tile_in``).
+    LOAD_KEY_PAIR_PTX = gl.constexpr("""
+        ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$8];
+        ld.global.nc.L1::no_allocate.v4.b32 {$4, $5, $6, $7}, [$8+512];""")
+    # A thread's scores of its two keys (8 apart) from one address: ``$2`` the first key's, ``$4`` / ``$5`` the
+    # values (BITS wide, zero-extended to 32 bits), stored where the keys' indices ``$6`` / ``$7`` are below the
+    # visible count ``$8``.
+    _STORE_PAIR = """{ .reg .pred p, q; .reg .bBITS x, y;
+        setp.lt.s32 p, $6, $8; setp.lt.s32 q, $7, $9;
+        CVT
+        @p st.global.bBITS [$2], x;
+        @q st.global.bBITS [$2+STEP], y;
+        mov.b32 $0, 0; mov.b32 $1, 0; }"""
+    STORE_PAIR_B16_PTX = gl.constexpr(_STORE_PAIR.replace("BITS", "16").replace("STEP", "16").replace(
+        "CVT", "cvt.u16.u32 x, $4; cvt.u16.u32 y, $5;"))
+    STORE_PAIR_B32_PTX = gl.constexpr(_STORE_PAIR.replace("BITS", "32").replace("STEP", "32").replace(
+        "CVT", "mov.b32 x, $4; mov.b32 y, $5;"))
     # the key conversion with int32 words as its packed operand: $2…$5 the word (four copies), tables $6 / $10
     UNPACK_WORD_PTX = gl.constexpr(ptx.unpack_keys_ptx("$6", "$10"))
     E4M3_LO = gl.constexpr(ptx.E4M3_TABLE_LO)
@@ -152,24 +170,24 @@ if _HAVE_GLUON:
     ROW_L = gl.constexpr(gl.SliceLayout(1, BLK_L))  # [64 keys]: replicated over the four lanes of a quad
 
     @gluon.jit
-    def _load_tile(pages_ptr, page_bytes, page, slot0, n_valid, ENTRIES: gl.constexpr):
-        """Load one tile: ``page`` (int64 scalar) its page, ``slot0`` its first entry slot in it, ``n_valid`` how
-        many of its 64 keys exist (the others read as zero codes). Returns the packed codes as int32 words
-        ``[64, 4, 4]`` (``WORDS_L``: key, block, word) and each key's scale word (4 UE8M0 bytes, block ``j`` in byte
-        ``j``), int32 ``[64]`` (``ROW_L``)."""
+    def _load_tile(pages_ptr, page_bytes, page, slot0, ENTRIES: gl.constexpr):
+        """Load one tile: ``page`` (int32 scalar, ≥ 0) its page, ``slot0`` its first entry slot in it; every key is
+        read, also those past the request's last (stale bytes of an allocated page, whose scores are never
+        stored: each key is one row of the MMA and of the head sums). Returns the packed codes as int32 words ``[64, 4, 4]``
+        (``WORDS_L``: key, block, word) and each key's scale word (4 UE8M0 bytes, block ``j`` in byte ``j``), int32
+        ``[64]`` (``ROW_L``)."""
         key = gl.arange(0, BN, layout=ROW_L)
         blk = gl.arange(0, 4, layout=gl.SliceLayout(0, BLK_L))
-        word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
-        base = (pages_ptr + page * page_bytes).to(gl.pointer_type(gl.int32))
-        row = (slot0 + key) * 16
-        off = gl.expand_dims(gl.expand_dims(row, 1) + gl.expand_dims(blk * 4, 0), 2) + gl.expand_dims(
-            gl.expand_dims(word, 0), 1)
-        ok = key < n_valid
-        ok3 = gl.expand_dims(gl.expand_dims(ok, 1), 2)
-        addr, mask3 = gl.broadcast((base + off).to(gl.int64, bitcast=True), ok3.to(gl.int32))
-        codes = gl.inline_asm_elementwise(LOAD_V4_PTX, "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [addr, mask3], dtype=gl.int32,
-                                          is_pure=True, pack=4)
-        scales = gl.load(base + ENTRIES * 16 + slot0 + key, mask=ok, other=0)
+        # a 32 × 32-bit wide multiply (the page is not negative), not a 64-bit one
+        page_off = page.to(gl.uint32).to(gl.uint64) * page_bytes.to(gl.uint32).to(gl.uint64)
+        base = (pages_ptr + page_off).to(gl.pointer_type(gl.int32))
+        # every register of a thread holds its first key's address (``LOAD_KEY_PAIR_PTX`` adds the second's offset)
+        row = (slot0 + (key & ~8)) * 16
+        off = gl.expand_dims(gl.expand_dims(row, 1) + gl.expand_dims(blk * 4, 0), 2)
+        addr, _ = gl.broadcast((base + off).to(gl.int64, bitcast=True), gl.zeros([BN, 4, 4], gl.int32, WORDS_L))
+        codes = gl.inline_asm_elementwise(LOAD_KEY_PAIR_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l", [addr],
+                                          dtype=gl.int32, is_pure=True, pack=8)
+        scales = gl.load(base + ENTRIES * 16 + slot0 + key)
         return codes, scales
 
     @gluon.jit
@@ -179,18 +197,18 @@ if _HAVE_GLUON:
         return gl.load(bt_row + (gl.minimum(tile, tile_hi - 1) * BN) // ENTRIES)
 
     @gluon.jit
-    def _request_tile_in(page, pages_ptr, page_bytes, tile, tile_hi, n_keys, ENTRIES: gl.constexpr):
-        """``_load_tile`` of key tile ``tile``, whose page (``_tile_page``) is ``page``; past ``tile_hi`` nothing
-        is read (all keys masked)."""
-        n_valid = gl.where(tile < tile_hi, n_keys - tile * BN, 0)
-        return _load_tile(pages_ptr, page_bytes, page.to(gl.int64), (tile * BN) % ENTRIES, n_valid, ENTRIES)
+    def _request_tile_in(page, pages_ptr, page_bytes, tile, tile_hi, ENTRIES: gl.constexpr):
+        """``_load_tile`` of key tile ``tile``, whose page (``_tile_page``) is ``page``. A tile past ``tile_hi``
+        (the pipeline's requests beyond a split's end) reads the split's last tile again, an L2 hit: its scores
+        are never stored."""
+        return _load_tile(pages_ptr, page_bytes, page, (gl.minimum(tile, tile_hi - 1) * BN) % ENTRIES, ENTRIES)
 
     @gluon.jit
-    def _request_tile(bt_row, pages_ptr, page_bytes, tile, tile_hi, n_keys, ENTRIES: gl.constexpr):
+    def _request_tile(bt_row, pages_ptr, page_bytes, tile, tile_hi, ENTRIES: gl.constexpr):
         """``_load_tile`` of key tile ``tile`` of a request (block-table row ``bt_row``), its page looked up right
-        before; past ``tile_hi`` nothing is read (all keys masked)."""
+        before."""
         return _request_tile_in(_tile_page(bt_row, tile, tile_hi, ENTRIES), pages_ptr, page_bytes, tile, tile_hi,
-                                n_keys, ENTRIES)
+                                ENTRIES)
 
     @gluon.jit
     def _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, first_key, QT: gl.constexpr, HP: gl.constexpr):
@@ -203,7 +221,17 @@ if _HAVE_GLUON:
             OUT_L: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
             sc = gl.sum(p, axis=1) * gl.convert_layout(ks, OUT_L)
             idx = first_key + gl.arange(0, BN, layout=OUT_L)
-            gl.store(out_row + idx, sc.to(out_row.dtype.element_ty), mask=idx < vis_q)
+            # a thread's two keys (rows 8 apart) stored from its first key's address (``STORE_PAIR_*_PTX``)
+            addr = (out_row + (idx & ~8)).to(gl.int64, bitcast=True)
+            vis = gl.zeros_like(idx) + vis_q
+            if out_row.dtype.element_ty == gl.float32:
+                bits = sc.to(gl.int32, bitcast=True)
+                gl.inline_asm_elementwise(STORE_PAIR_B32_PTX, "=r,=r,l,l,r,r,r,r,r,r", [addr, bits, idx, vis],
+                                          dtype=gl.int32, is_pure=False, pack=2)
+            else:
+                bits = sc.to(out_row.dtype.element_ty).to(gl.int16, bitcast=True).to(gl.int32)
+                gl.inline_asm_elementwise(STORE_PAIR_B16_PTX, "=r,=r,l,l,r,r,r,r,r,r", [addr, bits, idx, vis],
+                                          dtype=gl.int32, is_pure=False, pack=2)
         else:  # [64 keys, QT queries]: each query's heads are a contiguous group of the MMA's columns
             sc = gl.sum(gl.reshape(p, [BN, QT, HP]), axis=2)
             S_L: gl.constexpr = sc.type.layout
@@ -240,11 +268,11 @@ if _HAVE_GLUON:
         both = gl.join(first, last)
         a = gl.reshape(gl.permute(both, [0, 2, 4, 1, 3]), [BN, 128])
         a = gl.convert_layout(a.to(gl.float8e4nv, bitcast=True), A_L)
-        ks = gl.where(e_max >= 7, ((gl.maximum(e_max, 7) - 6) << 23).to(gl.float32, bitcast=True), 0.0)
+        ks = (gl.maximum(e_max - 6, 0) << 23).to(gl.float32, bitcast=True)  # 0 for e_max ≤ 6
         return a, ks
 
     @gluon.jit
-    def _decode_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+    def _decode_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, q_op, acc0, w_half, out_row,
                       out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, HP: gl.constexpr):
         """A split's tiles ``tile_lo … tile_hi − 1`` for one query (``N = HP``). Tile i is converted and its MMA
         started; tile i + 2 is requested into the registers tile i's codes leave, and tile i + 4's page looked
@@ -253,26 +281,26 @@ if _HAVE_GLUON:
         the two code buffers and the two pages alternate in place (no copies); each converted operand is used in
         the iteration that made it (a byte-typed tensor carried across iterations would be split into one
         register per byte)."""
-        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, ENTRIES)
-        codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, n_keys, ENTRIES)
+        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, ENTRIES)
+        codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, ENTRIES)
         page_x = _tile_page(bt_row, tile_lo + 2, tile_hi, ENTRIES)
         page_y = _tile_page(bt_row, tile_lo + 3, tile_hi, ENTRIES)
         a, ks_a = _convert_tile(codes_x, scales_x, A_L)
         acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-        codes_x, scales_x = _request_tile_in(page_x, pages_ptr, page_bytes, tile_lo + 2, tile_hi, n_keys, ENTRIES)
+        codes_x, scales_x = _request_tile_in(page_x, pages_ptr, page_bytes, tile_lo + 2, tile_hi, ENTRIES)
         page_x = _tile_page(bt_row, tile_lo + 4, tile_hi, ENTRIES)
         acc_a = warpgroup_mma_wait(0, deps=[acc_a])
         n_tiles = tile_hi - tile_lo
         for t in range(tile_lo + 1, tile_lo + 1 + (n_tiles - 1) // 2 * 2, 2):
             a, ks_b = _convert_tile(codes_y, scales_y, A_L)
             acc_b = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_y, scales_y = _request_tile_in(page_y, pages_ptr, page_bytes, t + 2, tile_hi, n_keys, ENTRIES)
+            codes_y, scales_y = _request_tile_in(page_y, pages_ptr, page_bytes, t + 2, tile_hi, ENTRIES)
             page_y = _tile_page(bt_row, t + 4, tile_hi, ENTRIES)
             _store_scores(acc_a, ks_a, w_half, out_row, out_stride, vis_q, (t - 1) * BN, 1, HP)
             acc_b = warpgroup_mma_wait(0, deps=[acc_b])
             a, ks_a = _convert_tile(codes_x, scales_x, A_L)
             acc_a = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-            codes_x, scales_x = _request_tile_in(page_x, pages_ptr, page_bytes, t + 3, tile_hi, n_keys, ENTRIES)
+            codes_x, scales_x = _request_tile_in(page_x, pages_ptr, page_bytes, t + 3, tile_hi, ENTRIES)
             page_x = _tile_page(bt_row, t + 5, tile_hi, ENTRIES)
             _store_scores(acc_b, ks_b, w_half, out_row, out_stride, vis_q, t * BN, 1, HP)
             acc_a = warpgroup_mma_wait(0, deps=[acc_a])
@@ -286,7 +314,7 @@ if _HAVE_GLUON:
             _store_scores(acc_a, ks_a, w_half, out_row, out_stride, vis_q, (tile_hi - 1) * BN, 1, HP)
 
     @gluon.jit
-    def _chunk_tile(codes, scales, tile, bt_row, pages_ptr, page_bytes, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+    def _chunk_tile(codes, scales, tile, bt_row, pages_ptr, page_bytes, tile_hi, q_op, acc0, w_half, out_row,
                     out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, QT: gl.constexpr,
                     HP: gl.constexpr):
         """One step of ``_chunk_tiles``: key tile ``tile`` (its ``codes`` / ``scales``) converted, its MMA run,
@@ -294,29 +322,29 @@ if _HAVE_GLUON:
         and the tile reduced and stored."""
         a, ks = _convert_tile(codes, scales, A_L)
         acc = warpgroup_mma(a, q_op, acc0, use_acc=False, is_async=True)
-        codes, scales = _request_tile(bt_row, pages_ptr, page_bytes, tile + 2, tile_hi, n_keys, ENTRIES)
+        codes, scales = _request_tile(bt_row, pages_ptr, page_bytes, tile + 2, tile_hi, ENTRIES)
         acc = warpgroup_mma_wait(0, deps=[acc])
         _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, tile * BN, QT, HP)
         return codes, scales
 
     @gluon.jit
-    def _chunk_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+    def _chunk_tiles(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, q_op, acc0, w_half, out_row,
                      out_stride, vis_q, A_L: gl.constexpr, ENTRIES: gl.constexpr, QT: gl.constexpr,
                      HP: gl.constexpr):
         """A split's tiles for ``QT > 1`` queries (``N = QT · HP``): tile i is converted, its MMA run and awaited,
         tile i + 2 requested meanwhile, and tile i reduced and stored — one accumulator live (two would not fit
         the registers); other programs on the multiprocessor fill the MMA's wait. Unrolled by two so that the two
         code buffers alternate in place (the last odd tile's request reads nothing: it lies past ``tile_hi``)."""
-        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, n_keys, ENTRIES)
-        codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, n_keys, ENTRIES)
+        codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, ENTRIES)
+        codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, ENTRIES)
         n_tiles = tile_hi - tile_lo
         for t in range(tile_lo, tile_lo + n_tiles // 2 * 2, 2):
-            codes_x, scales_x = _chunk_tile(codes_x, scales_x, t, bt_row, pages_ptr, page_bytes, tile_hi, n_keys,
+            codes_x, scales_x = _chunk_tile(codes_x, scales_x, t, bt_row, pages_ptr, page_bytes, tile_hi,
                                             q_op, acc0, w_half, out_row, out_stride, vis_q, A_L, ENTRIES, QT, HP)
-            codes_y, scales_y = _chunk_tile(codes_y, scales_y, t + 1, bt_row, pages_ptr, page_bytes, tile_hi, n_keys,
+            codes_y, scales_y = _chunk_tile(codes_y, scales_y, t + 1, bt_row, pages_ptr, page_bytes, tile_hi,
                                             q_op, acc0, w_half, out_row, out_stride, vis_q, A_L, ENTRIES, QT, HP)
         if n_tiles % 2 == 1:  # one tile left
-            _chunk_tile(codes_x, scales_x, tile_hi - 1, bt_row, pages_ptr, page_bytes, tile_hi, n_keys, q_op, acc0,
+            _chunk_tile(codes_x, scales_x, tile_hi - 1, bt_row, pages_ptr, page_bytes, tile_hi, q_op, acc0,
                         w_half, out_row, out_stride, vis_q, A_L, ENTRIES, QT, HP)
 
     @gluon.jit
@@ -386,10 +414,10 @@ if _HAVE_GLUON:
         out_row = out_ptr + t0.to(gl.int64) * out_stride
         q_op = q_smem.permute((1, 0))
         if QT == 1:
-            _decode_tiles(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+            _decode_tiles(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, q_op, acc0, w_half, out_row,
                           out_stride, vis_q, A_L, ENTRIES, HP)
         else:
-            _chunk_tiles(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, n_keys, q_op, acc0, w_half, out_row,
+            _chunk_tiles(bt_row, pages_ptr, PAGE_BYTES, tile_lo, tile_hi, q_op, acc0, w_half, out_row,
                          out_stride, vis_q, A_L, ENTRIES, QT, HP)
 
 
