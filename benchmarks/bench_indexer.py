@@ -139,12 +139,13 @@ def _topk_variants(s, tag, tk_bytes, bw, rate, iters, common) -> list[dict]:
 
 
 def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None = None,
-        topk_only: bool = False, topk_prefill: bool = False) -> list[dict]:
+        topk_only: bool = False, topk_prefill: bool = False, contexts: list[int] | None = None) -> list[dict]:
     """Measure; returns the rows (see ``roofline_row``). ``quick``: the acceptance shape (batch 64 × 128K decode,
     with a small config sweep of the scores kernel), batch 8 and 128 decode at 128K, and 4K prefill chunks (8 × 32K,
     1 × 128K). ``topk_only``: every ``TOPK_LAUNCHES`` entry on decode steps of 8 / 64 / 128 requests at 8K / 32K /
-    64K / 128K context, nothing else; ``topk_prefill``: the same on 4K-token prefill chunks (one request at 8K / 32K /
-    64K / 128K, eight at 32K), each on the index scores the scores kernel computed for that chunk."""
+    64K / 128K context (``contexts``: these instead), nothing else; ``topk_prefill``: the same on 4K-token prefill
+    chunks (one request at 8K / 32K / 64K / 128K, eight at 32K), each on the index scores the scores kernel computed
+    for that chunk."""
     from dsv4.kernels.topk import radix_topk
 
     bw = measure_copy_bandwidth()
@@ -154,7 +155,7 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
     if topk_prefill:
         shapes = [(1, 8192, 4096), (1, 32768, 4096), (1, 65536, 4096), (1, 131072, 4096), (8, 32768, 4096)]
     elif topk_only:
-        shapes = [(b, c, 1) for c in (131072, 65536, 32768, 8192) for b in (64, 8, 128)]
+        shapes = [(b, c, 1) for c in (contexts or (131072, 65536, 32768, 8192)) for b in (64, 8, 128)]
     elif quick:
         shapes = [(64, 131072, 1), (8, 131072, 1), (128, 131072, 1), (8, 32768, 4096), (1, 131072, 4096)]
     else:
@@ -244,6 +245,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="acceptance shapes only")
     ap.add_argument("--no-sweep", action="store_true", help="skip the config variants in --quick")
     ap.add_argument("--topk-only", action="store_true", help="only the top-k launches, decode steps (8K–128K)")
+    ap.add_argument("--contexts", type=lambda v: [int(c) for c in v.split(",")],
+                    help="--topk-only: these contexts (tokens, comma-separated) instead of 8K-128K")
     ap.add_argument("--topk-prefill", action="store_true",
                     help="only the top-k launches, 4K-token prefill chunks (8K–128K)")
     ap.add_argument("--json", help="write rows + environment here")
@@ -253,7 +256,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write what was measured
     try:
         run(quick=args.quick, sweep=not args.no_sweep, rows=rows, topk_only=args.topk_only,
-            topk_prefill=args.topk_prefill)
+            topk_prefill=args.topk_prefill, contexts=args.contexts)
         complete = True
     finally:
         env = environment()

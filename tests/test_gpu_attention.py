@@ -370,6 +370,17 @@ def test_cluster_combine_matches_combine_kernel(splits: int) -> None:
 
 
 @pytest.mark.gpu
+def test_cluster_combine_without_splits() -> None:
+    """``combine="cluster"`` on a step that does not split (one split per token) is no error: the kernel's own
+    output, the bits of ``combine="kernel"``."""
+    layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [9000, 12], [1, 3], "cuda", seed=4)
+    got = [step_fwd(layer, batch, args, entry_idx=ti, num_splits=1, impl="gluon", combine=c)
+           for c in ("cluster", "kernel")]
+    assert torch.equal(got[0][0].view(torch.int16), got[1][0].view(torch.int16))
+    assert torch.equal(got[0][1].view(torch.int32), got[1][1].view(torch.int32))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("combine", ["auto", "kernel"])
 def test_split_combine_graph_replay_bits(combine: str) -> None:
     """Split partials + combine (in clusters, or by the combine kernel) replayed as a CUDA graph give the bits of

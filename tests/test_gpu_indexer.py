@@ -274,6 +274,13 @@ def test_topk_default_variant_by_shape() -> None:
     assert tk.default_variant(8, 132, 8192) == "split8"
     assert tk.default_variant(4096, 132, 2048) == "bisect" and tk.default_variant(133, 132, 32768) == "bisect"
     assert tk.default_variant(4096, 132, 32769) == "split8"
+    # where "bisect" runs the Gluon kernel (Hopper, BF16), decode rows up to 16,384 columns take it
+    assert tk.default_variant(64, 132, 16384) == "filter4"
+    assert tk.default_variant(64, 132, 16384, gluon=True) == "bisect"
+    assert tk.default_variant(64, 132, 16385, gluon=True) == "filter4"
+    assert tk.scratch_shapes(64, 16384, torch.bfloat16, 132, gluon=True) == {}
+    assert set(tk.scratch_shapes(64, 16384, torch.bfloat16, 132)) == {"header", "candidates"}
+    assert not tk.bisect_runs_gluon(torch.zeros(64, 16384, dtype=torch.bfloat16))  # never on the CPU
     assert tk.scratch_shapes(64, 8192, torch.bfloat16, 132) == {}
     assert set(tk.scratch_shapes(64, 32768, torch.bfloat16, 132)) == {"header", "candidates"}
     assert tk.scratch_shapes(4096, 2048, torch.bfloat16, 132) == {}
@@ -529,6 +536,27 @@ def test_interpreter_mxfp4_queries() -> None:
     want = Numerics.official().qdq_index(apply_rope(q.unflatten(-1, (H, 128)), pos, inv))
     assert torch.equal(_decode_mxfp4_queries(ti.IndexerQueries("mxfp4", q8, qs, H)), want)
     assert (q8[:, :, H:] == 0).all() and (qs[:, H:] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_topk_default_decode_16k() -> None:
+    """Decode rows of 16,384 BF16 columns (64K context): on Hopper the default is the Gluon "bisect" (no scratch),
+    elsewhere "filter4" (its scratch); either way torch.topk's selection up to ties."""
+    from dsv4.kernels import topk as tk
+    from dsv4.kernels import topk_sm90
+
+    g = torch.Generator(device="cuda").manual_seed(16)
+    T, n = 64, 16384
+    s = torch.randn(T, n, generator=g, device="cuda").bfloat16()
+    s[2, : n // 2] = 0.5  # ties across the row
+    counts = torch.randint(1, n + 1, (T,), generator=g, device="cuda")
+    counts[0], counts[1] = n, 300
+    gluon = tk.bisect_runs_gluon(s)
+    assert gluon == topk_sm90.available(s.device)
+    shapes = tk.scratch_shapes(T, n, s.dtype, tk.sm_count(s), gluon)
+    assert (shapes == {}) == gluon
+    scratch = {name: torch.zeros(shape, dtype=torch.int32, device="cuda") for name, (shape, _) in shapes.items()}
+    _check_topk(s, counts, 512, tk.radix_topk(s, counts, 512, **scratch))
 
 
 @pytest.mark.gpu

@@ -173,9 +173,9 @@ if _HAVE_GLUON:
     def _load_tile(pages_ptr, page_bytes, page, slot0, ENTRIES: gl.constexpr):
         """Load one tile: ``page`` (int32 scalar, ≥ 0) its page, ``slot0`` its first entry slot in it; every key is
         read, also those past the request's last (stale bytes of an allocated page, whose scores are never
-        stored: each key is one row of the MMA and of the head sums). Returns the packed codes as int32 words ``[64, 4, 4]``
-        (``WORDS_L``: key, block, word) and each key's scale word (4 UE8M0 bytes, block ``j`` in byte ``j``), int32
-        ``[64]`` (``ROW_L``)."""
+        stored: each key is one row of the MMA and of the head sums). Returns the packed codes as int32 words
+        ``[64, 4, 4]`` (``WORDS_L``: key, block, word) and each key's scale word (4 UE8M0 bytes, block ``j`` in
+        byte ``j``), int32 ``[64]`` (``ROW_L``)."""
         key = gl.arange(0, BN, layout=ROW_L)
         blk = gl.arange(0, 4, layout=gl.SliceLayout(0, BLK_L))
         # a 32 × 32-bit wide multiply (the page is not negative), not a 64-bit one

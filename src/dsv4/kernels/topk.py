@@ -55,9 +55,10 @@ Before the scattered loads and stores became inline PTX (``_store_columns``, ``_
 31.7 / 41.5 µs at 64 / 128 rows × 32,768 in the same run. 32,768 rows × 4,096 (a 4K prefill chunk of 8 requests at
 32K context, H200, 2026-11-24): split 3.9 ms, row 6.8 ms; on the index scores of 4K-token chunks (H200, 2026-11-25)
 bisect is faster still at every measured width (``BISECT_PREFILL_MAX_COLUMNS``). Hence the default for
-``FILTER_MIN_ROWS`` rows up to one per SM (decode steps): ``"bisect"`` up to ``BISECT_DEFAULT_MAX_COLUMNS`` columns,
-``"filter4"`` beyond; for more rows (prefill chunks) ``"bisect"`` up to ``BISECT_PREFILL_MAX_COLUMNS`` (32K),
-``"split8"`` beyond; ``"split8"`` for fewer rows.
+``FILTER_MIN_ROWS`` rows up to one per SM (decode steps): ``"bisect"`` up to ``BISECT_DEFAULT_MAX_COLUMNS`` columns
+(``BISECT_GLUON_DEFAULT_MAX_COLUMNS`` where it runs the Gluon kernel of ``topk_sm90``), ``"filter4"`` beyond; for
+more rows (prefill chunks) ``"bisect"`` up to ``BISECT_PREFILL_MAX_COLUMNS`` (32K), ``"split8"`` beyond;
+``"split8"`` for fewer rows.
 
 Triton notes learnt here: a ``tl.histogram`` mask that went through ``tl.reshape`` miscounted on the GPU (the
 interpreter was right), so ``_block_histogram`` masks by value instead; the layout pass duplicates inline-asm ops
@@ -77,8 +78,8 @@ from torch import Tensor
 from . import topk_sm90
 from .indexer import interpreting
 
-__all__ = ["radix_topk", "ALGORITHMS", "VARIANTS", "DEFAULT_VARIANT", "default_variant", "scratch_shapes",
-           "topk_workspace_shape", "filter_header_shape", "filter_rows_fit", "sm_count"]
+__all__ = ["radix_topk", "ALGORITHMS", "VARIANTS", "DEFAULT_VARIANT", "default_variant", "bisect_runs_gluon",
+           "scratch_shapes", "topk_workspace_shape", "filter_header_shape", "filter_rows_fit", "sm_count"]
 
 ALGORITHMS = ("row", "split", "filter", "bisect")
 #: named launch options (tests and the benchmark run each)
@@ -758,6 +759,10 @@ FILTER_MIN_ROWS = 32
 #: longest rows for which the default is ``"bisect"`` rather than ``"filter4"`` (H100, graph replays, 8,192 columns
 #: = 32K context: 64 rows 17.6 vs 27.0 µs, 128 rows 21.7 vs 33.0; 32,768 columns: 39.1 vs 30.7 at 64 rows)
 BISECT_DEFAULT_MAX_COLUMNS = 8192
+#: the same where ``"bisect"`` runs the Gluon kernel (``bisect_runs_gluon``: Hopper, BF16 rows of whole vectors;
+#: ``topk_sm90`` serves up to 16,384 columns) — H100, 2026-11-26, graph replays at 64K context (16,384 columns),
+#: 8 / 64 / 128 rows: 18.8 / 19.3 / 18.3 µs vs 20.1 / 21.1 / 24.1 for ``"filter4"`` (the Triton bisect: 24.7-25.4)
+BISECT_GLUON_DEFAULT_MAX_COLUMNS = 16384
 #: longest rows for which steps of more rows than multiprocessors (prefill chunks) default to ``"bisect"`` rather
 #: than ``"split8"`` (H200, 2026-11-25, the index scores of 4K-token chunks, eager, ``bench_indexer.py
 #: --topk-prefill``: 4,096 rows × 2,048 columns 73.7 vs 149.5 µs, × 8,192 396.5 vs 528.9, × 32,768 1,346 vs 1,991;
@@ -766,15 +771,17 @@ BISECT_DEFAULT_MAX_COLUMNS = 8192
 BISECT_PREFILL_MAX_COLUMNS = BISECT_MAX_COLUMNS
 
 
-def default_variant(rows: int, num_sms: int, columns: int = 0) -> str:
+def default_variant(rows: int, num_sms: int, columns: int = 0, gluon: bool = False) -> str:
     """The variant ``radix_topk`` runs when no algorithm is named: ``DEFAULT_VARIANT`` when set, else for
     ``FILTER_MIN_ROWS`` to one row per multiprocessor (decode steps) ``"bisect"`` on rows of at most
-    ``BISECT_DEFAULT_MAX_COLUMNS`` columns and ``"filter4"`` on longer ones; for more rows (prefill chunks)
-    ``"bisect"`` on rows of at most ``BISECT_PREFILL_MAX_COLUMNS``; ``"split8"`` otherwise."""
+    ``BISECT_DEFAULT_MAX_COLUMNS`` columns — ``BISECT_GLUON_DEFAULT_MAX_COLUMNS`` where ``"bisect"`` runs the Gluon
+    kernel on these rows (``gluon``: ``bisect_runs_gluon``) — and ``"filter4"`` on longer ones; for more rows
+    (prefill chunks) ``"bisect"`` on rows of at most ``BISECT_PREFILL_MAX_COLUMNS``; ``"split8"`` otherwise."""
     if DEFAULT_VARIANT is not None:
         return DEFAULT_VARIANT
     if FILTER_MIN_ROWS <= rows <= num_sms:
-        return "bisect" if columns <= BISECT_DEFAULT_MAX_COLUMNS else "filter4"
+        longest = BISECT_GLUON_DEFAULT_MAX_COLUMNS if gluon else BISECT_DEFAULT_MAX_COLUMNS
+        return "bisect" if columns <= longest else "filter4"
     if rows > num_sms and columns <= BISECT_PREFILL_MAX_COLUMNS:
         return "bisect"
     return "split8"
@@ -786,10 +793,25 @@ def _bound_group(columns: int, k: int, block: int) -> int:
     return max(1, min(64, block, 1 << max(0, (columns // max(k, 1)).bit_length() - 1)))
 
 
+def _bisect_block(columns: int, num_warps: int | None = None) -> tuple[int, int]:
+    """``(block, num_warps)`` of a ``"bisect"`` launch on rows of ``columns``: the row as one power-of-two block;
+    16 warps from 8,192 columns, 8 from 2,048, else 4, unless given."""
+    block = max(triton.next_power_of_2(columns), 16)
+    return block, num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
+
+
+def bisect_runs_gluon(scores: Tensor, num_warps: int | None = None) -> bool:
+    """Whether ``"bisect"`` on ``scores`` (``[T, N]``) runs the Gluon kernel (``topk_sm90``: a Hopper GPU, BF16 rows
+    of whole vectors, 8-32 columns per thread) rather than the Triton one."""
+    block, warps = _bisect_block(scores.shape[1], num_warps)
+    return (scores.dtype == torch.bfloat16 and scores.dim() == 2 and not interpreting()
+            and topk_sm90.available(scores.device)
+            and topk_sm90.applies(16, scores.shape[1], scores.stride(0), block, warps))
+
+
 def _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx, gluon):
     T, N = bits.shape
-    block = max(triton.next_power_of_2(N), 16)
-    num_warps = num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
+    block, num_warps = _bisect_block(N, num_warps)
     group, fill = _bound_group(N, k, block), min(triton.next_power_of_2(k), 4096)
     if (gluon is not False and not interpreting() and topk_sm90.available(bits.device)
             and topk_sm90.applies(key_bits, N, bits.stride(0), block, num_warps)):
@@ -833,12 +855,13 @@ def _launched_algorithm(algorithm: str, rows: int, columns: int, num_sms: int) -
     return algorithm
 
 
-def scratch_shapes(rows: int, columns: int, score_dtype: torch.dtype, num_sms: int
+def scratch_shapes(rows: int, columns: int, score_dtype: torch.dtype, num_sms: int, gluon: bool = False
                    ) -> dict[str, tuple[tuple[int, int], bool]]:
     """The int32 scratch ``radix_topk`` uses without a named algorithm, by keyword argument: ``{name: (shape,
-    zero_kept)}`` (``zero_kept``: must be zero when passed, and is left zero — allocate it zeroed once)."""
-    algorithm = _launched_algorithm(VARIANTS[default_variant(rows, num_sms, columns)]["algorithm"], rows, columns,
-                                    num_sms)
+    zero_kept)}`` (``zero_kept``: must be zero when passed, and is left zero — allocate it zeroed once).
+    ``gluon``: ``bisect_runs_gluon`` of the scores (``default_variant``)."""
+    algorithm = _launched_algorithm(VARIANTS[default_variant(rows, num_sms, columns, gluon)]["algorithm"], rows,
+                                    columns, num_sms)
     if algorithm == "filter":
         return {"header": (filter_header_shape(rows), True), "candidates": ((rows, columns), False)}
     if algorithm == "split":
@@ -896,7 +919,8 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
         raise ValueError(f"radix_topk: scores must be bfloat16 or float32, got {scores.dtype}")
     num_sms = sm_count(scores, num_sms)
     if algorithm is None:
-        opts = VARIANTS[default_variant(T, num_sms, scores.shape[1])]
+        opts = VARIANTS[default_variant(T, num_sms, scores.shape[1],
+                                        gluon is not False and bisect_runs_gluon(scores, num_warps))]
         algorithm = opts["algorithm"]
         radix_bits = radix_bits or opts.get("radix_bits")
     launched = _launched_algorithm(algorithm, T, scores.shape[1], num_sms)

@@ -186,6 +186,7 @@ def indexer_topk(
 def topk_scratch(layer: LayerCache, scores: Tensor) -> dict[str, Tensor]:
     """The workspace buffers ``"indexer_topk.<name>"`` of the default top-k for this score matrix, as keyword
     arguments of ``radix_topk`` (``topk.scratch_shapes``)."""
-    shapes = topk.scratch_shapes(scores.shape[0], scores.shape[1], scores.dtype, topk.sm_count(scores))
+    shapes = topk.scratch_shapes(scores.shape[0], scores.shape[1], scores.dtype, topk.sm_count(scores),
+                                 topk.bisect_runs_gluon(scores))
     return {name: layer.workspace.get(f"indexer_topk.{name}", shape, torch.int32, zero=zero_kept)
             for name, (shape, zero_kept) in shapes.items()}
