@@ -41,9 +41,9 @@ the key scale by a max and a shift: the loop went from 520 to 459 instructions p
 µs before, same run. Before that (2026-11-26), 67.3-67.4 µs on an H200, 68.6-68.9 on an H100 — with each tile's
 page looked up two tiles before its codes are requested; with the lookup right before the request, 70.2-70.7 /
 70.9-71.5 µs in the same runs. The Triton kernel takes 82-85 µs. The same time on both devices: the kernel is
-bound by instruction issue and latency, not bytes — with every tile read from one page (L2 hits, no block-table
-lookups; a probe, wrong scores) it still takes 53.7 µs on the H200, with the key conversion replaced by two moves
-57.8. The loop issued ~265 instructions per tile and warp before the change above (conversion 72, head sum ~72,
+bound by instruction issue and latency, not bytes — probes (wrong scores, H200): every tile read from page 0
+(the compiler then saw one address and hoisted the code loads, and part of their conversion, out of the loop: no
+key bytes, no block tables) 53.7 µs; the key conversion replaced by two moves 57.8. The loop issued ~265 instructions per tile and warp before the change above (conversion 72, head sum ~72,
 block tables ~36; now ~230); at 4 programs per SM about half the issue slots are used (ncu, H100: issue slots 53%; stall
 samples: issuing 20%, global-load waits 20%, not selected 13%, fixed-latency waits 12%). ptxas schedules the
 two-tile loop its own way: both tiles' conversions first, then the first MMA awaited at once and the second
