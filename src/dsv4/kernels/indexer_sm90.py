@@ -32,7 +32,7 @@ chunk of one request: 585 µs at 32K context, 2,435 at 128K (the Triton kernel: 
 programs per SM: 681 / 2,952), about 65% of the FP8 roofline.
 
 Registers (decode): ptxas takes 136-162 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
-``MAXNREG`` = 128 (4 programs per SM, 16 bytes of spills: the two carried pages).
+``MAXNREG`` = 128 (4 programs per SM, 8 bytes of spills).
 
 Measured (Flash 64 heads, 128K decode, B=64): 64.4-64.6 µs on an H200 (52% of its copy bandwidth; B=128
 123.8-124.6, 1M B=8 64.2-64.8) since each thread's two keys are loaded and their scores stored from one address,
@@ -43,8 +43,9 @@ page looked up two tiles before its codes are requested; with the lookup right b
 70.9-71.5 µs in the same runs. The Triton kernel takes 82-85 µs. The same time on both devices: the kernel is
 bound by instruction issue and latency, not bytes — probes (wrong scores, H200): every tile read from page 0
 (the compiler then saw one address and hoisted the code loads, and part of their conversion, out of the loop: no
-key bytes, no block tables) 53.7 µs; the key conversion replaced by two moves 57.8. The loop issued ~265 instructions per tile and warp before the change above (conversion 72, head sum ~72,
-block tables ~36; now ~230); at 4 programs per SM about half the issue slots are used (ncu, H100: issue slots 53%; stall
+key bytes, no block tables) 53.7 µs; the key conversion replaced by two moves 57.8. The loop issued ~265
+instructions per tile and warp before the change above (conversion 72, head sum ~72, block tables ~36; now ~230);
+at 4 programs per SM about half the issue slots are used (ncu, H100, before the change: issue slots 53%; stall
 samples: issuing 20%, global-load waits 20%, not selected 13%, fixed-latency waits 12%). ptxas schedules the
 two-tile loop its own way: both tiles' conversions first, then the first MMA awaited at once and the second
 overlapped with a head sum — so a tile's codes are consumed about one tile after their request, and the first
@@ -334,7 +335,7 @@ if _HAVE_GLUON:
         """A split's tiles for ``QT > 1`` queries (``N = QT · HP``): tile i is converted, its MMA run and awaited,
         tile i + 2 requested meanwhile, and tile i reduced and stored — one accumulator live (two would not fit
         the registers); other programs on the multiprocessor fill the MMA's wait. Unrolled by two so that the two
-        code buffers alternate in place (the last odd tile's request reads nothing: it lies past ``tile_hi``)."""
+        code buffers alternate in place (requests past ``tile_hi`` read the split's last tile again, unused)."""
         codes_x, scales_x = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo, tile_hi, ENTRIES)
         codes_y, scales_y = _request_tile(bt_row, pages_ptr, page_bytes, tile_lo + 1, tile_hi, ENTRIES)
         n_tiles = tile_hi - tile_lo

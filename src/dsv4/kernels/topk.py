@@ -800,21 +800,25 @@ def _bisect_block(columns: int, num_warps: int | None = None) -> tuple[int, int]
     return block, num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
 
 
+def _gluon_bisect_fits(rows: Tensor, key_bits: int, num_warps: int | None) -> bool:
+    """Whether ``topk_sm90`` serves a ``"bisect"`` launch on ``rows`` (``[T, N]``, keys of ``key_bits``): a Hopper
+    GPU, BF16 rows of whole vectors, 8-32 columns per thread."""
+    block, warps = _bisect_block(rows.shape[1], num_warps)
+    return (not interpreting() and topk_sm90.available(rows.device)
+            and topk_sm90.applies(key_bits, rows.shape[1], rows.stride(0), block, warps))
+
+
 def bisect_runs_gluon(scores: Tensor, num_warps: int | None = None) -> bool:
     """Whether ``"bisect"`` on ``scores`` (``[T, N]``) runs the Gluon kernel (``topk_sm90``: a Hopper GPU, BF16 rows
     of whole vectors, 8-32 columns per thread) rather than the Triton one."""
-    block, warps = _bisect_block(scores.shape[1], num_warps)
-    return (scores.dtype == torch.bfloat16 and scores.dim() == 2 and not interpreting()
-            and topk_sm90.available(scores.device)
-            and topk_sm90.applies(16, scores.shape[1], scores.stride(0), block, warps))
+    return scores.dtype == torch.bfloat16 and scores.dim() == 2 and _gluon_bisect_fits(scores, 16, num_warps)
 
 
 def _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx, gluon):
     T, N = bits.shape
     block, num_warps = _bisect_block(N, num_warps)
     group, fill = _bound_group(N, k, block), min(triton.next_power_of_2(k), 4096)
-    if (gluon is not False and not interpreting() and topk_sm90.available(bits.device)
-            and topk_sm90.applies(key_bits, N, bits.stride(0), block, num_warps)):
+    if gluon is not False and _gluon_bisect_fits(bits, key_bits, num_warps):
         return topk_sm90.launch(bits, counts, k, out, block=block, group=group, fill=fill, num_warps=num_warps)
     _bisect_topk_kernel[(T,)](bits, bits.stride(0), counts, out, out.stride(0), K=k, KEY_BITS=key_bits,
                               BLOCK=block, C=group, FILL=fill, PTX=ptx, num_warps=num_warps)
