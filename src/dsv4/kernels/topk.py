@@ -814,11 +814,12 @@ def bisect_runs_gluon(scores: Tensor, num_warps: int | None = None) -> bool:
     return scores.dtype == torch.bfloat16 and scores.dim() == 2 and _gluon_bisect_fits(scores, 16, num_warps)
 
 
-def _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx, gluon):
+def _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx, gluon: bool):
+    """``"bisect"`` over ``bits``: the Gluon kernel where ``gluon`` (``_gluon_bisect_fits``), else the Triton one."""
     T, N = bits.shape
     block, num_warps = _bisect_block(N, num_warps)
     group, fill = _bound_group(N, k, block), min(triton.next_power_of_2(k), 4096)
-    if gluon is not False and _gluon_bisect_fits(bits, key_bits, num_warps):
+    if gluon:
         return topk_sm90.launch(bits, counts, k, out, block=block, group=group, fill=fill, num_warps=num_warps)
     _bisect_topk_kernel[(T,)](bits, bits.stride(0), counts, out, out.stride(0), K=k, KEY_BITS=key_bits,
                               BLOCK=block, C=group, FILL=fill, PTX=ptx, num_warps=num_warps)
@@ -922,9 +923,9 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
     else:
         raise ValueError(f"radix_topk: scores must be bfloat16 or float32, got {scores.dtype}")
     num_sms = sm_count(scores, num_sms)
+    gluon_bisect = gluon is not False and _gluon_bisect_fits(bits, key_bits, num_warps)
     if algorithm is None:
-        opts = VARIANTS[default_variant(T, num_sms, scores.shape[1],
-                                        gluon is not False and bisect_runs_gluon(scores, num_warps))]
+        opts = VARIANTS[default_variant(T, num_sms, scores.shape[1], gluon_bisect)]
         algorithm = opts["algorithm"]
         radix_bits = radix_bits or opts.get("radix_bits")
     launched = _launched_algorithm(algorithm, T, scores.shape[1], num_sms)
@@ -933,7 +934,7 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
     algorithm = launched
     ptx = not interpreting() and inline_ptx is not False
     if algorithm == "bisect":
-        return _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx, gluon)
+        return _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx, gluon_bisect)
     if algorithm == "filter":
         return _filter_launch(bits, key_bits, counts, k, out, header, candidates, radix_bits or 4,
                               block or 16384, cblock, num_warps, num_sms, ptx)
