@@ -152,12 +152,13 @@ def compile_in_parallel(quick: bool, variants: list[dict[str, Any]]) -> None:
 
 def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]] | None = None,
         json_path: str | None = None, compile_only: bool = False, only: list[str] | None = None,
-        flush: str = "zero") -> list[dict]:
+        flush: str = "zero", warmup_ms: float = 0.0) -> list[dict]:
     """Time every shape (``quick``: the acceptance shapes only; ``only``: shapes named ``name:batch``) and return
     roofline rows (``compile_only``: call each variant once per shape, no timing). ``flush``: how L2 is flushed
     before each timed call (``time_cuda``'s ``flush_l2``): ``"zero"`` (the default, as ``triton.testing.do_bench``
     does: L2 left full of dirty lines, which the kernel writes back as it reads — up to an L2 of extra DRAM writes)
-    or ``"read"`` (clean lines)."""
+    or ``"read"`` (clean lines). ``warmup_ms``: ``time_cuda``'s time-based warm-up before each timing (0: five
+    calls)."""
     from dsv4.kernels.sparse_attention import sparse_attention_fwd
 
     variants = variants or [{}]
@@ -197,8 +198,8 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
                 if compile_only:
                     continue
                 # GPU time as CUDA-graph replays (how the engine's decode steps run); eager for reference
-                s = time_cuda(fn, warmup=5, iters=30, flush_l2=flush, graph=True)
-                s_eager = time_cuda(fn, warmup=2, iters=20, flush_l2=flush)
+                s = time_cuda(fn, warmup=5, iters=30, flush_l2=flush, graph=True, warmup_ms=warmup_ms)
+                s_eager = time_cuda(fn, warmup=2, iters=20, flush_l2=flush, warmup_ms=warmup_ms)
             except Exception as e:  # noqa: BLE001 - a failing variant is reported, the others still run
                 print(f"{name} B={batch} {var}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
                 continue
@@ -209,6 +210,7 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
                 label, s, nbytes, flops, bw, rate, shape=name, batch=batch, tokens=T, heads=heads,
                 keys=args["_keys"], variant=var, variant_index=vi, flashmla_us=ref, diff_vs_first=diff,
                 vs_flashmla=(ref / (s * 1e6)) if ref else None, eager_us=s_eager * 1e6, l2_flush=flush,
+                warmup_ms=warmup_ms,
             ))
         del args, call
         torch.cuda.empty_cache()
@@ -219,7 +221,7 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
         return rows
     env = environment(device)
     print(f"# {env['device']}  torch {env['torch']}  triton {env['triton']}  copy {bw / 1e12:.2f} TB/s  "
-          f"bf16 mm {rate / 1e12:.0f} TFLOP/s  L2 flush {flush!r}")
+          f"bf16 mm {rate / 1e12:.0f} TFLOP/s  L2 flush {flush!r}  warm-up {warmup_ms:g} ms")
     print(f"{'shape':80s} {'µs':>8s} {'eager':>8s} {'MB':>8s} {'GFLOP':>8s} {'roof%':>6s} {'FlashMLA µs':>11s} {'speedup':>7s}")
     for r in rows:
         ref = f"{r['flashmla_us']:.1f}" if r["flashmla_us"] else "-"
@@ -246,6 +248,9 @@ def main() -> None:
     ap.add_argument("--flush", choices=("zero", "read"), default="zero",
                     help="L2 flush before each timed call: overwrite a 256 MiB buffer (dirty lines, the default) or "
                          "read it (clean lines)")
+    ap.add_argument("--warmup-ms", type=float, default=0.0,
+                    help="untimed calls for this long before each timing, so that it runs under sustained load "
+                         "(default 0: five calls, a short burst, as every figure in RESULTS.md unless it says so)")
     ap.add_argument("--parallel-compile", action="store_true",
                     help="first compile every variant in its own subprocess, side by side (warms the Triton cache); "
                          "with --compile-only nothing else")
@@ -266,7 +271,7 @@ def main() -> None:
         if a.compile_only:
             return
     run(quick=a.quick, variants=variants, json_path=a.json, compile_only=a.compile_only,
-        only=a.only.split(",") if a.only else None, flush=a.flush)
+        only=a.only.split(",") if a.only else None, flush=a.flush, warmup_ms=a.warmup_ms)
 
 
 if __name__ == "__main__":

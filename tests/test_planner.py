@@ -66,3 +66,23 @@ def test_roofline_utilities_on_cpu() -> None:
         roofline_row("bad", 0.0, 1, 1, 1, 1)
     env = environment("cpu")
     assert env["device_type"] == "cpu" and env["torch"] == torch.__version__ and "T" in env["date"]
+
+
+def test_time_cuda_warmup_ms_is_cuda_only_on_cpu() -> None:
+    calls = []
+    s = time_cuda(lambda: calls.append(1), warmup=2, iters=3, device="cpu", warmup_ms=50.0)
+    assert len(calls) == 5 and s >= 0  # the time-based warm-up applies to CUDA devices only
+
+
+@pytest.mark.gpu
+def test_time_cuda_warmup_ms_keeps_calling_on_cuda() -> None:
+    """``warmup_ms`` keeps running ``fn`` untimed for that long before the timed calls (eager and graph replays)."""
+    import time
+
+    for graph in (False, True):
+        runs = torch.zeros((), device="cuda")  # counts fn's executions on the device (graph replays included)
+        t0 = time.perf_counter()
+        time_cuda(lambda: runs.add_(1), warmup=2, iters=3, device="cuda", warmup_ms=30.0, graph=graph)
+        assert time.perf_counter() - t0 >= 0.03
+        # warm-up calls + timed calls + at least one 4-call round of the time-based warm-up (more in 30 ms)
+        assert runs.item() >= 2 + 3 + 4, (graph, runs.item())

@@ -70,6 +70,7 @@ def time_cuda(
     device: torch.device | str | None = None,
     flush_l2: bool | str = False,
     graph: bool = False,
+    warmup_ms: float = 0.0,
 ) -> float:
     """Median wall time of one ``fn()`` call, in seconds.
 
@@ -80,6 +81,9 @@ def time_cuda(
     Args:
         fn: the work; its return value is ignored. It must not change shapes between calls.
         warmup: untimed calls first (autotuning, allocator warm-up, lazy init).
+        warmup_ms: CUDA only: after those, keep calling ``fn`` (untimed) until this many milliseconds have passed:
+            the timed calls then run under sustained load (clocks as power limits leave them) rather than in a
+            short burst. Either can be faster: ``benchmarks/RESULTS.md`` (2026-11-26, "warm-up") has both.
         iters: timed calls; the median is returned (robust to stragglers).
         device: where ``fn`` runs (default: CUDA if available, else CPU).
         flush_l2: CUDA only: before every timed call (outside the timed region) evict ``fn``'s data from L2 with
@@ -101,6 +105,13 @@ def time_cuda(
         fn = _captured(fn, dev)
     for _ in range(max(0, warmup)):
         fn()
+    if dev.type == "cuda" and warmup_ms > 0:
+        _sync(dev)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warmup_ms / 1e3:
+            for _ in range(4):
+                fn()
+            _sync(dev)
     if dev.type != "cuda":
         times = []
         for _ in range(iters):
