@@ -83,7 +83,8 @@ def time_cuda(
         warmup: untimed calls first (autotuning, allocator warm-up, lazy init).
         warmup_ms: CUDA only: after those, keep calling ``fn`` (untimed) until this many milliseconds have passed:
             the timed calls then run under sustained load (clocks as power limits leave them) rather than in a
-            short burst. Either can be faster: ``benchmarks/RESULTS.md`` (2026-11-26, "warm-up") has both.
+            short burst. Either can be faster: ``benchmarks/RESULTS.md``, "Timing after a short burst or under
+            sustained load", has both.
         iters: timed calls; the median is returned (robust to stragglers).
         device: where ``fn`` runs (default: CUDA if available, else CPU).
         flush_l2: CUDA only: before every timed call (outside the timed region) evict ``fn``'s data from L2 with
