@@ -5,13 +5,13 @@ specialisation a launch gets (pointers and the usual strides divisible by 16), t
 usage with the ``cuobjdump`` shipped in the triton wheel. Use it to check a change's register pressure before
 spending GPU time::
 
-    python benchmarks/sm90_resources.py attention                       # Flash CSA decode, split partials
-    python benchmarks/sm90_resources.py attention '{"BLOCK_N": 32}'     # constexpr / num_warps / num_stages overrides
-    python benchmarks/sm90_resources.py attention_ws '{"PRODUCER_REGS": 136}'  # warp-specialized, HCA
-    python benchmarks/sm90_resources.py write                           # HCA write path (entries in 8 parts)
-    python benchmarks/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1}'
-    python benchmarks/sm90_resources.py csa_entries                     # CSA entries of a prefill chunk
-    python benchmarks/sm90_resources.py scores_sm90 '{"QT": 4, "maxnreg": 255}'  # Gluon index scores, prefill
+    python tools/sm90_resources.py attention                       # Flash CSA decode, split partials
+    python tools/sm90_resources.py attention '{"BLOCK_N": 32}'     # constexpr / num_warps / num_stages overrides
+    python tools/sm90_resources.py attention_ws '{"PRODUCER_REGS": 136}'  # warp-specialized, HCA
+    python tools/sm90_resources.py write                           # HCA write path (entries in 8 parts)
+    python tools/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1}'
+    python tools/sm90_resources.py csa_entries                     # CSA entries of a prefill chunk
+    python tools/sm90_resources.py scores_sm90 '{"QT": 4, "maxnreg": 255}'  # Gluon index scores, prefill
 
 ``--ptx PATH`` writes the PTX and prints ``ptxas``'s own report of it (e.g. why it serialises ``wgmma``).
 ``--sass PATH`` also writes the disassembly (count ``STL``/``LDL`` for spills in loops, ``LDG.E.128`` for
@@ -21,6 +21,7 @@ vectorised loads).
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import os
@@ -112,16 +113,42 @@ KERNELS = {
     "topk_bisect_sm90": ("dsv4.kernels.topk_sm90:_bisect_topk_sm90_kernel", {"s_ptr": "*i16", "n_ptr": "*i64",
                                                                              "out_ptr": "*i64"},
         dict(K=512, BLOCK=32768, C=64, FILL=512, NW=16, num_warps=16), {"s_stride", "out_stride"}),
+    "rms_norm_512": ("dsv4.kernels.rms_norm:_rms_norm_512_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32",
+                                                                    "out_ptr": "*bf16", "eps": "fp32"},
+        dict(num_warps=1, enable_fp_fusion=False), set()),
+    "rms_norm": ("dsv4.kernels.rms_norm:_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
+                                                            "inv_c": "fp32", "eps": "fp32"},
+        dict(BLOCK=1024, num_warps=4, enable_fp_fusion=False), set()),
+    "queries": ("dsv4.kernels.queries:_queries_kernel", {"q_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
+                                                         "out_ptr": "*bf16", "eps": "fp32"},
+        dict(ROWS=4, num_warps=4, enable_fp_fusion=False), set()),
+    "combine": ("dsv4.kernels.sparse_attention:_combine_kernel", {
+        "po_ptr": "*fp32", "plse_ptr": "*fp32", "positions_ptr": "*i64", "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32",
+        "o_ptr": "*bf16", "lse_ptr": "*fp32"},
+        dict(BLOCK_H=2, BLOCK_S=8, INTERPRET=False, num_warps=4), {"stride_ot", "stride_oh", "stride_lt"}),
+    "bf16_keys": ("dsv4.kernels.sparse_attention:_bf16_keys_kernel", {
+        "ring_ptr": "*u8", "pool_ptr": "*u8", "block_tables_ptr": "*i32", "cu_seqlens_ptr": "*i32",
+        "start_pos_ptr": "*i64", "token_slots_ptr": "*i64", "out_ptr": "*bf16"},
+        dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, ROWS=16, num_warps=4),
+        {"stride_ring", "stride_page", "stride_bt", "stride_ob"}),
+    "mxfp4_queries": ("dsv4.kernels.indexer:_mxfp4_queries_kernel", {
+        "q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q8_ptr": "*u8", "qs_ptr": "*fp32"},
+        dict(HB=16, ROUND_BF16=True, num_warps=4, enable_fp_fusion=False), {"q_stride"}),
+    "topk_row": ("dsv4.kernels.topk:_radix_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},
+        dict(K=512, KEY_BITS=16, BLOCK=4096, FILL=512, HOST_BOUND=False, N_HINT=0, num_warps=16),
+        {"s_stride", "out_stride"}),
 }
 
 
-def resources(kernel: str, overrides: dict | None = None, sass_path: str | None = None,
-              ptx_path: str | None = None) -> dict:
-    """Compile ``kernel`` (a key of ``KERNELS``) for sm_90 and return ``{regs, stack, shared}`` (bytes)."""
+def compile_sm90(kernel: str, overrides: dict | None = None):
+    """Compile ``kernel`` (a key of ``KERNELS``) for sm_90 with ``overrides`` on its default constexprs; returns
+    triton's compiled kernel (``.asm["cubin" | "ptx"]``, ``.metadata``)."""
     target, types, defaults, div16 = KERNELS[kernel]
     module, name = target.split(":")
-    fn = getattr(__import__(module, fromlist=[name]), name)
-    const = {**defaults, **(overrides or {})}
+    fn = getattr(importlib.import_module(module), name)
+    overrides = dict(overrides or {})
+    types = {**types, **overrides.pop("_types", {})}  # pointer dtypes of this specialisation, where they differ
+    const = {**defaults, **overrides}
     for param in fn.params:  # constexprs with a default value the caller did not set
         if param.is_constexpr and param.name not in const and param.default is not inspect.Parameter.empty:
             const[param.name] = param.default
@@ -133,7 +160,26 @@ def resources(kernel: str, overrides: dict | None = None, sass_path: str | None 
     source_type = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
     src = source_type(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def sass(cubin: bytes) -> str:
+    """The disassembly of a cubin (``cuobjdump -sass``)."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def resources(kernel: str, overrides: dict | None = None, sass_path: str | None = None,
+              ptx_path: str | None = None) -> dict:
+    """Compile ``kernel`` (a key of ``KERNELS``) for sm_90 and return ``{regs, stack, shared}`` (bytes)."""
+    compiled = compile_sm90(kernel, overrides)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
