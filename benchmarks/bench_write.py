@@ -16,7 +16,6 @@ queries' per-head RMSNorm + RoPE (``ops.queries``, one launch) against the torch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 
@@ -26,8 +25,7 @@ import dsv4
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, roofline_row, time_cuda
 from dsv4.cache import HybridCache
 from dsv4.layer import Attention
-from dsv4.ops import torch_ops, triton_write
-from dsv4.reference.primitives import linear, rms_norm
+from dsv4.ops import torch_ops, triton_ops
 
 LAYERS = {"v4-flash": {"swa": 0, "csa": 2, "hca": 3}, "v4-pro": {"csa": 2, "hca": 3}}
 
@@ -74,36 +72,16 @@ def _count_launches(fn) -> tuple[int, int]:
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    triton_k = [n for n in names if n.startswith(("_write_before", "_csa_entries", "_append_swa", "_window_entries"))]
+    triton_k = [n for n in names if n.startswith(("write_before", "csa_entries", "_append_swa", "_window_entries"))]
     return len(triton_k), len(names)
-
-
-def _prefill_variants(kind: str) -> list[tuple[str, dict]]:
-    """A/B variants timed next to a prefill row: (result key, {(module, attribute): value})."""
-    from dsv4.kernels import compressor as kc, csa_entries
-
-    return {"csa": [("us_fused_entries", {(kc, "CSA_ENTRY_KERNEL"): False}),
-                    ("us_entries_uncapped", {(csa_entries, "MAXNREG"): 0})],
-            "hca": [("us_general_pool", {(kc, "HCA_STEP_POOL"): False})]}.get(kind, [])
-
-
-@contextlib.contextmanager
-def _module_flags(flags: dict):
-    """Set module attributes ``{(module, name): value}`` for the block, then restore them."""
-    saved = {mf: getattr(*mf) for mf in flags}
-    try:
-        for (mod, name), value in flags.items():
-            setattr(mod, name, value)
-        yield
-    finally:
-        for (mod, name), value in saved.items():
-            setattr(mod, name, value)
 
 
 def _query_rows(preset: str, cfg, bw: float, quick: bool, only: str | None, flush: str) -> list[dict]:
     """The queries' per-head RMSNorm + RoPE (``ops.queries``): the Triton launch vs the torch backend's kernels,
     decode B = 1 / 64 / 256 and an 8K prefill chunk (CUDA-graph replays, L2 flushed)."""
-    from dsv4.kernels.queries import queries
+    from dsv4.kernels.project.queries import queries
+    from dsv4.reference.primitives import rms_norm
+    from dsv4.reference.rope import apply_rope
     from dsv4.reference.rope import rope_inv_freq
 
     rows = []
@@ -118,7 +96,7 @@ def _query_rows(preset: str, cfg, bw: float, quick: bool, only: str | None, flus
         iters = 20 if quick else 50
         t_k = time_cuda(lambda: queries(q, pos, inv, cfg.norm_eps, out=out), warmup=3, iters=iters, flush_l2=flush,
                         graph=True)
-        t_torch = time_cuda(lambda: torch_ops.queries(q, pos, inv, cfg.norm_eps), warmup=3, iters=iters,
+        t_torch = time_cuda(lambda: apply_rope(rms_norm(q, None, cfg.norm_eps), pos, inv), warmup=3, iters=iters,
                             flush_l2=flush, graph=True)
         nbytes = 2 * q.numel() * 2 + T * 8
         row = roofline_row(name, t_k, bytes=nbytes, flops=0.0, copy_bw=bw, mm_rate=math.nan, preset=preset,
@@ -143,7 +121,7 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, fl
             rows += _query_rows(preset, cfg, bw, quick, only, flush)
         for kind, li in LAYERS[preset].items():
             w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
-            lay = Attention(w, cfg, li, backend="torch")
+            lay = Attention(w, cfg, li, backend="triton")
             m = cfg.ratio(li) or 1
             mm = max(m, 4)
             scen = [(f"decode B={b}", {f"r{i}": mm * 4 - 1 + mm * (i % 3) for i in range(b)}, {f"r{i}": 1 for i in range(b)})
@@ -153,43 +131,41 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, fl
                 if only and only not in f"{preset} {kind} {name}":
                     continue
                 cache, batch = _setup(cfg, li, start, plan)
-                nm = cache.numerics
-                wd, inv = lay._weights_on(torch.device("cuda"))
-                layer = cache.layer(li)
+                step = lay.layer_step(batch, cache, triton_ops.plan_step(batch, cache))
+                torch_step = lay.layer_step(batch, cache, torch_ops.plan_step(batch, cache))
+                layer, inv, wp = step.cache, step.inv_freq, step.plan.write
                 x = torch.randn(batch.num_tokens, cfg.hidden_size, device="cuda").bfloat16()
-                kv_in = rms_norm(linear(x, wd.wkv, nm.act_dtype), wd.kv_norm, cfg.norm_eps)
-                comps = [] if kind == "swa" else [(wd.compressor, "kv")] + ([(wd.indexer.compressor, "index")] if kind == "csa" else [])
+                kv_in = torch_ops.window_kv(step, x)
 
-                def op(ops=triton_write):
-                    if kind == "swa":
-                        kv = ops.window_entries(kv_in, batch.positions, inv, nm, cfg.nope_dim)
-                    else:
-                        kv = ops.compress(layer, batch, x, comps, m, kind == "csa", inv, cfg.norm_eps, nm, cfg.nope_dim, kv_in)
-                    ops.append_swa(layer, batch, kv)
+                def op(ops=triton_ops):
+                    s = step if ops is triton_ops else torch_step
+                    kv = ops.window_entries(s, kv_in) if kind == "swa" else ops.compress(s, x, kv_in)
+                    ops.append_swa(s, kv)
+
+                from dsv4.kernels.write import window
+                from dsv4.kernels.write.launch import CompressorArgs, write_before_attention
 
                 if kind == "swa":
-                    from dsv4.kernels import swa_write
-
-                    kernels = lambda: swa_write.append_swa(  # noqa: E731
-                        swa_write.window_entries(kv_in, batch.positions, inv), layer.ring, layer.ring_positions,
+                    kernels = lambda: window.append_swa(  # noqa: E731
+                        window.window_entries(kv_in, batch.positions, inv), layer.ring, layer.ring_positions,
                         batch.token_slots, batch.ring_slots, batch.ring_rows, batch.positions, batch.window)
                 else:
-                    from dsv4.kernels import compressor as kc, swa_write
-
                     xf = x.float()
-                    args = {}
-                    for cw, role in comps:
-                        pre = "" if role == "kv" else "index_"
-                        args[role] = kc.CompressorArgs(
-                            xf @ cw.wkv.T, xf @ cw.wgate.T, cw.ape.contiguous(), cw.norm.contiguous(),
-                            layer.state[f"{pre}tail_kv"], layer.state[f"{pre}tail_gate"], layer.state.get(f"{pre}prev_kv"),
-                            layer.state.get(f"{pre}prev_gate"), layer.kv_pages if role == "kv" else layer.index_pages)
+                    wd = step.weights
+                    comps = [(wd.compressor, "")] + ([(wd.indexer.compressor, "index_")] if kind == "csa" else [])
+                    args = [CompressorArgs(
+                        xf @ cw.wkv.T, xf @ cw.wgate.T, cw.ape.contiguous(), cw.norm.contiguous(),
+                        layer.state[f"{pre}tail_kv"], layer.state[f"{pre}tail_gate"], layer.state.get(f"{pre}prev_kv"),
+                        layer.state.get(f"{pre}prev_gate"), layer.index_pages if pre else layer.kv_pages)
+                        for cw, pre in comps]
+                    scratch = torch.empty((wp.scratch_rows, 512), dtype=torch.float32, device="cuda")
+                    arrivals = torch.zeros(wp.scratch_rows, dtype=torch.int32, device="cuda")
 
                     def kernels():
-                        kv = kc.write_before_attention(kv_in, batch.positions, inv, batch, m, kind == "csa",
-                                                       cfg.norm_eps, args["kv"], args.get("index"))
-                        swa_write.append_swa(kv, layer.ring, layer.ring_positions, batch.token_slots,
-                                             batch.ring_slots, batch.ring_rows, batch.positions, batch.window)
+                        kv = write_before_attention(wp, kv_in, batch.positions, inv, batch, cfg.norm_eps, args[0],
+                                                    args[1] if len(args) > 1 else None, scratch, arrivals)
+                        window.append_swa(kv, layer.ring, layer.ring_positions, batch.token_slots,
+                                          batch.ring_slots, batch.ring_rows, batch.positions, batch.window)
 
                 if profile_calls:
                     for _ in range(profile_calls):
@@ -201,13 +177,7 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, fl
                 t_k = time_cuda(kernels, warmup=3, iters=20 if quick else 50, flush_l2=flush, graph=True)
                 extra = {}
                 nbytes = _bytes(cfg, kind, batch, m)
-                if "prefill" in name:  # A/B: the long step's other layouts / launch options, same tree and inputs
-                    for key, flags in _prefill_variants(kind):
-                        if not all(hasattr(mod, attr) for mod, attr in flags):  # a tree without that knob
-                            continue
-                        with _module_flags(flags):
-                            extra[key] = 1e6 * time_cuda(kernels, warmup=3, iters=20 if quick else 50,
-                                                         flush_l2=flush, graph=True)
+                if "prefill" in name:
                     # the floor at this size: one device copy moving the same bytes, timed the same way
                     src = torch.empty(int(nbytes) // 2, dtype=torch.uint8, device="cuda")
                     dst = torch.empty_like(src)
@@ -241,15 +211,7 @@ def main() -> None:
     ap.add_argument("--flush", choices=["zero", "read"], default="zero",
                     help="L2 flush before each timed call: overwrite a 256 MiB buffer (default; leaves dirty lines the "
                          "kernels write back) or read it (clean lines)")
-    ap.add_argument("--divide-zeros", action="store_true",
-                    help="A/B: pooling divides zero softmax numerators too (compressor.ZERO_FAST_DIVISION off)")
     a = ap.parse_args()
-    if a.divide_zeros:  # a global constexpr of the kernels: set before their first compile in this process
-        import triton.language as tl
-
-        from dsv4.kernels import compressor
-
-        compressor.ZERO_FAST_DIVISION = tl.constexpr(False)
     if a.profile_calls:
         run(only=a.only, profile_calls=a.profile_calls)
         return

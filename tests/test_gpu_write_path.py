@@ -2,7 +2,7 @@
 
 Every step runs the write ops (``window_entries`` / ``compress`` / ``append_swa``) of one layer on two caches
 holding the same random garbage in their pools: one through ``dsv4.ops.torch_ops``, one through
-``dsv4.ops.triton_write``. After each step the window entries and every byte of the layer's state (ring,
+``dsv4.ops.triton_ops``. After each step the window entries and every byte of the layer's state (ring,
 positions, tails, previous-window state) and pool (KV pages, indexer pages) must be identical. V4-Flash layer
 geometry (window 128, ratios 4 / 128); fresh random inputs each step.
 """
@@ -20,11 +20,13 @@ from dsv4.ops import torch_ops
 from write_path_util import differences, make_cache, write_step
 
 pytestmark = pytest.mark.gpu
-triton_write = pytest.importorskip("dsv4.ops.triton_write")
+triton_ops = pytest.importorskip("dsv4.ops.triton_ops")
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from dsv4.kernels import compressor as kc  # noqa: E402  (needs triton)
-from dsv4.kernels import csa_entries as kce  # noqa: E402
+from dsv4.kernels import torch_order  # noqa: E402  (needs triton)
+from dsv4.kernels.quant import bf16_round  # noqa: E402
+from dsv4.kernels.write import pool as write_pool  # noqa: E402
+from dsv4.kernels.write.plan import HCA_POOL_PARTS  # noqa: E402
 from dsv4.kernels import quant  # noqa: E402
 from dsv4.reference.compressor import overlap_slots, pool_windows  # noqa: E402
 from dsv4.reference.primitives import rms_norm  # noqa: E402
@@ -51,7 +53,7 @@ def _compare_run(kind: str, plans: list[dict[str, int]], seed: int, max_requests
         ba, bb = ca.prepare_forward(plan), cb.prepare_forward(plan)
         x = torch.randn(ba.num_tokens, CFG.hidden_size, generator=g, device="cuda")
         k1 = write_step(torch_ops, lay, ca, ba, x)
-        k2 = write_step(triton_write, lay, cb, bb, x)
+        k2 = write_step(triton_ops, lay, cb, bb, x)
         nk = int((k1.view(torch.int16) != k2.view(torch.int16)).sum())
         diffs = differences(ca, cb, li)
         assert nk == 0 and not diffs, f"{kind} step {step} ({len(plan)} requests, emit {ba.num_emit}): kv_new {nk} values, {diffs}"
@@ -107,21 +109,21 @@ def test_cuda_graph_replay_matches_eager(kind: str) -> None:
             c.add_request(r)
     x0 = torch.randn(sum(pre.values()), CFG.hidden_size, generator=g, device="cuda")
     for c in (ce, cg):
-        write_step(triton_write, lay, c, c.prepare_forward(pre, max_blocks=maxb), x0)
+        write_step(triton_ops, lay, c, c.prepare_forward(pre, max_blocks=maxb), x0)
     plan = {r: 1 for r in ids}
     # warm-up step (eager) on the static batch, then capture
     static = cg.prepare_forward(plan, max_blocks=maxb)
     x_static = torch.randn(B, CFG.hidden_size, generator=g, device="cuda")
-    write_step(triton_write, lay, ce, ce.prepare_forward(plan, max_blocks=maxb), x_static)
-    write_step(triton_write, lay, cg, static, x_static)
+    write_step(triton_ops, lay, ce, ce.prepare_forward(plan, max_blocks=maxb), x_static)
+    write_step(triton_ops, lay, cg, static, x_static)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        write_step(triton_write, lay, cg, static, x_static)
+        write_step(triton_ops, lay, cg, static, x_static)
     for step in range(12):
         x = torch.randn(B, CFG.hidden_size, generator=g, device="cuda")
         be = ce.prepare_forward(plan, max_blocks=maxb)
-        k_e = write_step(triton_write, lay, ce, be, x)
+        k_e = write_step(triton_ops, lay, ce, be, x)
         static.copy_(cg.prepare_forward(plan, max_blocks=maxb))
         x_static.copy_(x)
         graph.replay()
@@ -138,7 +140,7 @@ def test_cuda_graph_replay_matches_eager(kind: str) -> None:
 def _rms_rows_kernel(x_ptr, w_ptr, y_ptr, scratch_ptr, num_emit, eps, C: tl.constexpr, MAXT: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, C)
-    y = kc.rms_norm_bf16(tl.load(x_ptr + e * C + cols), tl.load(w_ptr + cols), eps, num_emit, scratch_ptr + e * C,
+    y = torch_order.rms_norm_bf16(tl.load(x_ptr + e * C + cols), tl.load(w_ptr + cols), eps, num_emit, scratch_ptr + e * C,
                          C, MAXT)
     tl.store(y_ptr + e * C + cols, y)
 
@@ -150,12 +152,12 @@ def _pool_rows_kernel(a_ptr, z_ptr, ape_ptr, out_ptr, C: tl.constexpr, M: tl.con
     CS: tl.constexpr = C // PARTS  # channel slice of this program (axis 1)
     c0 = tl.program_id(1) * CS
     if IN_STEP and OVERLAP:
-        pooled = kc.pool_in_step(a_ptr, z_ptr, ape_ptr, i, 0, 0, C, M, c0, CS)
+        pooled = write_pool.pool_in_step(a_ptr, z_ptr, ape_ptr, i, 0, 0, C, M, c0, CS)
     elif IN_STEP:  # HCA: pool_entry's step-rows path (the fused launch's entry programs)
-        pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, False, NW, c0,
+        pooled = write_pool.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, False, NW, c0,
                                CS, True)
     else:
-        pooled = kc.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0,
+        pooled = write_pool.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0,
                                CS)
     tl.store(out_ptr + (i - 1).to(tl.int64) * C + c0 + tl.arange(0, CS), pooled)
 
@@ -169,7 +171,7 @@ def test_rms_norm_order_matches_torch(C: int, rows: int) -> None:
     w = 1 + 0.1 * torch.randn(C, generator=g, device="cuda")
     y = torch.empty_like(x)
     _rms_rows_kernel[(rows,)](x, w, y, torch.empty_like(x), rows, CFG.norm_eps, C=C,
-                              MAXT=kc.TORCH_REDUCE_MAX_THREADS, num_warps=4, enable_fp_fusion=False)
+                              MAXT=torch_order.TORCH_REDUCE_MAX_THREADS, num_warps=4, enable_fp_fusion=False)
     ref = rms_norm(x.bfloat16(), w, CFG.norm_eps).float()
     bad = (y != ref).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
@@ -183,15 +185,15 @@ def _rms_rows_lanes_kernel(x_ptr, w_ptr, y_ptr, num_emit, eps, C: tl.constexpr):
     out = y_ptr + tl.program_id(0).to(tl.int64) * C
     cols = tl.arange(0, 128)
     if C == 512:
-        sums = kce.zero_square_sums()
+        sums = torch_order.zero_square_sums()
         for k in range(4):
-            sums = kce.add_chunk_squares(kce.bf16_round(tl.load(row + k * 128 + cols)), k, *sums)
-        r = kce.entry_rms_scale(*sums, num_emit, eps)
+            sums = torch_order.add_chunk_squares(bf16_round(tl.load(row + k * 128 + cols)), k, *sums)
+        r = torch_order.entry_rms_scale(*sums, num_emit, eps)
         for k in range(4):
-            x = kce.bf16_round(tl.load(row + k * 128 + cols))
-            tl.store(out + k * 128 + cols, kce.bf16_round(tl.load(w_ptr + k * 128 + cols) * (x * r)))
+            x = bf16_round(tl.load(row + k * 128 + cols))
+            tl.store(out + k * 128 + cols, bf16_round(tl.load(w_ptr + k * 128 + cols) * (x * r)))
     else:
-        tl.store(out + cols, kce.rms_norm_128(kce.bf16_round(tl.load(row + cols)), w_ptr, eps))
+        tl.store(out + cols, torch_order.rms_norm_128(bf16_round(tl.load(row + cols)), w_ptr, eps))
 
 
 @pytest.mark.parametrize("C", [512, 128])
@@ -211,8 +213,8 @@ def test_rms_norm_lanes_order_matches_torch(C: int, rows: int) -> None:
 
 @pytest.mark.parametrize("m, c, overlap, parts, in_step, spread", [
     (4, 512, True, 1, False, 2), (4, 128, True, 1, False, 2), (4, 512, True, 1, True, 2), (4, 128, True, 1, True, 2),
-    (128, 512, False, 1, False, 2), (128, 512, False, kc.pool_parts(128, False), False, 2),
-    (4, 512, True, 1, True, 100), (128, 512, False, kc.pool_parts(128, False), False, 100),
+    (128, 512, False, 1, False, 2), (128, 512, False, HCA_POOL_PARTS, False, 2),
+    (4, 512, True, 1, True, 100), (128, 512, False, HCA_POOL_PARTS, False, 100),
     (4, 512, True, 4, True, 2), (128, 512, False, 8, True, 2), (128, 512, False, 8, True, 5.5),
     (128, 512, False, 8, True, 100), (128, 512, False, 8, True, 0.01)],
     ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca", "hca-parts", "csa-in-step-wide",
@@ -237,7 +239,7 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
     kv, gate = overlap_slots(a, zb, m) if overlap else (a.unflatten(0, (n, m)), zb.unflatten(0, (n, m)))
     ref = pool_windows(kv, gate)[1:]
     out = torch.empty(n - 1, c, device="cuda")
-    nw = kc.pool_warps(2 * m if overlap else m, kc.TORCH_REDUCE_MAX_THREADS)
+    nw = torch_order.pool_warps(2 * m if overlap else m, torch_order.TORCH_REDUCE_MAX_THREADS)
     _pool_rows_kernel[(n - 1, parts)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw, PARTS=parts,
                                       IN_STEP=in_step, num_warps=warps, enable_fp_fusion=False)
     if spread > 10:  # the shortcut's case must occur

@@ -27,7 +27,7 @@ def run_chunked(w, cfg, layer_idx, x, chunks, numerics, block_size=32, num_block
         batch = cache.prepare_forward({"r": n})
         res = layer.forward_with_aux(x[at : at + n], batch, cache)
         outs.append(res.y)
-        idx.append(res.entry_idx)
+        idx.append(res.attended_entries())
         at += n
     cache.check_invariants()
     width = max(i.shape[1] for i in idx)
@@ -118,7 +118,7 @@ def test_many_requests_in_one_step_equal_running_alone() -> None:
             for rid, n in plan.items():
                 r = int(rid[1:])
                 got[r].append(res.y[at : at + n])
-                idx[r].append(res.entry_idx[at : at + n])
+                idx[r].append(res.attended_entries()[at : at + n])
                 at += n
                 done[r] += n
         for r in range(n_req):

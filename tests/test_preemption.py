@@ -67,7 +67,7 @@ def new_cache(li: int, numerics: str, num_blocks: int = 24, max_requests: int = 
 
 def step(layer: Attention, cache: HybridCache, rid: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     res = layer.forward_with_aux(x, cache.prepare_forward({rid: x.shape[0]}), cache)
-    return res.y, res.lse, res.entry_idx
+    return res.y, res.lse, res.attended_entries()
 
 
 def cat_outputs(outs: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -458,7 +458,7 @@ class ForwardMachine(RuleBasedStateMachine):
                 req = self.reqs[r]
                 for k in range(n):
                     req.y.setdefault(li, {})[req.done + k] = res.y[at + k]
-                    req.idx.setdefault(li, {})[req.done + k] = res.entry_idx[at + k]
+                    req.idx.setdefault(li, {})[req.done + k] = res.attended_entries()[at + k]
                 at += n
         for r, n in plan.items():
             self.reqs[r].done += n

@@ -18,15 +18,16 @@ pytestmark_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is Non
 
 _SCRIPT = r"""
 import torch
-from dsv4.kernels.queries import queries
-from dsv4.ops import torch_ops
+from dsv4.kernels.project.queries import queries
+from dsv4.reference.primitives import rms_norm
+from dsv4.reference.rope import apply_rope
 from kernel_test_util import check_queries
 g = torch.Generator().manual_seed(3)
 T, H = 7, 3
 q = (torch.randn(T, H, 512, generator=g) * torch.exp(2 * torch.randn(T, H, 1, generator=g))).bfloat16()
 pos = torch.tensor([0, 1, 5, 127, 4096, 70000, 1048575])
 inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
-check_queries(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
+check_queries(queries(q, pos, inv, 1e-6), apply_rope(rms_norm(q, None, 1e-6), pos, inv))
 print("ok")
 """
 
@@ -42,8 +43,9 @@ def test_queries_kernel_matches_torch_on_gpu(T: int, H: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("triton")
-    from dsv4.kernels.queries import queries
-    from dsv4.ops import torch_ops
+    from dsv4.kernels.project.queries import queries
+    from dsv4.reference.primitives import rms_norm
+    from dsv4.reference.rope import apply_rope
 
     g = torch.Generator(device="cuda").manual_seed(T + H)
     q = torch.randn(T, H, 512, generator=g, device="cuda") * torch.exp(2 * torch.randn(T, H, 1, generator=g,
@@ -51,12 +53,12 @@ def test_queries_kernel_matches_torch_on_gpu(T: int, H: int) -> None:
     q = q.bfloat16()
     pos = torch.randint(0, 1 << 20, (T,), generator=g, device="cuda")
     inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device="cuda") / 64))
-    check_queries(queries(q, pos, inv, 1e-6), torch_ops.queries(q, pos, inv, 1e-6))
+    check_queries(queries(q, pos, inv, 1e-6), apply_rope(rms_norm(q, None, 1e-6), pos, inv))
 
 
 def test_queries_kernel_rejects_bad_input() -> None:
     pytest.importorskip("triton")
-    from dsv4.kernels.queries import queries
+    from dsv4.kernels.project.queries import queries
 
     inv = torch.ones(32)
     pos = torch.zeros(2, dtype=torch.int64)

@@ -16,14 +16,14 @@ from kernel_test_util import check_close, run_interpreted
 
 _SCRIPT = r"""
 import torch
-from dsv4.kernels.rms_norm import rms_norm
-from dsv4.ops import torch_ops
+from dsv4.kernels.project.rms_norm import rms_norm
+from dsv4.reference import primitives
 from kernel_test_util import check_close
 g = torch.Generator().manual_seed(5)
 for rows, C in ((3, 512), (20, 512), (5, 1536), (2, 96)):
     x = (torch.randn(rows, C, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).bfloat16()
     w = 1 + 0.1 * torch.randn(C, generator=g)
-    check_close(rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6))
+    check_close(rms_norm(x, w, 1e-6), primitives.rms_norm(x, w, 1e-6))
 print("ok")
 """
 
@@ -35,7 +35,7 @@ def test_rms_norm_kernel_in_interpreter() -> None:
 
 def test_rms_norm_kernel_rejects_bad_input() -> None:
     pytest.importorskip("triton")
-    from dsv4.kernels.rms_norm import rms_norm
+    from dsv4.kernels.project.rms_norm import rms_norm
 
     with pytest.raises(ValueError, match=r"bf16 \[rows, C\]"):
         rms_norm(torch.zeros(2, 512), torch.ones(512), 1e-6)
@@ -49,14 +49,14 @@ def test_rms_norm_512_is_the_torch_backend_bit_for_bit(rows: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("triton")
-    from dsv4.kernels.rms_norm import rms_norm
-    from dsv4.ops import torch_ops
+    from dsv4.kernels.project.rms_norm import rms_norm
+    from dsv4.reference import primitives
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 512, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))
     x = x.bfloat16()
     w = 1 + 0.1 * torch.randn(512, generator=g, device="cuda")
-    got, want = rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6)
+    got, want = rms_norm(x, w, 1e-6), primitives.rms_norm(x, w, 1e-6)
     bad = (got.view(torch.int16) != want.view(torch.int16)).any(1)
     assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
 
@@ -67,11 +67,11 @@ def test_rms_norm_1536_within_one_step_on_gpu(rows: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("triton")
-    from dsv4.kernels.rms_norm import rms_norm
-    from dsv4.ops import torch_ops
+    from dsv4.kernels.project.rms_norm import rms_norm
+    from dsv4.reference import primitives
 
     g = torch.Generator(device="cuda").manual_seed(rows + 1)
     x = torch.randn(rows, 1536, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g,
                                                                                     device="cuda"))
     w = 1 + 0.1 * torch.randn(1536, generator=g, device="cuda")
-    check_close(rms_norm(x.bfloat16(), w, 1e-6), torch_ops.rms_norm(x.bfloat16(), w, 1e-6))
+    check_close(rms_norm(x.bfloat16(), w, 1e-6), primitives.rms_norm(x.bfloat16(), w, 1e-6))

@@ -174,7 +174,7 @@ class Soak:
             for r, n in plan.items():
                 req = self.active[r]
                 if req.tracked:
-                    y, idx = res.y[at : at + n].cpu(), res.entry_idx[at : at + n].cpu()
+                    y, idx = res.y[at : at + n].cpu(), res.attended_entries()[at : at + n].cpu()
                     for k in range(n):
                         req.y.setdefault(li, {})[req.done + k] = y[k]
                         req.idx.setdefault(li, {})[req.done + k] = idx[k]

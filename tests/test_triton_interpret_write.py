@@ -20,15 +20,15 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 _SCRIPT = r"""
 import sys, torch, dsv4
 from dsv4.layer import Attention
-from dsv4.ops import torch_ops, triton_write
+from dsv4.ops import torch_ops, triton_ops
 from write_path_util import differences, make_cache, write_step
 cfg = dsv4.ModelConfig.preset("tiny")
 li = int(sys.argv[1])
-import dsv4.kernels.compressor as kc
-if len(sys.argv) > 2 and sys.argv[2] == "fused":  # CSA entries as entry programs of the fused launch
-    kc.CSA_ENTRY_KERNEL = False
-elif len(sys.argv) > 2:  # split HCA entries over this many programs (on the GPU only from m = 64)
-    kc.pool_parts = lambda m, overlap, n=int(sys.argv[2]): 1 if overlap else n
+launch = {}
+if len(sys.argv) > 2 and sys.argv[2] == "fused":  # CSA entries as entry programs of the fused launch (m != 4)
+    launch = {"separate_entries": False}
+elif len(sys.argv) > 2:  # split HCA entries over this many programs (the rule splits from m = 64)
+    launch = {"parts": int(sys.argv[2])}
 lay = Attention(dsv4.AttentionWeights.random(cfg, li, seed=1), cfg, li, backend="torch")
 ca, cb = make_cache(cfg, [li], "cpu", 4), make_cache(cfg, [li], "cpu", 4)
 for r in "abc":
@@ -38,7 +38,7 @@ plans = [{"a": 37, "b": 5}, {"a": 3, "b": 1, "c": 18}, {"a": 1, "b": 1, "c": 1},
 for step, plan in enumerate(plans):
     ba, bb = ca.prepare_forward(plan), cb.prepare_forward(plan)
     x = torch.randn(ba.num_tokens, cfg.hidden_size, generator=g)
-    k1, k2 = write_step(torch_ops, lay, ca, ba, x), write_step(triton_write, lay, cb, bb, x)
+    k1, k2 = write_step(torch_ops, lay, ca, ba, x), write_step(triton_ops, lay, cb, bb, x, **launch)
     nk = int((k1.view(torch.int16) != k2.view(torch.int16)).sum())
     d = differences(ca, cb, li)
     assert nk == 0 and not d, (li, step, nk, d)
@@ -100,7 +100,7 @@ def test_seq_accumulate_rows_is_row_by_row() -> None:
 
 _SUM_SQ_SCRIPT = r"""
 import sys, numpy as np, torch, triton, triton.language as tl
-from dsv4.kernels.compressor import torch_sum_sq
+from dsv4.kernels.torch_order import torch_sum_sq
 
 @triton.jit
 def _sum_sq_kernel(x_ptr, out_ptr, C: tl.constexpr, BW: tl.constexpr):
@@ -150,7 +150,7 @@ print("OK")
 
 @pytest.mark.parametrize("seed", [3, 11])
 def test_torch_sum_sq_matches_reduction_model(seed: int) -> None:
-    """``compressor.torch_sum_sq`` (the compressors' RMSNorm sum of squares, read back from a scratch row) equals a
+    """``torch_order.torch_sum_sq`` (the compressors' RMSNorm sum of squares, read back from a scratch row) equals a
     plain-Python model of torch's block reduction: 32 / 64 / 128 threads per row for rows of 512, 32 for rows of 128."""
     here = os.path.dirname(__file__)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
@@ -162,28 +162,27 @@ def test_torch_sum_sq_matches_reduction_model(seed: int) -> None:
 
 _WEIGHT_SCRIPT = r"""
 import torch, triton, triton.language as tl
-from dsv4.kernels.compressor import softmax_weight
+from dsv4.kernels.write.pool import softmax_weight
 
 @triton.jit
-def _weight_kernel(e_ptr, d_ptr, out_ptr, N: tl.constexpr, ZERO_FAST: tl.constexpr):
+def _weight_kernel(e_ptr, d_ptr, out_ptr, N: tl.constexpr):
     o = tl.arange(0, N)
-    tl.store(out_ptr + o, softmax_weight(tl.load(e_ptr + o), tl.load(d_ptr + o), ZERO_FAST))
+    tl.store(out_ptr + o, softmax_weight(tl.load(e_ptr + o), tl.load(d_ptr + o)))
 
 inf, nan, tiny = float("inf"), float("nan"), 1e-40  # tiny: a subnormal numerator
 e = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.25, tiny, 0.5, 0.0, 3.0, 1.0, 0.0, 0.75, 0.0, 1e-30])
 d = torch.tensor([1.0, 7.5, inf, 0.0, nan, 3.0, 1.0, 2.0, 0.0, -2.0, 3.0, nan, 1e30, 8.0, 128.0, 3.0])
 want = e / d  # IEEE division, every case
-for fast in (True, False):
-    out = torch.empty_like(e)
-    _weight_kernel[(1,)](e, d, out, N=e.numel(), ZERO_FAST=fast)
-    same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
-    assert bool(same.all()), (fast, out.tolist(), want.tolist())
+out = torch.empty_like(e)
+_weight_kernel[(1,)](e, d, out, N=e.numel())
+same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
+assert bool(same.all()), (out.tolist(), want.tolist())
 print("OK")
 """
 
 
 def test_softmax_weight_is_ieee_division() -> None:
-    """``compressor.softmax_weight``'s zero shortcut returns exactly what the division returns (bit for bit, signed
+    """``write.pool.softmax_weight``'s zero shortcut returns exactly what the division returns (bit for bit, signed
     zeros included) for zero numerators over positive, infinite, zero, negative and NaN denominators."""
     here = os.path.dirname(__file__)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",

@@ -3,14 +3,14 @@ compare every byte the write path touches. Used by test_gpu_write_path.py and te
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import dsv4
 from dsv4.cache import HybridCache
 from dsv4.config import LayerKind
 from dsv4.ops import torch_ops
-from dsv4.reference.primitives import linear, rms_norm
-from dsv4.reference.rope import rope_inv_freq
 
 WRITE_STATE = ("ring", "ring_positions", "tail_kv", "tail_gate", "prev_kv", "prev_gate", "index_tail_kv",
                "index_tail_gate", "index_prev_kv", "index_prev_gate")
@@ -27,22 +27,25 @@ def make_cache(cfg, layers, device, max_requests, num_blocks=256, block_size=64,
     return cache
 
 
-def write_step(ops, layer_obj, cache, batch, x):
-    """The write ops of one layer step, as ``Attention.forward_with_aux`` calls them (no attention)."""
-    cfg, nm = cache.cfg, cache.numerics
-    w, inv_freq = layer_obj._weights_on(x.device)
-    layer = cache.layer(layer_obj.layer_idx)
-    x = x.to(nm.act_dtype)
-    kv_in = rms_norm(linear(x, w.wkv, nm.act_dtype), w.kv_norm, cfg.norm_eps)
-    if layer_obj.kind is LayerKind.SWA:
-        kv = ops.window_entries(kv_in, batch.positions, inv_freq, nm, cfg.nope_dim)
-    else:
-        comps = [(w.compressor, "kv")]
-        if layer_obj.kind is LayerKind.CSA:
-            comps.append((w.indexer.compressor, "index"))
-        kv = ops.compress(layer, batch, x, comps, layer_obj.ratio, layer_obj.kind is LayerKind.CSA, inv_freq,
-                          cfg.norm_eps, nm, cfg.nope_dim, kv_in)
-    ops.append_swa(layer, batch, kv)
+def write_step(ops, layer_obj, cache, batch, x, **launch):
+    """The write ops of one layer step, as ``Attention.forward_with_aux`` calls them (no attention): ``ops`` is a
+    backend module (``torch_ops`` / ``triton_ops``). The window KV goes through the torch backend's norm in both
+    cases, so that only the write path is compared. ``launch``: ``plan_write``'s ``parts`` / ``separate_entries``
+    (a launch shape of the same kernels that the rule would not pick for this step)."""
+    plan = ops.plan_step(batch, cache)
+    if launch:
+        from dsv4.kernels.write.plan import plan_write
+
+        lp = plan.layer(layer_obj.kind)
+        write = plan_write(ratio=lp.write.ratio, overlap=lp.write.overlap, has_index=lp.write.has_index,
+                           tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
+                           emit_capacity=batch.emit_capacity.get(lp.write.ratio, 0), **launch)
+        plan = dataclasses.replace(plan, layers={**plan.layers, layer_obj.kind: dataclasses.replace(lp, write=write)})
+    step = layer_obj.layer_step(batch, cache, plan)
+    x = x.to(cache.numerics.act_dtype)
+    kv = torch_ops.window_kv(step, x)
+    kv = ops.window_entries(step, kv) if layer_obj.kind is LayerKind.SWA else ops.compress(step, x, kv)
+    ops.append_swa(step, kv)
     return kv
 
 

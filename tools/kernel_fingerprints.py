@@ -36,7 +36,7 @@ SPECIALISATIONS: list[tuple[str, str, dict]] = [
     ("write_hca_decode", "write", dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, NW=4, NW_INDEX=4, PARTS=8,
                                        ENTRY_PROGRAMS=False)),
     ("write_hca_prefill", "write", dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, NW=4, NW_INDEX=4, PARTS=8,
-                                        ENTRY_PROGRAMS=True, STEP_POOL=True)),
+                                        ENTRY_PROGRAMS=True)),
     ("write_csa_prefill", "write", dict(C=512, M=4, OVERLAP=True, HAS_INDEX=True, NW=1, NW_INDEX=1, PARTS=1,
                                         ENTRY_PROGRAMS=True, num_warps=2)),
     ("write_csa_decode", "write", dict(C=512, M=4, OVERLAP=True, HAS_INDEX=True, NW=1, NW_INDEX=1, PARTS=1,

@@ -66,7 +66,7 @@ KERNELS = {
         {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=8), set()),
     "dequant_ws": ("dsv4.kernels.sparse_attention_sm90_ws:_dequant_probe_kernel",
         {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=4), set()),
-    "write": ("dsv4.kernels.compressor:_write_before_attention_kernel", {
+    "write": ("dsv4.kernels.write.compressor:write_before_attention_kernel", {
         "kv_ptr": "*bf16", "pos_ptr": "*i64", "kv_out_ptr": "*bf16", "start_ptr": "*i64", "end_ptr": "*i64",
         "cu_ptr": "*i32", "slots_ptr": "*i64", "block_tables_ptr": "*i32", "emit_req_ptr": "*i32",
         "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "count_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8",
@@ -74,14 +74,14 @@ KERNELS = {
         dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8,
              num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
-    "window_entries": ("dsv4.kernels.swa_write:_window_entries_kernel", {
+    "window_entries": ("dsv4.kernels.write.window:_window_entries_kernel", {
         "kv_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "out_ptr": "*bf16"},
         dict(BT=4, num_warps=4, enable_fp_fusion=False), set()),
-    "append_swa": ("dsv4.kernels.swa_write:_append_swa_kernel", {
+    "append_swa": ("dsv4.kernels.write.window:_append_swa_kernel", {
         "kvn_ptr": "*bf16", "ring_ptr": "*u8", "ring_pos_ptr": "*i32", "token_slots_ptr": "*i64",
         "ring_slots_ptr": "*i64", "rows_ptr": "*i64", "pos_ptr": "*i64"},
         dict(WINDOW=128, BT=4, num_warps=4, enable_fp_fusion=False), {"ring_page_bytes"}),
-    "csa_entries": ("dsv4.kernels.csa_entries:_csa_entries_kernel", {
+    "csa_entries": ("dsv4.kernels.write.csa_entries:csa_entries_kernel", {
         "mpages_ptr": "*u8", "xpages_ptr": "*u8", "block_tables_ptr": "*i32", "start_ptr": "*i64", "cu_ptr": "*i32",
         "emit_req_ptr": "*i32", "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "eps": "fp32", "kv_ptr": "*bf16",
         "pos_ptr": "*i64", "kv_out_ptr": "*bf16"},
@@ -113,13 +113,13 @@ KERNELS = {
     "topk_bisect_sm90": ("dsv4.kernels.topk_sm90:_bisect_topk_sm90_kernel", {"s_ptr": "*i16", "n_ptr": "*i64",
                                                                              "out_ptr": "*i64"},
         dict(K=512, BLOCK=32768, C=64, FILL=512, NW=16, num_warps=16), {"s_stride", "out_stride"}),
-    "rms_norm_512": ("dsv4.kernels.rms_norm:_rms_norm_512_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32",
+    "rms_norm_512": ("dsv4.kernels.project.rms_norm:_rms_norm_512_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32",
                                                                     "out_ptr": "*bf16", "eps": "fp32"},
         dict(num_warps=1, enable_fp_fusion=False), set()),
-    "rms_norm": ("dsv4.kernels.rms_norm:_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
+    "rms_norm": ("dsv4.kernels.project.rms_norm:_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
                                                             "inv_c": "fp32", "eps": "fp32"},
         dict(BLOCK=1024, num_warps=4, enable_fp_fusion=False), set()),
-    "queries": ("dsv4.kernels.queries:_queries_kernel", {"q_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
+    "queries": ("dsv4.kernels.project.queries:_queries_kernel", {"q_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
                                                          "out_ptr": "*bf16", "eps": "fp32"},
         dict(ROWS=4, num_warps=4, enable_fp_fusion=False), set()),
     "combine": ("dsv4.kernels.sparse_attention:_combine_kernel", {

@@ -466,7 +466,7 @@ def _through_cache(
     for n in chunks:
         res = layer.forward_with_aux(x[at : at + n], cache.prepare_forward({"seq": n}), cache)
         outs.append(res.y)
-        idx.append(res.entry_idx)
+        idx.append(res.attended_entries())
         at += n
     in_use = cache.memory_in_use()
     cache.release("seq")

@@ -1,12 +1,12 @@
 """``dsv4.Attention``: one DeepSeek-V4 attention layer that runs a step of many requests over a ``HybridCache``.
 
 A step carries the new tokens of every scheduled request, concatenated in plan order (``StepBatch``): any mix
-of prefill chunks and decode tokens (1–4 per request for speculative decoding). The layer computes the query
-and KV paths, feeds the compressors (emitting the entries whose window closes in this step into the paged pool),
-runs the indexer (CSA), attends over window ∪ compressed keys with the sink, writes the window ring, and projects
-the output. ``backend="torch"`` runs ``dsv4.ops.torch_ops`` on any device; ``backend="triton"`` runs
-``dsv4.ops.triton_ops`` (Hopper kernels, CUDA tensors); ``"auto"`` picks Triton for CUDA inputs when it is
-available, else torch.
+of prefill chunks and decode tokens (1–4 per request for speculative decoding). ``forward`` calls its backend's
+ops (``dsv4.ops.backend``) top to bottom, SPEC §3 in order: the query path, the window KV, the compressors (their
+entries whose window closes in this step go into the paged pool), the indexer (CSA), attention over window ∪
+compressed keys with the sink, the ring commit, the output projection. ``backend="torch"`` runs
+``dsv4.ops.torch_ops`` on any device; ``backend="triton"`` runs ``dsv4.ops.triton_ops`` (Hopper kernels, CUDA
+tensors); ``"auto"`` picks Triton for CUDA inputs when it is available, else torch.
 """
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ from torch import Tensor
 from .cache.batch import StepBatch
 from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig
-from .ops import backend_ops, triton_available
-from .reference.indexer import indexer_head_weights
-from .reference.layer import grouped_output, query_projection
-from .reference.primitives import linear
+from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
 from .reference.rope import rope_inv_freq
 from .weights import AttentionWeights
 
 __all__ = ["Attention", "BACKENDS", "StepOutputs"]
-
-BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -38,13 +33,21 @@ class StepOutputs:
     Attributes:
         y: ``[T, d]`` layer output (act dtype).
         lse: ``[T, H]`` float32 log-sum-exp of each head's softmax denominator (sink included).
-        entry_idx: int64 ``[T, K]`` compressed entries each token attended (CSA top-k, HCA all visible), −1 =
-            invalid; ``[T, 0]`` for SWA layers.
+        entry_idx: the compressed entries each token attended: CSA int64 ``[T, k]`` top-k (−1 = none); HCA int64
+            ``[T]`` how many it saw (it attends every entry ``i < entry_idx[t]``); SWA ``[T, 0]``.
     """
 
     y: Tensor
     lse: Tensor
     entry_idx: Tensor
+
+    def attended_entries(self) -> Tensor:
+        """int64 ``[T, K]``: the attended entries as a list, −1 padded (HCA's counts expanded)."""
+        if self.entry_idx.dim() == 2:
+            return self.entry_idx
+        n = int(self.entry_idx.max()) if self.entry_idx.numel() else 0
+        idx = torch.arange(n, device=self.entry_idx.device)[None, :].expand(self.entry_idx.shape[0], n)
+        return torch.where(idx < self.entry_idx[:, None], idx, torch.full_like(idx, -1))
 
 
 class Attention:
@@ -85,27 +88,34 @@ class Attention:
         """Whether a step on ``device`` can be captured in a CUDA graph (graph-safe backend, no input check)."""
         return bool(backend_ops(self.backend_for(device)).GRAPH_SAFE) and not self.check_inputs
 
+    def plan_step(self, batch: StepBatch, cache: HybridCache) -> StepPlan:
+        """The step's launch decisions for this layer's backend (build it once per step and pass it to every
+        layer's ``forward``; see ``dsv4.ops.plan``)."""
+        return backend_ops(self.backend_for(cache.device)).plan_step(batch, cache)
+
     def __repr__(self) -> str:
         return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend})"
 
-    def _weights_on(self, device: torch.device, gemm_dtype: torch.dtype | None = None) -> tuple[AttentionWeights, Tensor]:
-        """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused), the
-        projection matrices in ``gemm_dtype`` (the numerics' activation dtype; ``None``: as given)."""
+    def _weights_on(self, device: torch.device, gemm_dtype: torch.dtype) -> tuple[AttentionWeights, Tensor]:
+        """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused): the
+        compressors in FP32 (SPEC §4), the projection matrices in ``gemm_dtype`` (the numerics' activation dtype)."""
         key = (device, gemm_dtype)
         if key not in self._device_weights:
-            w = self.weights.to(device).with_fp32_compressors()
-            if gemm_dtype is not None:
-                w = w.with_gemm_dtype(gemm_dtype)
+            w = self.weights.to(device).with_fp32_compressors().with_gemm_dtype(gemm_dtype)
             self._device_weights[key] = (w, rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[key]
 
-    def _validate(self, x: Tensor, batch: StepBatch, cache: HybridCache) -> None:
+    def _validate(self, x: Tensor, batch: StepBatch, cache: HybridCache, plan: StepPlan | None) -> None:
         if not isinstance(batch, StepBatch):
             raise TypeError(f"batch must be a StepBatch from HybridCache.prepare_forward, got {type(batch).__name__}")
+        if not isinstance(cache, HybridCache):
+            raise TypeError(f"cache must be a HybridCache, got {type(cache).__name__}")
         if cache.cfg != self.cfg:
             raise ValueError(f"cache was built for config {cache.cfg.name!r}, this layer for {self.cfg.name!r}")
         if self.layer_idx not in cache.schemas:
             raise KeyError(f"layer {self.layer_idx} is not held by this cache (cached layers: {cache.layer_indices})")
+        if plan is not None and not isinstance(plan, StepPlan):
+            raise TypeError(f"plan must be a StepPlan from Attention.plan_step, got {type(plan).__name__}")
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape != (batch.num_tokens, self.cfg.hidden_size):
@@ -114,8 +124,11 @@ class Attention:
             )
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-        if self.backend_for(x.device) == "triton" and x.device.type != "cuda":
+        backend = self.backend_for(x.device)
+        if backend == "triton" and x.device.type != "cuda":
             raise ValueError(f"the triton backend needs CUDA tensors, got x on {x.device}")
+        if plan is not None and plan.backend != backend:
+            raise ValueError(f"plan was made by the {plan.backend!r} backend, this layer runs {backend!r}")
         if x.device != cache.device:
             raise ValueError(f"x is on {x.device} but the cache is on {cache.device}")
         if batch.device != cache.device:
@@ -123,60 +136,58 @@ class Attention:
         if self.check_inputs and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or Inf; hidden states must be finite (nothing was written to the cache)")
 
-    def forward(self, x: Tensor, batch: StepBatch, cache: HybridCache) -> Tensor:
+    def layer_step(self, batch: StepBatch, cache: HybridCache, plan: StepPlan) -> LayerStep:
+        """What this layer's ops read in the step (weights on the cache's device, its cache tensors, its plan)."""
+        w, inv_freq = self._weights_on(cache.device, cache.numerics.act_dtype)
+        return LayerStep(self.cfg, self.layer_idx, self.kind, self.ratio, w, inv_freq, cache.numerics,
+                         cache.layer(self.layer_idx), batch, plan.layer(self.kind))
+
+    def forward(self, x: Tensor, batch: StepBatch, cache: HybridCache, plan: StepPlan | None = None) -> Tensor:
         """Run this layer's part of a step; see ``forward_with_aux``. Returns ``[T, d]``."""
-        return self.forward_with_aux(x, batch, cache).y
+        return self.forward_with_aux(x, batch, cache, plan).y
 
     __call__ = forward
 
     @torch.no_grad()
-    def forward_with_aux(self, x: Tensor, batch: StepBatch, cache: HybridCache) -> StepOutputs:
+    def forward_with_aux(self, x: Tensor, batch: StepBatch, cache: HybridCache, plan: StepPlan | None = None
+                         ) -> StepOutputs:
         """Run this layer's part of a step.
 
         Args:
             x: ``[T, d]`` attention inputs of the step's tokens, in plan order (``T = batch.num_tokens``).
             batch: from ``cache.prepare_forward(plan)`` for this step.
             cache: the cache holding this layer.
+            plan: the step's launch decisions (``plan_step``), shared by every layer of the step; ``None``: made on
+                first use and kept on the batch.
         Returns:
             ``StepOutputs`` (``y``: ``[T, d]`` in the numerics' activation dtype). The layer's cache state
             advances by the step. On invalid input nothing is written.
         """
-        self._validate(x, batch, cache)
+        self._validate(x, batch, cache, plan)
         ops = backend_ops(self.backend_for(x.device))
-        cfg, nm = self.cfg, cache.numerics
-        w, inv_freq = self._weights_on(x.device, nm.act_dtype)
-        layer = cache.layer(self.layer_idx)
-        act = nm.act_dtype
-        x = x.to(act)
-        pos = batch.positions
+        if plan is None:
+            plan = batch.plans.get(ops.NAME)
+            if plan is None:
+                plan = batch.plans[ops.NAME] = ops.plan_step(batch, cache)
+        step = self.layer_step(batch, cache, plan)
+        x = x.to(cache.numerics.act_dtype)
 
-        # SPEC §3 steps 1-3 (reference.layer.query_path / window_kv), the norms and the RoPE as backend ops
-        q_proj, q_latent = query_projection(w, cfg, x, nm, norm=ops.rms_norm)
-        q = ops.queries(q_proj, pos, inv_freq, cfg.norm_eps)
-        kv_in = ops.rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps)
-        m, entry_idx = self.ratio, None
+        q_latent = ops.query_latent(step, x)                    # SPEC §3 step 1
+        q = ops.queries(step, q_latent)                         # step 2
+        kv = ops.window_kv(step, x)                             # step 3
         if self.kind is LayerKind.SWA:
-            kv = ops.window_entries(kv_in, pos, inv_freq, nm, cfg.nope_dim)
-        else:
-            # The window entries and every compressor of the layer in one op (one launch on the Triton backend).
-            compressors = [(w.compressor, "kv")]
-            if self.kind is LayerKind.CSA:
-                compressors.append((w.indexer.compressor, "index"))
-            kv = ops.compress(
-                layer, batch, x, compressors, m, self.kind is LayerKind.CSA, inv_freq, cfg.norm_eps, nm, cfg.nope_dim,
-                kv_in,
-            )
-            if self.kind is LayerKind.CSA:
-                q_idx = ops.indexer_queries(q_latent, w.indexer, pos, inv_freq, cfg, nm)
-                head_w = indexer_head_weights(x, w.indexer, cfg, nm)
-                entry_idx = ops.indexer_topk(layer, batch, m, q_idx, head_w, cfg.index_topk, nm.score_dtype)
-            else:
-                entry_idx = ops.all_visible_entries(batch, m)
-
-        o, lse = ops.attend(layer, batch, q, kv, m, entry_idx, w.attn_sink, cfg.softmax_scale, inv_freq, nm)
-        ops.append_swa(layer, batch, kv)
+            kv = ops.window_entries(step, kv)
+            entry_idx = None
+        else:                                                   # SPEC §4: entries closing in this step → pool
+            kv = ops.compress(step, x, kv)
+            if self.kind is LayerKind.CSA:                      # SPEC §5–6: the lightning indexer's top-k
+                q_idx = ops.indexer_queries(step, q_latent)
+                entry_idx = ops.indexer_topk(step, q_idx, ops.indexer_weights(step, x))
+            else:                                               # HCA: every visible entry
+                entry_idx = ops.visible_entries(step)
+        o, lse = ops.attend(step, q, kv, entry_idx)             # steps 4–6
+        ops.append_swa(step, kv)
+        y = ops.output(step, o)                                 # step 7
         if entry_idx is None:
             entry_idx = torch.empty((batch.num_tokens, 0), dtype=torch.int64, device=x.device)
-        elif entry_idx.dim() == 1:  # HCA on the Triton backend: per-token counts; StepOutputs keeps the [T, N] list
-            entry_idx = backend_ops("torch").all_visible_entries(batch, m)
-        return StepOutputs(grouped_output(w, cfg, o, nm), lse, entry_idx)
+        return StepOutputs(y, lse, entry_idx)

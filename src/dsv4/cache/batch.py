@@ -29,7 +29,7 @@ Graph-safe kernels read only the fixed-shape device tensors (never ``num_emit`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -104,6 +104,10 @@ class StepBatch:
         emit_pad_request[m]: int32 [emit_capacity[m]] — ``emit_request[m]`` followed by −1 padding.
         emit_pad_entry[m]: int64 [emit_capacity[m]] — ``emit_entry[m]`` followed by 0 padding.
         num_emit_device[m]: int32 [1] — E_m on the device.
+
+    Launch plans:
+        plans: ``{backend name: ops.plan.StepPlan}`` — the step's launch decisions, made on first use by a layer
+            (``dsv4.Attention``) and shared by every layer of the step (they depend only on the fixed shapes above).
     """
 
     request_ids: list[str]
@@ -140,6 +144,7 @@ class StepBatch:
     emit_pad_request: dict[int, Tensor] = field(default_factory=dict)
     emit_pad_entry: dict[int, Tensor] = field(default_factory=dict)
     num_emit_device: dict[int, Tensor] = field(default_factory=dict)
+    plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
     _STATIC = (

@@ -1,5 +1,12 @@
-"""Triton kernels for Hopper GPUs (H100/H200). Each module holds one kernel family: its ``@triton.jit`` kernels
-and their launchers; ``dsv4.ops.triton_*`` glue them into the backend interface (``dsv4.ops.BACKEND_OPS``).
+"""Triton / Gluon kernels for Hopper GPUs, by stage of a layer step (``docs/architecture.md``):
 
-Importing a kernel module needs ``triton``; this package itself imports nothing so that CPU-only installs work.
+* ``project``   — the layer's RMSNorms and the queries' per-head RMSNorm + RoPE;
+* ``write``     — window entries, the compressors' pooling into the paged pool, the SWA ring commit;
+* ``indexer``   — the lightning indexer: MXFP4 queries, paged scores, top-k;
+* ``attention`` — sparse attention with sink over window ∪ compressed entries.
+
+Each stage has a ``plan`` (its launch decisions for a step, host only) and launchers that consume it. Shared:
+``device`` (device facts, entry layout), ``constants`` (the layout as Triton constexprs), ``quant`` (number-format
+device helpers), ``rope``, ``torch_order`` (torch's reduction orders), ``ptx`` (inline-PTX texts).
+``dsv4.ops.triton_*`` glue them into the backend interface (``dsv4.ops.backend``).
 """

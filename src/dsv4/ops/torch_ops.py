@@ -1,87 +1,72 @@
-"""The stages of one attention step over the cache, in plain torch (any device): the oracle for the kernels.
+"""The torch backend: the ops of one layer step (``ops.backend``) in plain torch, on any device — the oracle the
+kernels are tested against.
 
-Every op reads the ``StepBatch`` built by ``HybridCache.prepare_forward`` and the tensors of one cached layer
-(``LayerCache``). The math is the reference's (``dsv4.reference``); these functions only decide where each
-operand comes from (the step's fresh tokens, the per-request state, or the paged pool) and where results go.
-
-Order inside a layer's step (see ``dsv4.layer.Attention``): compressor accumulate + flush (entries that close in
-this step become visible to this step's queries), indexer top-k, window keys (ring ∪ this step's tokens), gather
-of compressed keys, attention with sink, and last ``append_swa`` (a multi-token step would otherwise overwrite
-ring slots that its own earlier queries still read).
+The math is the reference's (``dsv4.reference``); these functions only decide where each operand comes from (the
+step's fresh tokens, the per-request state, or the paged pool) and where results go. Host loops over requests and
+boolean-mask indexing make it unfit for CUDA graphs (``GRAPH_SAFE = False``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from ..cache.batch import StepBatch
-from ..cache.manager import LayerCache
+from ..cache.manager import HybridCache, LayerCache
 from ..cache.storage import EntryStorage
+from ..config import LayerKind
 from ..reference.compressor import finish_entries, pool_windows, project
 from ..reference.core import attend_with_sink, window_indices
-from ..config import ModelConfig
-from ..numerics import Numerics
 from ..reference.indexer import index_scores, indexer_queries as _reference_indexer_queries, select_topk
-from ..reference.primitives import rms_norm as _reference_rms_norm
+from ..reference.primitives import rms_norm
 from ..reference.rope import apply_rope
-from ..weights import CompressorWeights, IndexerWeights
+from ..weights import CompressorWeights
+from . import projections
+from .plan import StepPlan
+from .step import LayerStep
 
 __all__ = [
-    # the backend interface (dsv4.ops.BACKEND_OPS), called by dsv4.Attention
-    "rms_norm", "queries", "window_entries", "compress", "indexer_queries", "indexer_topk", "all_visible_entries", "attend",
-    "append_swa",
-    # building blocks of the torch backend
-    "window_keys", "compressor_step", "write_entries", "gather", "sparse_attention", "visible_entries",
+    "GRAPH_SAFE", "NAME", "plan_step",
+    # the ops, in call order (ops.backend.OP_NAMES)
+    "query_latent", "queries", "window_kv", "window_entries", "compress", "indexer_queries", "indexer_weights",
+    "indexer_topk", "visible_entries", "attend", "append_swa", "output",
+    # building blocks
+    "compressor_step", "entry_lists", "gather", "request_index_keys", "window_keys",
 ]
 
-GRAPH_SAFE = False  # host loops and boolean-mask indexing: the oracle, not for CUDA graphs
+NAME = "torch"
+GRAPH_SAFE = False
 
 
-def visible_entries(batch: StepBatch, m: int) -> Tensor:
-    """Compressed entries each token may see, ``(pos + 1) // m`` (the prototype's compute_valid_lens, computed from
-    positions, not block counts). Returns int64 ``[T]``."""
-    return batch.visible_entries[m]
+def plan_step(batch: StepBatch, cache: HybridCache) -> StepPlan:
+    """The torch backend decides nothing ahead: an empty plan."""
+    return StepPlan.empty(NAME)
 
 
-# ------------------------------------------------------------------------------------------------ queries
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``reference.primitives.rms_norm``: ``weight ⊙ x / sqrt(mean(x²) + eps)`` over the last dim, in FP32, cast
-    back to ``x``'s dtype (``c^Q`` and the window KV ``RMSNorm(W_kv x)``).
-
-    Args:
-        x: ``[rows, C]`` act dtype; weight: ``[C]``; eps: the epsilon. Returns ``[rows, C]`` act dtype.
-    """
-    return _reference_rms_norm(x, weight, eps)
+# ------------------------------------------------------------------------------------------------ queries, window KV
+def query_latent(step: LayerStep, x: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.query_latent``."""
+    return projections.query_latent(step, x, rms_norm)
 
 
-def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
-    """The attention queries from their projection (SPEC §3 step 2): per-head unweighted RMSNorm, then RoPE.
-
-    Args:
-        q: ``[T, H, D]`` act dtype, ``W_qb c^Q`` split into heads.
-        positions: int64 ``[T]``; inv_freq: float32 ``[R/2]``; eps: the RMSNorm epsilon.
-    Returns:
-        ``[T, H, D]`` act dtype.
-    """
-    return apply_rope(_reference_rms_norm(q, None, eps), positions, inv_freq)
+def queries(step: LayerStep, q_latent: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.queries``: per-head unweighted RMSNorm, then RoPE (SPEC §3 step 2)."""
+    q = projections.query_projection(step, q_latent)
+    return apply_rope(rms_norm(q, None, step.cfg.norm_eps), step.positions, step.inv_freq)
 
 
-# ------------------------------------------------------------------------------------------------ sliding window
-def window_entries(kv: Tensor, positions: Tensor, inv_freq: Tensor, numerics: Numerics, nope_dim: int) -> Tensor:
+def window_kv(step: LayerStep, x: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.window_kv``."""
+    return projections.window_kv(step, x, rms_norm)
+
+
+def window_entries(step: LayerStep, kv: Tensor) -> Tensor:
     """The step's window entries as stored: RoPE on the last dims, then rounded to the KV storage format.
-
-    Args:
-        kv: ``[T, D]`` act dtype, ``RMSNorm(W_kv x)`` of the step's tokens.
-        positions: int64 ``[T]``; inv_freq: float32 ``[R/2]``.
-    Returns:
-        ``[T, D]`` act dtype: each token's key/value exactly as the ring will hold it.
-    """
-    return numerics.qdq_kv(apply_rope(kv, positions, inv_freq), nope_dim)
+    ``[T, D]`` act dtype → ``[T, D]`` act dtype (each token's key/value exactly as the ring will hold it)."""
+    return step.numerics.qdq_kv(apply_rope(kv, step.positions, step.inv_freq), step.cfg.nope_dim)
 
 
 def window_keys(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,53 +93,32 @@ def window_keys(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> tuple[Te
     return keys, (pos >= 0) & (in_step | ring_holds)
 
 
-def append_swa(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> None:
-    """Write this step's window entries into each request's ring (slot ``p mod W``) with their positions.
-
-    Only a request's last ``W`` tokens of the step are written (``batch.ring_rows``): earlier ones would be
-    overwritten within the same step, so the writes never collide.
-    """
-    keep = batch.ring_rows
-    slots, ring_slots = batch.token_slots[keep], batch.ring_slots[keep]
-    layer.schema.kv_storage.write(layer.ring, slots, ring_slots, kv_new[keep].float())
-    layer.ring_positions[slots, ring_slots] = batch.positions[keep].to(layer.ring_positions.dtype)
-
-
-# ------------------------------------------------------------------------------------------------ compressor
+# ------------------------------------------------------------------------------------------------ compressors
 def compressor_step(
-    x: Tensor,
-    cw: CompressorWeights,
-    state: dict[str, Tensor],
-    prefix: str,
-    batch: StepBatch,
-    m: int,
-    overlap: bool,
-    inv_freq: Tensor,
-    eps: float,
-    act_dtype: torch.dtype,
+    step: LayerStep, x: Tensor, cw: CompressorWeights, prefix: str,
 ) -> Tensor:
-    """Accumulate this step's tokens into the compressor tails and pool every window that closes (SPEC §4.4).
+    """Accumulate this step's tokens into one compressor's tails and pool every window that closes (SPEC §4.4).
 
     Args:
         x: ``[T, d]`` the step's attention inputs.
-        cw: compressor weights (``ape`` is ``[m, width]``).
-        state: the layer's state tensors; uses ``{prefix}tail_kv / tail_gate`` fp32 ``[R, m, width]`` (current
-            partial window, row ``p mod m``) and, when ``overlap``, ``{prefix}prev_kv / prev_gate`` fp32 ``[R, m, c]``
-            (first-half features of the last closed window; 0 / −inf after a reset). Updated in place.
-        prefix: ``""`` for the main compressor, ``"index_"`` for the CSA indexer's.
-        batch: the step; entries emitted are ``batch.emit_*[m]`` (E of them, ``batch.num_emit[m]``).
-        overlap: CSA-style ``2m`` slots (previous window's ``[:c]`` + own ``[c:]``) or HCA-style ``m`` slots.
+        cw: the compressor's weights (``ape`` is ``[m, width]``).
+        prefix: ``""`` for the main compressor, ``"index_"`` for the CSA indexer's; the layer's state tensors
+            ``{prefix}tail_kv / tail_gate`` fp32 ``[R, m, width]`` (current partial window, row ``p mod m``) and, CSA,
+            ``{prefix}prev_kv / prev_gate`` fp32 ``[R, m, c]`` (first-half features of the last closed window;
+            0 / −inf after a reset) are updated in place.
     Returns:
-        ``[E, c]`` the emitted entries in ``act_dtype`` (normed, RoPE at ``i·m``; not yet quantized), in the order
+        ``[E, c]`` the emitted entries in the act dtype (normed, RoPE at ``i·m``; not yet quantized), in the order
         of ``batch.emit_*[m]``.
     """
+    batch, m, overlap = step.batch, step.ratio, step.kind is LayerKind.CSA
+    state = step.cache.state
     tail_kv, tail_gate = state[f"{prefix}tail_kv"], state[f"{prefix}tail_gate"]
     R, width = tail_kv.shape[0], tail_kv.shape[-1]
     T = batch.num_tokens
     a, z = project(x, cw, batch.positions)  # [T, width] fp32, gate biased at p mod m
 
     E = batch.num_emit[m]
-    entries = x.new_zeros((0, cw.norm.shape[0]), dtype=act_dtype)
+    entries = x.new_zeros((0, cw.norm.shape[0]), dtype=step.numerics.act_dtype)
     own_kv = own_gate = None
     if E:
         e_req = batch.emit_request[m].long()
@@ -186,7 +150,8 @@ def compressor_step(
             slots_gate = torch.cat((src_gate[prev_idx], own_gate[..., c:]), dim=1)
         else:
             slots_kv, slots_gate = own_kv, own_gate
-        entries = finish_entries(pool_windows(slots_kv, slots_gate), cw.norm, batch.emit_position[m], inv_freq, eps, act_dtype)
+        entries = finish_entries(pool_windows(slots_kv, slots_gate), cw.norm, batch.emit_position[m], step.inv_freq,
+                                 step.cfg.norm_eps, step.numerics.act_dtype)
 
     # Tail: tokens of each request's final, still open window.
     req = batch.token_request.long()
@@ -206,53 +171,37 @@ def compressor_step(
     return entries
 
 
-def compress(
-    layer: LayerCache,
-    batch: StepBatch,
-    x: Tensor,
-    compressors: Sequence[tuple[CompressorWeights, str]],
-    m: int,
-    overlap: bool,
-    inv_freq: Tensor,
-    eps: float,
-    numerics: Numerics,
-    nope_dim: int,
-    window_kv: Tensor,
-) -> Tensor:
-    """A compressed layer's writes before attention: the step's window entries, and every compressor's
-    accumulate + flush (pool every closing window, quantize, scatter into the pool through the block table).
-
-    One op for all of them so that a backend can fuse them into one launch (the Triton backend does).
-
-    Args:
-        x: ``[T, d]`` the step's attention inputs (act dtype).
-        compressors: ``(weights, role)`` pairs, in order: role ``"kv"`` (main entries → ``layer.kv_pages``, KV
-            format) and, for CSA, ``"index"`` (indexer keys → ``layer.index_pages``, index format).
-        m, overlap: the compression ratio and CSA-style overlap (see ``compressor_step``).
-        window_kv: ``[T, D]`` ``RMSNorm(W_kv x)`` of the step's tokens (the input of ``window_entries``).
-    Returns:
-        ``window_entries(window_kv, batch.positions, …)``: ``[T, D]`` act dtype, the window entries as stored.
-    """
-    kv = window_entries(window_kv, batch.positions, inv_freq, numerics, nope_dim)
-    for cw, role in compressors:
-        if role == "kv":
-            entries = compressor_step(x, cw, layer.state, "", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
-            write_entries(layer.kv_pages, layer.schema.kv_storage, batch, m, numerics.qdq_kv(entries, nope_dim))
-        elif role == "index":
-            entries = compressor_step(x, cw, layer.state, "index_", batch, m, overlap, inv_freq, eps, numerics.act_dtype)
-            write_entries(layer.index_pages, layer.schema.index_storage, batch, m, numerics.qdq_index(entries))
-        else:
-            raise ValueError(f"role must be 'kv' or 'index', got {role!r}")
-    return kv
-
-
-def write_entries(pages: Tensor, storage: EntryStorage, batch: StepBatch, m: int, entries: Tensor) -> None:
+def _write_entries(pages: Tensor, storage: EntryStorage, batch: StepBatch, m: int, entries: Tensor) -> None:
     """Scatter the step's emitted entries ``[E, c]`` (already rounded) into the pool through the block table."""
     if batch.num_emit[m]:
         storage.write(pages, batch.emit_block[m], batch.emit_slot[m], entries.float())
 
 
-# ------------------------------------------------------------------------------------------------ pool reads
+def compress(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.compress``: the window entries (``window_entries``), then the main
+    compressor's entries into ``kv_pages`` (KV format) and, CSA, the indexer's keys into ``index_pages``."""
+    layer, nm, nope = step.cache, step.numerics, step.cfg.nope_dim
+    window = window_entries(step, kv)
+    main = compressor_step(step, x, step.weights.compressor, "")
+    _write_entries(layer.kv_pages, layer.schema.kv_storage, step.batch, step.ratio, nm.qdq_kv(main, nope))
+    if step.weights.indexer is not None:
+        keys = compressor_step(step, x, step.weights.indexer.compressor, "index_")
+        _write_entries(layer.index_pages, layer.schema.index_storage, step.batch, step.ratio, nm.qdq_index(keys))
+    return window
+
+
+# ------------------------------------------------------------------------------------------------ indexer
+def indexer_queries(step: LayerStep, q_latent: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.indexer_queries``: float32 ``[T, H_I, c_I]`` on the index format's grid."""
+    return _reference_indexer_queries(q_latent, step.weights.indexer, step.positions, step.inv_freq, step.cfg,
+                                      step.numerics)
+
+
+def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.indexer_weights``."""
+    return projections.indexer_weights(step, x)
+
+
 def _max_entries(batch: StepBatch, m: int) -> int:
     """The most compressed entries any request of the step has after it (host arithmetic, no sync)."""
     return max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
@@ -265,6 +214,46 @@ def _entry_addresses(batch: StepBatch, m: int, token_req: Tensor, idx: Tensor) -
     return block.clamp(min=0), (first_pos % batch.block_size) // m
 
 
+def request_index_keys(layer: LayerCache, batch: StepBatch, m: int) -> Iterator[tuple[slice, Tensor]]:
+    """Each request's indexer keys after the step, read from the pool (a host loop over requests).
+
+    Yields ``(rows, keys)``: the request's token rows of the step and float32 ``[n_entries, c_I]`` keys, for every
+    request with at least one entry.
+    """
+    cu = [0, *itertools.accumulate(batch.num_new)]
+    for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):
+        n_entries = (s + n) // m
+        if n_entries == 0 or n == 0:
+            continue
+        idx = torch.arange(n_entries, device=batch.device)
+        block, slot = _entry_addresses(batch, m, torch.full_like(idx, b), idx)
+        yield slice(cu[b], cu[b + 1]), layer.schema.index_storage.read(layer.index_pages, block, slot)
+
+
+def indexer_topk(step: LayerStep, q_idx: Tensor, head_weights: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.indexer_topk``. Returns int64 ``[T, min(k, N)]`` (N = the most entries any
+    request of the step has), −1 padded."""
+    batch, m, k = step.batch, step.ratio, step.cfg.index_topk
+    out = torch.full((batch.num_tokens, min(k, _max_entries(batch, m))), -1, dtype=torch.int64, device=q_idx.device)
+    for rows, keys in request_index_keys(step.cache, batch, m):
+        scores = index_scores(q_idx[rows], head_weights[rows], keys, step.numerics.score_dtype)
+        chosen = select_topk(scores, batch.visible_entries[m][rows], k)
+        out[rows, : chosen.shape[1]] = chosen
+    return out
+
+
+def visible_entries(step: LayerStep) -> Tensor:
+    """See ``backend.AttentionBackend.visible_entries``: ``(t + 1) // m`` per token, int64 ``[T]``."""
+    return step.batch.visible_entries[step.ratio]
+
+
+def entry_lists(counts: Tensor, n: int) -> Tensor:
+    """HCA: every visible entry as a list, ``[T, n]`` int64, −1 where ``i ≥ counts[t]`` (counts int ``[T]``)."""
+    idx = torch.arange(n, device=counts.device)[None, :].expand(counts.shape[0], n)
+    return torch.where(idx < counts[:, None], idx, torch.full_like(idx, -1))
+
+
+# ------------------------------------------------------------------------------------------------ attention
 def gather(layer: LayerCache, batch: StepBatch, m: int, entry_idx: Tensor, dtype: torch.dtype) -> Tensor:
     """Dense tile of the compressed entries each token attends (the prototype's gather_kv); −1 → zeros.
 
@@ -282,101 +271,31 @@ def gather(layer: LayerCache, batch: StepBatch, m: int, entry_idx: Tensor, dtype
     return vals.masked_fill((entry_idx < 0)[..., None], 0.0).to(dtype)
 
 
-def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
-    """HCA: every entry visible to each token, −1 padded to the step's largest count. int64 ``[T, N]``."""
-    n_max = _max_entries(batch, m)
-    vis = batch.visible_entries[m]
-    idx = torch.arange(n_max, device=vis.device)[None, :].expand(vis.shape[0], n_max)
-    return torch.where(idx < vis[:, None], idx, torch.full_like(idx, -1))
-
-
-def indexer_queries(
-    q_latent: Tensor, iw: IndexerWeights, positions: Tensor, inv_freq: Tensor, cfg: ModelConfig, numerics: Numerics
-) -> Tensor:
-    """Indexer queries (SPEC §5): ``W_Iq c^Q`` per head, RoPE, rounded as the index format (Hadamard + quant).
-
-    Returns float32 ``[T, H_I, c_I]``; ``indexer_topk`` of the same backend consumes them.
-    """
-    return _reference_indexer_queries(q_latent, iw, positions, inv_freq, cfg, numerics)
-
-
-def indexer_topk(
-    layer: LayerCache, batch: StepBatch, m: int, q_idx: Tensor, head_weights: Tensor, k: int, score_dtype: torch.dtype
-) -> Tensor:
-    """Index scores over each request's indexer keys in the pool, then causal top-k (SPEC §5–6).
-
-    Args:
-        q_idx: ``[T, H_I, c_I]`` float32 indexer queries (rounded as the index format).
-        head_weights: ``[T, H_I]`` float32.
-        k: ``index_topk``.
-    Returns:
-        int64 ``[T, min(k, N)]`` entry indices, −1 padded (N = the most entries any request of the step has).
-    """
-    out = torch.full((batch.num_tokens, min(k, _max_entries(batch, m))), -1, dtype=torch.int64, device=q_idx.device)
-    for rows, keys in request_index_keys(layer, batch, m):
-        scores = index_scores(q_idx[rows], head_weights[rows], keys, score_dtype)
-        chosen = select_topk(scores, batch.visible_entries[m][rows], k)
-        out[rows, : chosen.shape[1]] = chosen
-    return out
-
-
-def request_index_keys(layer: LayerCache, batch: StepBatch, m: int) -> Iterator[tuple[slice, Tensor]]:
-    """Each request's indexer keys after the step, read from the pool (a host loop over requests: the oracle's
-    way, and the fallback of formats without a kernel).
-
-    Yields ``(rows, keys)``: the request's token rows of the step and float32 ``[n_entries, c_I]`` keys, for every
-    request with at least one entry.
-    """
-    cu = [0, *itertools.accumulate(batch.num_new)]
-    for b, (s, n) in enumerate(zip(batch.start_positions, batch.num_new)):
-        n_entries = (s + n) // m
-        if n_entries == 0 or n == 0:
-            continue
-        idx = torch.arange(n_entries, device=batch.device)
-        block, slot = _entry_addresses(batch, m, torch.full_like(idx, b), idx)
-        yield slice(cu[b], cu[b + 1]), layer.schema.index_storage.read(layer.index_pages, block, slot)
-
-
-# ------------------------------------------------------------------------------------------------ attention
-def attend(
-    layer: LayerCache,
-    batch: StepBatch,
-    q: Tensor,
-    kv_new: Tensor,
-    m: int,
-    entry_idx: Tensor | None,
-    sink: Tensor,
-    scale: float,
-    inv_freq: Tensor,
-    numerics: Numerics,
-) -> tuple[Tensor, Tensor]:
-    """Attention of the step's queries over their window (ring ∪ this step's entries) and compressed entries,
-    then the inverse RoPE at each query's position.
-
-    Args:
-        q: ``[T, H, D]`` queries (head-normed, RoPE'd), act dtype.
-        kv_new: ``[T, D]`` this step's window entries as stored (``window_entries``).
-        m: the layer's compression ratio (0 for SWA layers).
-        entry_idx: int64 ``[T, K]`` compressed entries of each token's request to attend (CSA top-k, HCA all
-            visible), −1 = none; ``None`` for SWA layers.
-        sink: ``[H]`` float32 per-head sink logits; scale: softmax scale; inv_freq: float32 ``[R/2]``.
-    Returns:
-        ``o`` ``[T, H, D]`` act dtype (inverse RoPE applied on the last R dims), ``lse`` ``[T, H]`` float32 (sink
-        included).
-    """
-    keys, valid = window_keys(layer, batch, kv_new)
+def attend(step: LayerStep, q: Tensor, kv: Tensor, entry_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+    """See ``backend.AttentionBackend.attend``."""
+    batch, layer, nm = step.batch, step.cache, step.numerics
+    keys, valid = window_keys(layer, batch, kv)
     if entry_idx is not None:
-        keys = torch.cat((keys, gather(layer, batch, m, entry_idx, kv_new.dtype)), dim=1)
+        if entry_idx.dim() == 1:  # HCA: every entry i < count
+            entry_idx = entry_lists(entry_idx, _max_entries(batch, step.ratio))
+        keys = torch.cat((keys, gather(layer, batch, step.ratio, entry_idx, kv.dtype)), dim=1)
         valid = torch.cat((valid, entry_idx >= 0), dim=1)
-    o, lse = sparse_attention(q, keys, valid, sink, scale, numerics.prob_dtype, numerics.act_dtype)
-    return apply_rope(o, batch.positions, inv_freq, inverse=True), lse
+    o, lse = attend_with_sink(q, keys, valid, step.weights.attn_sink, step.cfg.softmax_scale, nm.prob_dtype,
+                              nm.act_dtype)
+    return apply_rope(o, batch.positions, step.inv_freq, inverse=True), lse
 
 
-def sparse_attention(
-    q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: float, prob_dtype: torch.dtype, out_dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """One softmax over each token's keys (window ∪ compressed) with the per-head sink; returns ``(o, lse)``.
+def append_swa(step: LayerStep, kv: Tensor) -> None:
+    """See ``backend.AttentionBackend.append_swa``. Only a request's last ``W`` tokens of the step are written
+    (``batch.ring_rows``): earlier ones would be overwritten within the same step, so the writes never collide."""
+    layer, batch = step.cache, step.batch
+    keep = batch.ring_rows
+    slots, ring_slots = batch.token_slots[keep], batch.ring_slots[keep]
+    layer.schema.kv_storage.write(layer.ring, slots, ring_slots, kv[keep].float())
+    layer.ring_positions[slots, ring_slots] = batch.positions[keep].to(layer.ring_positions.dtype)
 
-    Shapes as ``dsv4.reference.attend_with_sink``: q ``[T, H, D]``, keys ``[T, K, D]``, valid ``[T, K]``.
-    """
-    return attend_with_sink(q, keys, valid, sink, scale, prob_dtype, out_dtype)
+
+# ------------------------------------------------------------------------------------------------ output
+def output(step: LayerStep, o: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.output``."""
+    return projections.output(step, o)

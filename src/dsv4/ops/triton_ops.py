@@ -1,41 +1,90 @@
-"""The Triton backend: each op of ``dsv4.ops.BACKEND_OPS`` from its kernel module in ``dsv4.kernels``.
+"""The Triton backend: the ops of one layer step (``ops.backend``) on Triton / Gluon kernels for Hopper GPUs
+(CUDA tensors; the Triton interpreter runs them on the CPU for tests), in call order:
 
-The glue modules (one per kernel family, each owning its launches and buffers):
+* ``query_latent``, ``queries``, ``window_kv``, ``window_entries``, ``compress``, ``append_swa`` —
+  ``triton_write`` (``kernels.project``, ``kernels.write``);
+* ``indexer_queries``, ``indexer_weights``, ``indexer_topk`` — ``triton_indexer`` (``kernels.indexer``);
+* ``visible_entries``, ``attend`` — ``triton_attention`` (``kernels.attention``);
+* ``output`` — the grouped output projection (``ops.projections``).
 
-* ``triton_write``     — ``rms_norm``, ``queries``, ``window_entries``, ``compress``, ``append_swa`` (the write
-  path, and the norms and query RoPE ahead of it);
-* ``triton_indexer``   — ``indexer_queries``, ``indexer_topk`` (MXFP4 scores + radix top-k);
-* ``triton_attention`` — ``all_visible_entries``, ``attend`` (sparse attention over the 584-B pages).
-
-An op whose glue module is not present runs the torch backend's version; ``TORCH_FALLBACKS`` lists them, and the
-backend is graph-safe only when no op falls back.
+``plan_step`` makes every launch decision of a step once (``ops.plan.StepPlan``); the ops only consume it. A stage
+whose plan is ``None`` (a format or geometry the kernels do not handle) runs the torch backend's op.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import torch
+from torch import Tensor
 
-from . import BACKEND_OPS, torch_ops
+from ..cache.batch import StepBatch
+from ..cache.manager import HybridCache
+from ..config import LayerKind
+from ..kernels.device import runs_here
+from ..kernels.write.plan import plan_write
+from . import projections, triton_attention, triton_indexer
+from .plan import LayerPlan, StepPlan
+from .step import LayerStep
+from .triton_write import append_swa, compress, kernels_handle, queries, query_latent, window_entries, window_kv
 
-_GLUE = {
-    "triton_write": ("rms_norm", "queries", "window_entries", "compress", "append_swa"),
-    "triton_indexer": ("indexer_queries", "indexer_topk"),
-    "triton_attention": ("all_visible_entries", "attend"),
-}
+__all__ = [
+    "GRAPH_SAFE", "NAME", "plan_step",
+    "query_latent", "queries", "window_kv", "window_entries", "compress", "indexer_queries", "indexer_weights",
+    "indexer_topk", "visible_entries", "attend", "append_swa", "output",
+]
 
-TORCH_FALLBACKS: list[str] = []
-for _module_name, _ops in _GLUE.items():
-    _full = f"{__package__}.{_module_name}"
-    _module = importlib.import_module(_full) if importlib.util.find_spec(_full) is not None else None
-    for _op in _ops:
-        if _module is None:
-            TORCH_FALLBACKS.append(_op)
-            globals()[_op] = getattr(torch_ops, _op)
-        else:
-            globals()[_op] = getattr(_module, _op)
+NAME = "triton"
+GRAPH_SAFE = True
 
-assert set(BACKEND_OPS) == {op for ops in _GLUE.values() for op in ops}
-GRAPH_SAFE = not TORCH_FALLBACKS
 
-__all__ = [*BACKEND_OPS, "GRAPH_SAFE", "TORCH_FALLBACKS"]
+def plan_step(batch: StepBatch, cache: HybridCache) -> StepPlan:
+    """The step's launch decisions for every layer kind ``cache`` holds (host arithmetic on the batch's shape)."""
+    nm, cfg = cache.numerics, cache.cfg
+    kernels = (runs_here(batch.positions) and nm.act_dtype == torch.bfloat16
+               and (cfg.head_dim, cfg.rope_dim) == (512, 64))
+    formats = kernels and kernels_handle(nm, cfg.nope_dim, cfg.head_dim, cfg.index_head_dim)
+    layers: dict[LayerKind, LayerPlan] = {}
+    for schema in cache.schemas.values():
+        kind, m = schema.kind, schema.ratio
+        if kind in layers:
+            continue
+        write = None
+        if formats and (m == 0 or batch.block_size % m == 0):
+            write = plan_write(ratio=m, overlap=kind is LayerKind.CSA, has_index=kind is LayerKind.CSA,
+                               tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
+                               emit_capacity=batch.emit_capacity.get(m, 0))
+        layers[kind] = LayerPlan(kind, kernels=kernels, write=write)
+    summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"
+    return StepPlan(NAME, layers, summary)
+
+
+def indexer_queries(step: LayerStep, q_latent: Tensor):
+    """See ``backend.AttentionBackend.indexer_queries`` (``triton_indexer.IndexerQueries``)."""
+    return triton_indexer.indexer_queries(q_latent, step.weights.indexer, step.positions, step.inv_freq, step.cfg,
+                                          step.numerics)
+
+
+def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.indexer_weights``."""
+    return projections.indexer_weights(step, x)
+
+
+def indexer_topk(step: LayerStep, q_idx, head_weights: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.indexer_topk``: fixed width ``[T, k]``, −1 padded (graph-safe)."""
+    return triton_indexer.indexer_topk(step.cache, step.batch, step.ratio, q_idx, head_weights, step.cfg.index_topk,
+                                       step.numerics.score_dtype)
+
+
+def visible_entries(step: LayerStep) -> Tensor:
+    """See ``backend.AttentionBackend.visible_entries``."""
+    return step.batch.visible_entries[step.ratio]
+
+
+def attend(step: LayerStep, q: Tensor, kv: Tensor, entry_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+    """See ``backend.AttentionBackend.attend``."""
+    return triton_attention.attend(step.cache, step.batch, q, kv, step.ratio, entry_idx, step.weights.attn_sink,
+                                   step.cfg.softmax_scale, step.inv_freq, step.numerics)
+
+
+def output(step: LayerStep, o: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.output``."""
+    return projections.output(step, o)

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .csa_entries import add_chunk_squares, entry_rms_scale, zero_square_sums
-from .quant import bf16_round, rsqrtf
+from ..torch_order import add_chunk_squares, entry_rms_scale, zero_square_sums
+from ..quant import bf16_round, rsqrtf
 
 __all__ = ["rms_norm"]
 

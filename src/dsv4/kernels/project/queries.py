@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import bf16_pair_words, bf16_pairs, bf16_round, rsqrtf
-from .swa_write import rope_pairs
+from ..quant import bf16_pair_words, bf16_pairs, bf16_round, rsqrtf
+from ..rope import rope_pairs
 
 __all__ = ["queries"]
 

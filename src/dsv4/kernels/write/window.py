@@ -1,12 +1,12 @@
 """Sliding-window writes (SPEC §3 step 3, §7.2): the step's window entries and the SWA ring commit.
 
-Two pieces, both bit-exact with the torch backend (``torch_ops.window_entries`` / ``torch_ops.append_swa``):
+Two pieces, both bit-exact with the torch backend (the torch backend's ``window_entries`` / ``append_swa``):
 
 * ``window_entries_block`` (device function, also launched alone by ``window_entries``): for a block of
   ``BT`` tokens, RoPE on the last 64 dims at each token's position (fp32, rounded once to BF16), then the
   official FP8 quantize→dequantize of the 448 nope dims (block 64, power-of-two scales). Writes the entries
   *as stored* (BF16 ``[T, 512]``), which the attention of the same step reads. The compressor's fused launch
-  (``dsv4.kernels.compressor``) calls the same device function for its window programs.
+  (``write.compressor``) calls the same device function for its window programs.
 * ``append_swa`` (its own launch, after attention): encodes each kept token's entry into the 584-B
   ``fp8_ds_mla`` format and writes it, with its position, into ring slot ``p mod window`` of the request's ring
   page. Encoding the stored values again is what the torch backend does (``storage.write(kv_new)``); it equals
@@ -23,27 +23,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import bf16_pair_words, bf16_pairs, bf16_round, cosf, fp8_block_qdq, sinf
+from ..constants import KV_DATA_BYTES, KV_DIM, KV_NOPE_DIM, KV_SCALE_BYTES
+from ..quant import bf16_pair_words, bf16_round, bf16_pairs, fp8_block_qdq
+from ..rope import rope_pairs
 
-__all__ = ["window_entries_block", "window_entries", "append_swa"]
+__all__ = ["append_swa", "window_entries", "window_entries_block"]
 
-KV_DIM = 512
-NOPE = 448
-DATA_BYTES = 576
-SCALE_BYTES = 8
-
-
-@triton.jit
-def rope_pairs(re, im, pos_f, inv_freq):
-    """Rotate adjacent pairs ``(re, im)`` by ``pos·ω`` as ``reference.rope.apply_rope`` (fp32, no FMA contraction).
-
-    Args: ``re``, ``im`` fp32 ``[..., 32]``; ``pos_f`` fp32 broadcastable to them (``[..., 1]``); ``inv_freq``
-    fp32 ``[32]``. Returns the rotated ``(re', im')`` fp32.
-    """
-    angle = pos_f * inv_freq
-    c = cosf(angle)
-    s = sinf(angle)
-    return re * c - im * s, re * s + im * c
+#: tokens per program of the window-entry and ring-commit launches (one warp-group each)
+TOKENS_PER_PROGRAM = 4
 
 
 @triton.jit
@@ -69,7 +56,7 @@ def window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, out_ptr, t0, T, BT: tl.c
     # nope dims as [BT, 8 blocks, 64] (block 7 holds the rope dims here and is ignored)
     blk = tl.arange(0, 8)
     col = tl.arange(0, 64)
-    offs = tok64[:, None, None] * 512 + blk[None, :, None] * 64 + col[None, None, :]
+    offs = tok64[:, None, None] * KV_DIM + blk[None, :, None] * 64 + col[None, None, :]
     nmask = tmask[:, None, None] & (blk[None, :, None] < 7)
     nope = tl.load(kv_ptr + offs, mask=nmask, other=0.0).to(tl.float32)
     _, val, _ = fp8_block_qdq(nope, 2)
@@ -96,7 +83,7 @@ def encode_kv_entries_store(
     """
     blk = tl.arange(0, 8)
     col = tl.arange(0, 64)
-    offs = rows[:, None, None] * 512 + blk[None, :, None] * 64 + col[None, None, :]
+    offs = rows[:, None, None] * KV_DIM + blk[None, :, None] * 64 + col[None, None, :]
     nmask = rmask[:, None, None] & (blk[None, :, None] < 7)
     nope = tl.load(vals_ptr + offs, mask=nmask, other=0.0).to(tl.float32)
     code, _, ebyte = fp8_block_qdq(nope, 2)
@@ -104,8 +91,8 @@ def encode_kv_entries_store(
     tl.store(page_ptr + dst, code.to(tl.uint8), mask=nmask)
     # rope: the 64 BF16 values copied bit for bit (two bytes each, little endian)
     r = tl.arange(0, 64)
-    rope = tl.load(vals_ptr + rows[:, None] * 512 + 448 + r[None, :], mask=rmask[:, None], other=0.0)
-    rdst = (page_ptr + data_off[:, None] + 448 + 2 * r[None, :]).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(vals_ptr + rows[:, None] * KV_DIM + KV_NOPE_DIM + r[None, :], mask=rmask[:, None], other=0.0)
+    rdst = (page_ptr + data_off[:, None] + KV_NOPE_DIM + 2 * r[None, :]).to(tl.pointer_type(tl.bfloat16))
     tl.store(rdst, rope, mask=rmask[:, None])
     # scales: 7 UE8M0 bytes and a zero pad byte
     sbyte = tl.where(blk[None, :] < 7, ebyte, 0)
@@ -124,38 +111,29 @@ def _append_swa_kernel(
     j = tl.load(ring_slots_ptr + tok64, mask=m, other=0)
     page = slot * ring_page_bytes
     encode_kv_entries_store(
-        kvn_ptr, tok64, m, ring_ptr, page + j * 576, page + WINDOW * 576 + j * 8, BT,
+        kvn_ptr, tok64, m, ring_ptr, page + j * KV_DATA_BYTES, page + WINDOW * KV_DATA_BYTES + j * KV_SCALE_BYTES, BT,
     )
     pos = tl.load(pos_ptr + tok64, mask=m, other=0)
     tl.store(ring_pos_ptr + slot * WINDOW + j, pos.to(tl.int32), mask=m)
 
 
-# ------------------------------------------------------------------------------------------- launchers
-WINDOW_BT = 4
-APPEND_BT = 4
-
-
-def window_entries(kv: Tensor, positions: Tensor, inv_freq: Tensor, tokens_per_program: int | None = None) -> Tensor:
+def window_entries(kv: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     """The step's window entries as stored (one launch).
 
     Args:
         kv: bf16 ``[T, 512]`` (made contiguous), ``RMSNorm(W_kv x)``.
         positions: int64 ``[T]``. inv_freq: fp32 ``[32]``.
-        tokens_per_program: tokens per program (a power of two; default ``WINDOW_BT``: on an H200, 8K-token chunk,
-            4 / 8 / 16 / 32 tokens took 13.1 / 13.5 / 17.3 / 25.7 µs, 256-token decode 6.9 / 7.7 / 10.9 / 17.9 µs).
     Returns:
         bf16 ``[T, 512]``.
     """
     kv = kv.contiguous()
     out = kv.new_empty(kv.shape)
     T = kv.shape[0]
-    bt = tokens_per_program or WINDOW_BT
     if T:
-        _window_entries_kernel[(triton.cdiv(T, bt),)](
-            kv, positions, inv_freq, out, T, BT=bt, num_warps=4, enable_fp_fusion=False
+        _window_entries_kernel[(triton.cdiv(T, TOKENS_PER_PROGRAM),)](
+            kv, positions, inv_freq, out, T, BT=TOKENS_PER_PROGRAM, num_warps=4, enable_fp_fusion=False
         )
     return out
-
 
 
 def append_swa(
@@ -174,7 +152,7 @@ def append_swa(
     K = ring_rows.shape[0]
     if K == 0:
         return
-    _append_swa_kernel[(triton.cdiv(K, APPEND_BT),)](
+    _append_swa_kernel[(triton.cdiv(K, TOKENS_PER_PROGRAM),)](
         kv_new, ring, ring_positions, token_slots, ring_slots, ring_rows,
-        positions, K, ring.shape[1], WINDOW=window, BT=APPEND_BT, num_warps=4, enable_fp_fusion=False,
+        positions, K, ring.shape[1], WINDOW=window, BT=TOKENS_PER_PROGRAM, num_warps=4, enable_fp_fusion=False,
     )

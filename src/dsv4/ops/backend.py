@@ -1,0 +1,93 @@
+"""The attention backend interface: the ops of one layer step, in the order ``dsv4.Attention`` calls them.
+
+A backend is a module with these functions (``ops.torch_ops``: plain torch, any device, the oracle; ``ops.triton_ops``:
+Triton / Gluon kernels for Hopper) plus ``NAME``, ``GRAPH_SAFE`` (a step can be captured in a CUDA graph: no host
+synchronisation, no allocation that depends on data) and ``plan_step`` (the step's launch decisions, built once on
+the host and shared by every layer of the step). Every op takes the layer's ``LayerStep`` first.
+
+SPEC §3 in call order::
+
+    c^Q  = query_latent(step, x)               RMSNorm(W_qa x)                                       [T, q_lora]
+    q    = queries(step, c^Q)                   W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
+    kv   = window_kv(step, x)                   RMSNorm(W_kv x)                                       [T, D]
+    SWA:     kv = window_entries(step, kv)      RoPE, rounded as stored
+    CSA/HCA: kv = compress(step, x, kv)         the window entries + every compressor: accumulate into the tails,
+                                                pool every window that closes, store the entries in the pool
+    CSA:     idx = indexer_topk(step, indexer_queries(step, c^Q), indexer_weights(step, x))      [T, k], −1 padded
+    HCA:     idx = visible_entries(step)        per-token count of visible entries              [T]
+    o, lse = attend(step, q, kv, idx)           one softmax over window ∪ compressed keys + sink, inverse RoPE
+    append_swa(step, kv)                        last: a multi-token step must not overwrite ring slots its own
+                                                earlier queries still read
+    y    = output(step, o)                      grouped W_oa, then W_ob                               [T, d]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from ..cache.batch import StepBatch
+from ..cache.manager import HybridCache
+from .plan import StepPlan
+from .step import LayerStep
+
+__all__ = ["AttentionBackend", "OP_NAMES"]
+
+#: the ops of a layer step, in call order
+OP_NAMES = (
+    "query_latent", "queries", "window_kv", "window_entries", "compress", "indexer_queries", "indexer_weights",
+    "indexer_topk", "visible_entries", "attend", "append_swa", "output",
+)
+
+
+class AttentionBackend(Protocol):
+    """What ``dsv4.Attention`` needs from a backend (a module satisfies it structurally)."""
+
+    NAME: str
+    GRAPH_SAFE: bool
+
+    def plan_step(self, batch: StepBatch, cache: HybridCache) -> StepPlan:
+        """Every launch decision of the step, for each layer kind the cache holds (host only)."""
+
+    def query_latent(self, step: LayerStep, x: Tensor) -> Tensor:
+        """``c^Q = RMSNorm_{q_norm}(W_qa x)``. x: ``[T, d]`` act dtype. Returns ``[T, q_lora_rank]`` act dtype."""
+
+    def queries(self, step: LayerStep, q_latent: Tensor) -> Tensor:
+        """``W_qb c^Q`` per head, unweighted RMSNorm, RoPE at each position. Returns ``[T, H, D]`` act dtype."""
+
+    def window_kv(self, step: LayerStep, x: Tensor) -> Tensor:
+        """``RMSNorm_{kv_norm}(W_kv x)``. Returns ``[T, D]`` act dtype (before RoPE and rounding)."""
+
+    def window_entries(self, step: LayerStep, kv: Tensor) -> Tensor:
+        """SWA layers: the step's window entries as stored (RoPE, then rounded to the KV format). ``[T, D]``."""
+
+    def compress(self, step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
+        """CSA/HCA layers: the step's window entries as stored (returned, ``[T, D]``), and every compressor's
+        accumulate + flush: the entries whose window closes in this step pooled, finished and stored in the pool
+        (main entries; CSA also indexer keys). x: ``[T, d]``; kv: ``window_kv``'s output."""
+
+    def indexer_queries(self, step: LayerStep, q_latent: Tensor) -> Any:
+        """CSA: the indexer queries ``W_Iq c^Q`` per head, RoPE, rounded as the index format; only the same
+        backend's ``indexer_topk`` reads them (the torch backend: float32 ``[T, H_I, c_I]``)."""
+
+    def indexer_weights(self, step: LayerStep, x: Tensor) -> Tensor:
+        """CSA: the indexer's per-head weights ``W_w x · c_I^{-1/2} H_I^{-1/2}``, float32 ``[T, H_I]``."""
+
+    def indexer_topk(self, step: LayerStep, q_idx: Any, head_weights: Tensor) -> Tensor:
+        """CSA: index scores over each request's indexer keys, causal top-k (SPEC §5–6). int64 ``[T, k]``: entry
+        indices of each token's request, −1 padded."""
+
+    def visible_entries(self, step: LayerStep) -> Tensor:
+        """HCA: how many compressed entries each token sees, ``(t + 1) // m``: int64 ``[T]`` (it attends all)."""
+
+    def attend(self, step: LayerStep, q: Tensor, kv: Tensor, entry_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Attention over each token's window (ring ∪ this step's entries ``kv``) and compressed entries
+        (``entry_idx``: CSA ``[T, k]`` list, −1 = none; HCA ``[T]`` counts; SWA ``None``) with the sink, then the
+        inverse RoPE. Returns ``o`` ``[T, H, D]`` act dtype and ``lse`` float32 ``[T, H]`` (sink included)."""
+
+    def append_swa(self, step: LayerStep, kv: Tensor) -> None:
+        """Write the step's window entries into each request's ring (slot ``p mod W``) with their positions."""
+
+    def output(self, step: LayerStep, o: Tensor) -> Tensor:
+        """SPEC §3 step 7: grouped ``W_oa`` over the heads' groups, then ``W_ob``. Returns ``[T, d]`` act dtype."""

@@ -1,0 +1,86 @@
+"""``StepPlan``: every launch decision of one step, made once on the host and read by every layer's ops.
+
+Built by the backend's ``plan_step(batch, cache)`` right after ``HybridCache.prepare_forward`` (``dsv4.Attention``
+builds it on first use and keeps it on the batch when the caller does not pass one). It holds one ``LayerPlan`` per
+layer kind the cache holds — all layers of a kind share the step's geometry, so they share its decisions — and
+depends only on the batch's fixed-shape geometry, never on positions: a CUDA graph captured with it stays right
+on later steps of the same shape (FlashInfer's ``plan()`` / ``run()``; vLLM's metadata builders; FlashMLA's
+scheduler metadata, likewise reused across layers).
+
+A stage whose plan is ``None`` runs the torch backend's op (the kernels do not handle that format or geometry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import LayerKind
+
+__all__ = ["LayerPlan", "StepPlan"]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer kind's launch decisions for a step.
+
+    Attributes:
+        kind: the layer kind.
+        kernels: the Triton kernels run this layer's norms and queries (a CUDA device or the interpreter, BF16
+            activations); the stages below say which of the cache's formats they also handle.
+        write: ``kernels.write.plan.WritePlan`` of the writes before attention (``None``: torch).
+        indexer: the CSA indexer's plan (scores kernel and top-k; ``None``: torch, or not a CSA layer).
+        attention: the sparse attention's plan (kernel, splits, key source, merge; ``None``: torch).
+    """
+
+    kind: LayerKind
+    kernels: bool = False
+    write: Any = None
+    indexer: Any = None
+    attention: Any = None
+
+    def describe(self) -> list[str]:
+        """One line per planned stage."""
+        lines = []
+        for stage in ("write", "indexer", "attention"):
+            p = getattr(self, stage)
+            if p is not None:
+                lines.append(f"{stage}: {p.describe()}")
+            elif stage != "indexer" or self.kind is LayerKind.CSA:
+                lines.append(f"{stage}: torch")
+        return lines
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The launch decisions of one step, per layer kind.
+
+    Attributes:
+        backend: the backend that made it (``"torch"`` makes none).
+        layers: ``{LayerKind: LayerPlan}`` for every kind the cache holds.
+        summary: the step's shape in a few words (requests, tokens, most new tokens per request).
+    """
+
+    backend: str
+    layers: dict[LayerKind, LayerPlan] = field(default_factory=dict)
+    summary: str = ""
+
+    @classmethod
+    def empty(cls, backend: str) -> StepPlan:
+        return cls(backend)
+
+    def layer(self, kind: LayerKind) -> LayerPlan:
+        """The plan of ``kind`` (an empty plan where none was made: every stage runs torch)."""
+        plan = self.layers.get(kind)
+        return plan if plan is not None else LayerPlan(kind)
+
+    def describe(self) -> str:
+        """The plan in a few lines (``dsv4 run --explain``)."""
+        head = f"step plan ({self.backend}{', ' + self.summary if self.summary else ''})"
+        if not self.layers:
+            return f"{head}: no kernel launches to plan"
+        out = [head + ":"]
+        for kind, lp in sorted(self.layers.items(), key=lambda kv: list(LayerKind).index(kv[0])):
+            out.append(f"  {kind.name}:")
+            out.extend(f"    {line}" for line in lp.describe())
+        return "\n".join(out)
