@@ -371,7 +371,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         say(f"  {p.format}: {p.description}")
     if official is not None:
         sp = official.bytes_per_token
-        say(f"\nSPEC §7.3: {official.format} grows {sp:,.2f} B/token over these layers "
+        say(f"\nSPEC §7.3 (docs/spec.md): {official.format} grows {sp:,.2f} B/token over these layers "
             f"({' + '.join(f'{k.layers} {k.kind} x {k.bytes_per_token:.2f}' for k in official.kinds if k.bytes_per_token)}); "
             f"x {context:,} tokens = {human_bytes(sp * context)}; with the fixed state "
             f"({human_bytes(official.fixed_bytes_per_request)}) and block rounding/page padding one request holds "

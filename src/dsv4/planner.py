@@ -17,6 +17,8 @@ usually cache separately; include it with ``layers``); cache only (no weights, a
 ``block_size``-token pool blocks with block rounding and page padding exactly as ``HybridCache`` allocates;
 every request holds its own blocks (no prefix sharing); per-request fixed state = the SWA ring of every layer
 (``window`` entries in the KV format, plus int32 positions) and the CSA/HCA compressor tails in FP32 (SPEC §7.4).
+
+"SPEC §N" is section N of ``docs/spec.md``.
 """
 
 from __future__ import annotations
