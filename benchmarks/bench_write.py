@@ -139,7 +139,7 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, fl
 
                 def op(ops=triton_ops):
                     s = step if ops is triton_ops else torch_step
-                    kv = ops.window_entries(s, kv_in) if kind == "swa" else ops.compress(s, x, kv_in)
+                    kv = ops.new_entries(s, x, kv_in)
                     ops.append_swa(s, kv)
 
                 from dsv4.kernels.write import window

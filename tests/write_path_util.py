@@ -9,7 +9,6 @@ import torch
 
 import dsv4
 from dsv4.cache import HybridCache
-from dsv4.config import LayerKind
 from dsv4.ops import torch_ops
 
 WRITE_STATE = ("ring", "ring_positions", "tail_kv", "tail_gate", "prev_kv", "prev_gate", "index_tail_kv",
@@ -44,7 +43,7 @@ def write_step(ops, layer_obj, cache, batch, x, **launch):
     step = layer_obj.layer_step(batch, cache, plan)
     x = x.to(cache.numerics.act_dtype)
     kv = torch_ops.window_kv(step, x)
-    kv = ops.window_entries(step, kv) if layer_obj.kind is LayerKind.SWA else ops.compress(step, x, kv)
+    kv = ops.new_entries(step, x, kv)
     ops.append_swa(step, kv)
     return kv
 

@@ -279,6 +279,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"compressor state); a dense BF16 cache of the same tokens needs {_mib(dense)} "
         f"({dense / max(peak, 1):.1f}x)")
 
+    if args.explain:
+        say("")
+        for label, plan in engine.plans_seen.items():
+            say(f"first {label} step's {plan.describe()}")
+
     failures = 0
     check_rows: list[dict[str, Any]] = []
     if n_check:
@@ -313,6 +318,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "gen_tokens": tot_g, "max_running": max_running, "max_batched_tokens": budget,
                          "decode_tokens": args.decode_tokens, "block_size": block_size},
             "summary": s, "spot_check": check_rows, "check": verdict if n_check else None,
+            "step_plans": {label: plan.describe() for label, plan in engine.plans_seen.items()},
         }
         from .bench.roofline import git_commit
 
@@ -597,6 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check-layers", nargs="+", help="layers spot-checked (default: all if <= 8 layers, else kinds)")
     r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 helps on a busy machine)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.add_argument("--explain", action="store_true",
+                   help="print the launch plan of the first prefill, decode and mixed step (kernels, splits, grids)")
     json_arg(r)
     r.set_defaults(func=cmd_run)
 

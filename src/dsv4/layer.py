@@ -174,17 +174,13 @@ class Attention:
 
         q_latent = ops.query_latent(step, x)                    # SPEC §3 step 1
         q = ops.queries(step, q_latent)                         # step 2
-        kv = ops.window_kv(step, x)                             # step 3
-        if self.kind is LayerKind.SWA:
-            kv = ops.window_entries(step, kv)
-            entry_idx = None
-        else:                                                   # SPEC §4: entries closing in this step → pool
-            kv = ops.compress(step, x, kv)
-            if self.kind is LayerKind.CSA:                      # SPEC §5–6: the lightning indexer's top-k
-                q_idx = ops.indexer_queries(step, q_latent)
-                entry_idx = ops.indexer_topk(step, q_idx, ops.indexer_weights(step, x))
-            else:                                               # HCA: every visible entry
-                entry_idx = ops.visible_entries(step)
+        kv = ops.new_entries(step, x, ops.window_kv(step, x))   # step 3; SPEC §4: closing windows → pool
+        entry_idx = None
+        if self.kind is LayerKind.CSA:                          # SPEC §5–6: the lightning indexer's top-k
+            q_idx = ops.indexer_queries(step, q_latent)
+            entry_idx = ops.indexer_topk(step, q_idx, ops.indexer_weights(step, x))
+        elif self.kind is LayerKind.HCA:                        # every visible entry
+            entry_idx = ops.visible_entries(step)
         o, lse = ops.attend(step, q, kv, entry_idx)             # steps 4–6
         ops.append_swa(step, kv)
         y = ops.output(step, o)                                 # step 7

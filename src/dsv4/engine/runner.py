@@ -36,6 +36,7 @@ from ..cache.batch import StepBatch
 from ..config import LayerKind, ModelConfig
 from ..layer import Attention
 from ..numerics import Numerics, resolve_numerics
+from ..ops import StepPlan
 from ..reference.primitives import rms_norm
 from ..weights import AttentionWeights
 from .hidden import HashHidden
@@ -331,6 +332,7 @@ class Engine:
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self.graph_capture_s = 0.0
         self._jit_clock: JitClock | None = None  # set while run() runs
+        self.plans_seen: dict[str, StepPlan] = {}  # first step plan of each kind of step (--explain)
 
     # ------------------------------------------------------------------ construction
     @property
@@ -433,13 +435,22 @@ class Engine:
         keep = set(keep)
         kept: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         act, eps = self.numerics.act_dtype, self.cfg.norm_eps
+        plan = self.layers[0].plan_step(batch, self.cache)  # once per step, shared by every layer
+        self._remember_plan(batch, plan)
         for layer in self.layers:
             x = rms_norm(h, None, eps).to(act)
-            out = layer.forward_with_aux(x, batch, self.cache)
+            out = layer.forward_with_aux(x, batch, self.cache, plan)
             if layer.layer_idx in keep:
                 kept[layer.layer_idx] = (x, out.y, out.entry_idx)
             h = h + out.y.float()
         return h, kept
+
+    def _remember_plan(self, batch: StepBatch, plan: StepPlan) -> None:
+        """Keep the first plan of each step shape class (prefill / decode / mixed) for ``dsv4 run --explain``."""
+        decode = batch.max_new <= self.config.decode_tokens
+        prefill = min(batch.num_new) > self.config.decode_tokens
+        label = "decode" if decode else "prefill" if prefill else "mixed"
+        self.plans_seen.setdefault(label, plan)
 
     def _hidden_for(self, batch: StepBatch, numbers: Sequence[int]) -> Tensor:
         nums = torch.tensor(list(numbers), dtype=torch.int64).to(self.device, non_blocking=True)

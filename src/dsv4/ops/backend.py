@@ -10,9 +10,9 @@ SPEC §3 in call order::
     c^Q  = query_latent(step, x)               RMSNorm(W_qa x)                                       [T, q_lora]
     q    = queries(step, c^Q)                   W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
     kv   = window_kv(step, x)                   RMSNorm(W_kv x)                                       [T, D]
-    SWA:     kv = window_entries(step, kv)      RoPE, rounded as stored
-    CSA/HCA: kv = compress(step, x, kv)         the window entries + every compressor: accumulate into the tails,
-                                                pool every window that closes, store the entries in the pool
+    kv   = new_entries(step, x, kv)             the step's window entries (RoPE, rounded as stored); CSA/HCA also
+                                                every compressor: accumulate into the tails, pool every window
+                                                that closes, store its entries in the pool
     CSA:     idx = indexer_topk(step, indexer_queries(step, c^Q), indexer_weights(step, x))      [T, k], −1 padded
     HCA:     idx = visible_entries(step)        per-token count of visible entries              [T]
     o, lse = attend(step, q, kv, idx)           one softmax over window ∪ compressed keys + sink, inverse RoPE
@@ -36,7 +36,7 @@ __all__ = ["AttentionBackend", "OP_NAMES"]
 
 #: the ops of a layer step, in call order
 OP_NAMES = (
-    "query_latent", "queries", "window_kv", "window_entries", "compress", "indexer_queries", "indexer_weights",
+    "query_latent", "queries", "window_kv", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 )
 
@@ -59,13 +59,11 @@ class AttentionBackend(Protocol):
     def window_kv(self, step: LayerStep, x: Tensor) -> Tensor:
         """``RMSNorm_{kv_norm}(W_kv x)``. Returns ``[T, D]`` act dtype (before RoPE and rounding)."""
 
-    def window_entries(self, step: LayerStep, kv: Tensor) -> Tensor:
-        """SWA layers: the step's window entries as stored (RoPE, then rounded to the KV format). ``[T, D]``."""
-
-    def compress(self, step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
-        """CSA/HCA layers: the step's window entries as stored (returned, ``[T, D]``), and every compressor's
-        accumulate + flush: the entries whose window closes in this step pooled, finished and stored in the pool
-        (main entries; CSA also indexer keys). x: ``[T, d]``; kv: ``window_kv``'s output."""
+    def new_entries(self, step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
+        """The step's new cache entries. Returns its window entries as stored (RoPE, then rounded to the KV
+        format; ``[T, D]``: ``attend`` reads them, ``append_swa`` writes them to the ring). CSA/HCA layers also run
+        every compressor: accumulate the step's tokens into the tails, pool every window that closes, finish and
+        store its entry in the pool (main entries; CSA also indexer keys). x: ``[T, d]``; kv: ``window_kv``'s."""
 
     def indexer_queries(self, step: LayerStep, q_latent: Tensor) -> Any:
         """CSA: the indexer queries ``W_Iq c^Q`` per head, RoPE, rounded as the index format; only the same

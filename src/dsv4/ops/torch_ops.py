@@ -31,10 +31,10 @@ from .step import LayerStep
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
     # the ops, in call order (ops.backend.OP_NAMES)
-    "query_latent", "queries", "window_kv", "window_entries", "compress", "indexer_queries", "indexer_weights",
+    "query_latent", "queries", "window_kv", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
     # building blocks
-    "compressor_step", "entry_lists", "gather", "request_index_keys", "window_keys",
+    "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries", "window_keys",
 ]
 
 NAME = "torch"
@@ -177,11 +177,13 @@ def _write_entries(pages: Tensor, storage: EntryStorage, batch: StepBatch, m: in
         storage.write(pages, batch.emit_block[m], batch.emit_slot[m], entries.float())
 
 
-def compress(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.compress``: the window entries (``window_entries``), then the main
+def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.new_entries``: the window entries (``window_entries``), then the main
     compressor's entries into ``kv_pages`` (KV format) and, CSA, the indexer's keys into ``index_pages``."""
     layer, nm, nope = step.cache, step.numerics, step.cfg.nope_dim
     window = window_entries(step, kv)
+    if step.ratio == 0:
+        return window
     main = compressor_step(step, x, step.weights.compressor, "")
     _write_entries(layer.kv_pages, layer.schema.kv_storage, step.batch, step.ratio, nm.qdq_kv(main, nope))
     if step.weights.indexer is not None:

@@ -1,7 +1,7 @@
 """The Triton backend: the ops of one layer step (``ops.backend``) on Triton / Gluon kernels for Hopper GPUs
 (CUDA tensors; the Triton interpreter runs them on the CPU for tests), in call order:
 
-* ``query_latent``, ``queries``, ``window_kv``, ``window_entries``, ``compress``, ``append_swa`` —
+* ``query_latent``, ``queries``, ``window_kv``, ``new_entries``, ``append_swa`` —
   ``triton_write`` (``kernels.project``, ``kernels.write``);
 * ``indexer_queries``, ``indexer_weights``, ``indexer_topk`` — ``triton_indexer`` (``kernels.indexer``);
 * ``visible_entries``, ``attend`` — ``triton_attention`` (``kernels.attention``);
@@ -24,11 +24,11 @@ from ..kernels.write.plan import plan_write
 from . import projections, triton_attention, triton_indexer
 from .plan import LayerPlan, StepPlan
 from .step import LayerStep
-from .triton_write import append_swa, compress, kernels_handle, queries, query_latent, window_entries, window_kv
+from .triton_write import append_swa, kernels_handle, new_entries, queries, query_latent, window_kv
 
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
-    "query_latent", "queries", "window_kv", "window_entries", "compress", "indexer_queries", "indexer_weights",
+    "query_latent", "queries", "window_kv", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 ]
 

@@ -3,8 +3,8 @@
 the ring commit after attention.
 
 Per layer and decode step the writes take two launches (plus the compressors' projection GEMMs, torch matmuls
-computed exactly as ``reference.compressor.project``): ``compress`` (CSA/HCA; two launches for a CSA prefill chunk)
-or ``window_entries`` (SWA) before attention, ``append_swa`` after it — as ``LayerStep.plan.write`` says. Bit for
+computed exactly as ``reference.compressor.project``): ``compress`` (one launch; CSA/HCA: with
+every compressor, two launches for a CSA prefill chunk) before attention, ``append_swa`` after it — as ``LayerStep.plan.write`` says. Bit for
 bit the torch backend's results on CUDA (the norms of ``c^Q``: within one BF16 step; the queries: within one BF16
 step, their sum of squares in Triton's order). A layer whose plan has no ``write`` (formats or geometry the
 kernels do not handle) runs the torch backend's ops.
@@ -25,8 +25,7 @@ from ..weights import CompressorWeights
 from . import projections, torch_ops
 from .step import LayerStep
 
-__all__ = ["append_swa", "compress", "kernels_handle", "queries", "query_latent", "rms_norm", "window_entries",
-           "window_kv"]
+__all__ = ["append_swa", "kernels_handle", "new_entries", "queries", "query_latent", "rms_norm", "window_kv"]
 
 #: widest row the RMSNorm kernel takes in one program
 RMS_NORM_MAX_CHANNELS = 8192
@@ -65,10 +64,8 @@ def window_kv(step: LayerStep, x: Tensor) -> Tensor:
     return projections.window_kv(step, x, rms_norm)
 
 
-def window_entries(step: LayerStep, kv: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.window_entries``: one launch."""
-    if step.plan.write is None:
-        return torch_ops.window_entries(step, kv)
+def _window_entries(step: LayerStep, kv: Tensor) -> Tensor:
+    """An SWA layer's window entries: one launch."""
     return window_kernels.window_entries(kv, step.positions, step.inv_freq.float().contiguous())
 
 
@@ -82,12 +79,14 @@ def _compressor_args(step: LayerStep, xf: Tensor, cw: CompressorWeights, prefix:
     )
 
 
-def compress(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.compress``: one launch after the projection GEMMs (two for a CSA prefill
-    chunk), as ``step.plan.write`` says."""
+def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.new_entries``: SWA layers one launch; CSA/HCA one launch after the
+    compressors' projection GEMMs (two for a CSA prefill chunk), as ``step.plan.write`` says."""
     plan = step.plan.write
     if plan is None:
-        return torch_ops.compress(step, x, kv)
+        return torch_ops.new_entries(step, x, kv)
+    if plan.ratio == 0:
+        return _window_entries(step, kv)
     layer, w = step.cache, step.weights  # the compressors' weights are FP32 on the device (LayerStep.weights)
     xf = x.float()
     main = _compressor_args(step, xf, w.compressor, "", layer.kv_pages)
