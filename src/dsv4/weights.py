@@ -129,11 +129,13 @@ class AttentionWeights:
         return w
 
     @classmethod
-    def from_hf_module(cls, module: Any) -> "AttentionWeights":
-        """From a ``transformers`` ``DeepseekV4Attention`` (weights copied to FP32 on the host)."""
+    def from_hf_module(cls, module: Any, copy: bool = True) -> "AttentionWeights":
+        """From a ``transformers`` ``DeepseekV4Attention``: copied to FP32 on the host (``copy=True``), or the
+        module's own parameter tensors, detached, on their device and in their dtype (``copy=False``: no memory
+        of its own; in-place changes to the module's parameters show through)."""
 
         def t(p: torch.Tensor) -> torch.Tensor:
-            return p.detach().to("cpu", torch.float32).clone()
+            return p.detach().to("cpu", torch.float32).clone() if copy else p.detach()
 
         def comp(c: Any) -> CompressorWeights:
             return CompressorWeights(wkv=t(c.kv_proj.weight), wgate=t(c.gate_proj.weight), ape=t(c.position_bias), norm=t(c.kv_norm.weight))
