@@ -150,7 +150,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no Triton variant)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt", default="512:2048", help="LO:HI prompt lengths")
+    p.add_argument("--prompt", default="256:1024", help="LO:HI prompt lengths")
     p.add_argument("--new", type=int, default=64, help="tokens generated per row")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

@@ -43,7 +43,8 @@ def random_demo(args: argparse.Namespace) -> None:
     print(f"dsv4 ({args.numerics}, {args.backend}), one padded batch: {time.perf_counter() - t:.2f} s")
     for b, w in enumerate(want):
         got = out.sequences[b, L:]
-        print(f"  row {b} ({len(prompts[b])} tokens): {got.tolist()}  {'same as transformers' if torch.equal(got, w) else 'differs'}")
+        verdict = "same as transformers" if torch.equal(got, w) else "differs"
+        print(f"  row {b} ({len(prompts[b])} tokens): {got.tolist()}  {verdict}")
     if args.numerics == "official":
         print("  (official numerics quantize the cache to FP8 / MXFP4: a random model's logits have no margin, so its "
               "greedy tokens soon part ways with transformers' FP32 ones; --numerics exact agrees)")

@@ -367,6 +367,19 @@ def test_bad_step_input_is_refused_and_changes_nothing(yarn_model, case: str, ma
         assert cache.row_tokens() == [21, 10]
 
 
+def test_generate_refuses_right_padding(yarn_model) -> None:
+    """A right-padded batch through generate(): a clear error on the first step, and no cache is kept."""
+    rows = prompts([12, 5], seed=17)
+    ids, mask = left_pad(rows)
+    with attached(yarn_model):
+        with pytest.raises(InconsistentInputError, match="attention_mask row 1 has a 0 after a 1"):
+            generate(yarn_model, ids.flip(1), mask.flip(1))
+        cache = DSV4Cache(yarn_model)
+        with pytest.raises(InconsistentInputError, match="right padding"):
+            generate(yarn_model, ids.flip(1), mask.flip(1), **with_cache(cache))
+        assert cache.hybrid is None and cache.get_seq_length() == 0  # nothing was allocated or counted
+
+
 def test_forward_that_stops_half_way_breaks_the_cache(yarn_model) -> None:
     """A NaN input makes layer 0 refuse (nothing written); the step is incomplete, so the cache refuses from then on
     (its token counts no longer match its pages) until reset()."""

@@ -64,7 +64,9 @@ CASES = {
     "default-explicit": {"rope_parameters": {"rope_type": "default"}},
     "yarn-official": {"rope_parameters": YARN_FULL},
     "yarn-factor-only": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-    "yarn-factor-original": {"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048}},
+    "yarn-factor-original": {
+        "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048}
+    },
     "yarn-betas": {"rope_parameters": {**YARN_FULL, "beta_fast": 16, "beta_slow": 2}},
     "yarn-legacy-rope-scaling": {"rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536}},
     "thetas": {"rope_theta": 5000.0, "compress_rope_theta": 40000.0, "rope_parameters": YARN_FULL},
@@ -102,7 +104,8 @@ def test_presets_keep_official_yarn() -> None:
     for name in dsv4.ModelConfig.presets():
         cfg = dsv4.ModelConfig.preset(name)
         assert cfg.compress_rope_type == "yarn" and cfg.yarn_factor == 16.0 and cfg.yarn_original_seq_len == 65536
-        freqs, base = rope_inv_freq(cfg, LayerKind.CSA), rope_inv_freq(cfg.replace(compress_rope_type="default"), LayerKind.CSA)
+        freqs = rope_inv_freq(cfg, LayerKind.CSA)
+        base = rope_inv_freq(cfg.replace(compress_rope_type="default"), LayerKind.CSA)
         # SPEC §2.2: pairs 0-15 keep their frequency, pairs >= 25 are divided by 16
         assert torch.equal(freqs[:16], base[:16]) and torch.allclose(freqs[25:], base[25:] / 16)
 

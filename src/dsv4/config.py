@@ -99,7 +99,9 @@ class ModelConfig:
         if self.window < 1:
             problems.append("window must be >= 1")
         if self.compress_rope_type not in COMPRESS_ROPE_TYPES:
-            problems.append(f"compress_rope_type {self.compress_rope_type!r} must be one of {list(COMPRESS_ROPE_TYPES)}")
+            problems.append(
+                f"compress_rope_type {self.compress_rope_type!r} must be one of {list(COMPRESS_ROPE_TYPES)}"
+            )
         if problems:
             raise ValueError(f"invalid ModelConfig {self.name!r}: " + "; ".join(problems))
 

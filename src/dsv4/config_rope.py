@@ -49,7 +49,9 @@ def _rotary_dim(head_dim: int, table: Mapping[str, Any], fallback: float | None)
     return None if prf is None else int(head_dim * float(prf))
 
 
-def _yarn_fields(table: Mapping[str, Any], max_position: int, where: str, default_attention_factor: float | None) -> dict[str, Any]:
+def _yarn_fields(
+    table: Mapping[str, Any], max_position: int, where: str, default_attention_factor: float | None
+) -> dict[str, Any]:
     """``ModelConfig`` YaRN fields of one transformers YaRN table (``_compute_yarn_parameters``'s reading)."""
     if "factor" not in table:
         raise ValueError(f"{where}: a YaRN table needs 'factor'")

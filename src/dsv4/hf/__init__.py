@@ -16,8 +16,8 @@ Modules: ``step`` (which columns of a padded batch are real tokens, at which pos
 (``DSV4Cache``: the transformers ``Cache`` over a ``HybridCache``, one request per row, one ``prepare_forward``
 per model step), ``attention`` (``LayerAdapter``: a ``DeepseekV4Attention`` forward run by ``dsv4.Attention``),
 ``attach`` (``attach`` / ``detach``), ``random_model`` (``random_causal_lm``: a random DeepseekV4ForCausalLM of a
-``ModelConfig``'s geometry, for examples, tests and benchmarks). Needs ``transformers`` with DeepSeek-V4 (``DeepseekV4ForCausalLM``);
-``import dsv4`` does not import this package.
+``ModelConfig``'s geometry, for examples, tests and benchmarks). Needs ``transformers`` with DeepSeek-V4
+(``DeepseekV4ForCausalLM``; developed and tested with 5.24.0); ``import dsv4`` does not import this package.
 """
 
 from __future__ import annotations

@@ -96,8 +96,9 @@ class Attachment:
     # ---------------------------------------------------------------- the per-step hook
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The base model's forward pre-hook: a ``DSV4Cache`` in the cache argument, the step begun on it."""
+        params = self._signature.parameters
         bound = self._signature.bind_partial(*args, **kwargs).arguments
-        extra = next((v for k, v in bound.items() if self._signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD), {})
+        extra = next((v for k, v in bound.items() if params[k].kind is inspect.Parameter.VAR_KEYWORD), {})
 
         def arg(name: str) -> Any:
             return bound[name] if name in bound else extra.get(name)
@@ -120,7 +121,7 @@ class Attachment:
             shaped.shape[0], shaped.shape[1], arg("attention_mask"), arg("position_ids"), arg("cache_position")
         )
         name = used[0] if used else self._cache_arg
-        positional = list(self._signature.parameters).index(name) if name in self._signature.parameters else None
+        positional = list(params).index(name) if name in params else None
         if positional is not None and positional < len(args):
             args = args[:positional] + (cache,) + args[positional + 1 :]
         else:
@@ -134,9 +135,10 @@ class Attachment:
             return cache
         if cache is None or _unused_transformers_cache(cache):
             return self.new_cache()  # none, or generate()'s default DynamicCache before its first step
+        held = f" already holding {cache.get_seq_length()} tokens" if hasattr(cache, "get_seq_length") else ""
         raise ValueError(
-            f"a model attached to dsv4 needs a DSV4Cache (or none); got a {type(cache).__name__}"
-            + (f" already holding {cache.get_seq_length()} tokens of transformers' attention" if hasattr(cache, "get_seq_length") else "")
+            f"a model attached to dsv4 needs a DSV4Cache (or none); got a {type(cache).__name__}{held} "
+            "(transformers' attention filled it: dsv4 cannot continue it)"
         )
 
 
