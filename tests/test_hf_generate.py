@@ -302,6 +302,38 @@ def test_attach_keeps_the_module_and_detach_restores(yarn_model) -> None:
     assert torch.equal(torch.stack(after.logits), torch.stack(before.logits))
 
 
+def test_fp8_quantized_projections(yarn_model) -> None:
+    """Attention projections as transformers ``FP8Linear`` modules (E4M3 weights, UE8M0 scales per 128 x 128 block,
+    as DeepSeek checkpoints ship them) give exactly what the same model with those weights dequantized gives."""
+    import copy
+
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from dsv4.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    fp8, dense = copy.deepcopy(yarn_model), copy.deepcopy(yarn_model)
+    names = [n for n, m in yarn_model.named_modules()
+             if n.endswith(("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")) and ".self_attn." in n]
+    assert len(names) > 8
+    for name in names:
+        parent, child = name.rsplit(".", 1)
+        w = yarn_model.get_submodule(name).weight.detach()
+        q, scale = quantize_fp8_blocks(w)
+        layer = FP8Linear(w.shape[1], w.shape[0], block_size=(128, 128))
+        layer.weight = torch.nn.Parameter(q, requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+        setattr(fp8.get_submodule(parent), child, layer)
+        with torch.no_grad():
+            dense.get_submodule(name).weight.copy_(dequantize_fp8_blocks(q, scale))
+    ids = torch.stack(prompts([30, 30], seed=18))
+    outs = []
+    for model in (fp8, dense):
+        with attached(model):
+            outs.append(generate(model, ids))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(torch.stack(outs[0].logits), torch.stack(outs[1].logits))
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -207,7 +207,9 @@ def attach(
         cfg=cfg, numerics=resolve_numerics(numerics), device=device, layers=layers,
         block_size=block_size if block_size is not None else default_block_size(cfg, layers), max_length=max_length,
     )
-    adapters = [LayerAdapter(m, cfg, i, backend, check_inputs) for i, m in enumerate(modules)]
+    dtype = base.embed_tokens.weight.dtype if hasattr(base, "embed_tokens") else torch.bfloat16
+    fp8_dtype = dtype if dtype.is_floating_point and dtype.itemsize >= 2 else torch.bfloat16
+    adapters = [LayerAdapter(m, cfg, i, backend, check_inputs, fp8_dtype) for i, m in enumerate(modules)]
     signature = inspect.signature(base.forward)
     cache_arg = next((n for n in _CACHE_ARGS if n in signature.parameters), "cache")
     _register_attention_implementation()

@@ -9,7 +9,8 @@ the step's real tokens from ``hidden_states`` ``[B, S, d]`` into ``x`` ``[T, d]`
 
 The module keeps its parameters (``state_dict``, ``.to()``, saving are unchanged). The dsv4 layer reads them
 without a copy (``AttentionWeights.from_hf_module(copy=False)``; dsv4 casts once per device / dtype what its
-numerics need) and is rebuilt when a parameter's storage, dtype, device or version counter changes (``model.to``,
+numerics need; FP8 projections of a quantized checkpoint are dequantized once, to the model's dtype) and is
+rebuilt when a parameter's storage, dtype, device or version counter changes (``model.to``,
 ``load_state_dict``, in-place edits). Inference only: no gradients flow through the dsv4 layer.
 """
 
@@ -41,14 +42,20 @@ class LayerAdapter:
         layer_idx: the module's layer.
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (``dsv4.Attention``'s).
         check_inputs: validate the layer input (finite values: a host sync per layer and step).
+        fp8_dtype: what FP8 projections (transformers' ``FP8Linear``) are dequantized to — the only weights the
+            adapter copies.
     """
 
-    def __init__(self, module: nn.Module, cfg: ModelConfig, layer_idx: int, backend: str, check_inputs: bool) -> None:
+    def __init__(
+        self, module: nn.Module, cfg: ModelConfig, layer_idx: int, backend: str, check_inputs: bool,
+        fp8_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         self.module = module
         self.cfg = cfg
         self.layer_idx = layer_idx
         self.backend = backend
         self.check_inputs = check_inputs
+        self.fp8_dtype = fp8_dtype
         self._layer: Attention | None = None
         self._fingerprint: tuple | None = None
         self.layer()  # shapes and finiteness of the weights checked now
@@ -57,7 +64,7 @@ class LayerAdapter:
         """The dsv4 layer over the module's current parameters."""
         fp = _parameter_fingerprint(self.module)
         if self._layer is None or fp != self._fingerprint:
-            w = AttentionWeights.from_hf_module(self.module, copy=False)
+            w = AttentionWeights.from_hf_module(self.module, copy=False, fp8_dtype=self.fp8_dtype)
             self._layer = Attention(w, self.cfg, self.layer_idx, backend=self.backend, check_inputs=self.check_inputs)
             self._fingerprint = fp
         return self._layer
