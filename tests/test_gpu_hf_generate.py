@@ -4,22 +4,23 @@ Official numerics (FP8 / MXFP4 cache, BF16 compute), a tiny random DeepseekV4For
 on CUDA, a left-padded batch of prompts from 17 to 300 tokens (past the window, several HCA windows, more CSA
 entries than the top-k). Greedy tokens must be equal; the two backends round BF16 GEMMs and index scores
 differently, so a step where the torch backend's best two logits are within 2^-7 of the largest |logit| (a
-near-tie) may go either way — from such a step on the rows are not compared. Needs transformers with
-DeepSeek-V4 (tested with 5.24.0).
+near-tie) may go either way — from such a step on the rows are not compared. Needs transformers >= 5.24.0.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from packaging.version import Version
 
 import dsv4
 
 pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "DeepseekV4ForCausalLM"):
-    pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM", allow_module_level=True)
+if Version(transformers.__version__) < Version("5.24.0") or not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip(f"needs transformers >= 5.24.0 (the version dsv4.hf is tested with), found {transformers.__version__}",
+                allow_module_level=True)
 import dsv4.hf  # noqa: E402
 
 NEAR_TIE = 2.0**-7
