@@ -258,6 +258,10 @@ def test_cache_grows_and_caller_hybrid(yarn_model) -> None:
         assert torch.equal(got2.sequences, want.sequences) and len(hybrid.active_requests) == 2
         mine.reset()
         assert hybrid.active_requests == [] and hybrid.num_free_blocks == 64
+        small.reset()  # a reset cache serves a new, larger batch (its own HybridCache is re-made for 3 rows)
+        ids3 = torch.cat([ids, ids[:1]])
+        got3 = generate(yarn_model, ids3, **with_cache(small))
+        assert torch.equal(got3.sequences[:2], want.sequences) and torch.equal(got3.sequences[2], want.sequences[0])
         tiny = dsv4.HybridCache(s.cfg, layers=s.layers, max_requests=4, num_blocks=1, block_size=s.block_size,
                                 numerics=s.numerics)
         with pytest.raises(dsv4.CacheFullError):

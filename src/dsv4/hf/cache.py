@@ -266,7 +266,7 @@ class DSV4Cache(Cache):
 
     def _add_rows(self, plan: StepPlan) -> None:
         B = plan.batch_size
-        if self._hybrid is None:
+        if self._hybrid is None or (self._owns_hybrid and self._hybrid.max_requests < B):
             longest = max(plan.new_tokens)
             per_row = self.settings.max_length or max(2 * longest, longest + 256)
             per_row = min(max(per_row, longest), self.settings.cfg.max_position)
