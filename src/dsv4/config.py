@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .config_rope import COMPRESS_ROPE_TYPES, rope_fields
+
 __all__ = ["LayerKind", "ModelConfig"]
 
 
@@ -64,14 +66,17 @@ class ModelConfig:
     index_topk: int  # k
     compress_ratios: tuple[int, ...]
     norm_eps: float = 1e-6
-    rope_theta: float = 10000.0  # sliding-only layers (no YaRN)
-    compress_rope_theta: float = 160000.0  # CSA/HCA layers (with YaRN)
+    rope_theta: float = 10000.0  # sliding-only layers (never YaRN)
+    compress_rope_theta: float = 160000.0  # CSA/HCA layers
     yarn_factor: float = 16.0  # rope_factor
     yarn_original_seq_len: int = 65536  # original_seq_len
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     max_position: int = 1 << 20  # max_position_embeddings
     num_mtp_layers: int = 1
+    # The CSA/HCA layers' RoPE table: "yarn" (the official models; the yarn_* fields apply) or "default" (plain
+    # RoPE with compress_rope_theta, the yarn_* fields unused) — e.g. a transformers config without rope_parameters.
+    compress_rope_type: str = "yarn"
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,6 +98,10 @@ class ModelConfig:
             problems.append("csa_ratio and hca_ratio must be distinct positive integers")
         if self.window < 1:
             problems.append("window must be >= 1")
+        if self.compress_rope_type not in COMPRESS_ROPE_TYPES:
+            problems.append(
+                f"compress_rope_type {self.compress_rope_type!r} must be one of {list(COMPRESS_ROPE_TYPES)}"
+            )
         if problems:
             raise ValueError(f"invalid ModelConfig {self.name!r}: " + "; ".join(problems))
 
@@ -208,15 +217,18 @@ class ModelConfig:
         else:
             raise ValueError("config has neither compress_ratios nor layer_types; cannot tell the layer pattern")
 
-        rope = d.get("rope_parameters") or {}
-        comp = rope.get("compress") if isinstance(rope.get("compress"), Mapping) else (d.get("rope_scaling") or rope)
-        main = rope.get("main") if isinstance(rope.get("main"), Mapping) else {}
-        comp = comp or {}
-        rope_dim = get("qk_rope_head_dim", "rope_head_dim", required=False)
         head_dim = int(get("head_dim"))
+        max_position = int(get("max_position_embeddings", "max_seq_len", default=1 << 20))
+        rope = rope_fields(d, head_dim, max_position)
+        rope_dim = get("qk_rope_head_dim", "rope_head_dim", required=False)
+        prf_dim = rope.pop("rope_dim")
+        if rope_dim is not None and prf_dim is not None and int(rope_dim) != prf_dim:
+            raise ValueError(
+                f"qk_rope_head_dim {rope_dim} disagrees with partial_rotary_factor (head_dim {head_dim} x factor ="
+                f" {prf_dim} rotated dims)"
+            )
         if rope_dim is None:
-            prf = d.get("partial_rotary_factor") or main.get("partial_rotary_factor") or 64 / 512
-            rope_dim = int(round(head_dim * prf))
+            rope_dim = prf_dim if prf_dim is not None else head_dim // 8  # transformers' default factor 64 / 512
         return cls(
             name=name,
             hidden_size=int(get("hidden_size", "dim")),
@@ -235,16 +247,9 @@ class ModelConfig:
             index_topk=int(get("index_topk")),
             compress_ratios=tuple(ratios),
             norm_eps=float(get("rms_norm_eps", "norm_eps", default=1e-6)),
-            rope_theta=float(main.get("rope_theta") or get("rope_theta", default=10000.0)),
-            compress_rope_theta=float(comp.get("rope_theta") or get("compress_rope_theta", default=160000.0)),
-            yarn_factor=float(comp.get("factor") or get("rope_factor", default=16.0)),
-            yarn_original_seq_len=int(
-                comp.get("original_max_position_embeddings") or get("original_seq_len", default=65536)
-            ),
-            yarn_beta_fast=float(comp.get("beta_fast") or get("beta_fast", default=32.0)),
-            yarn_beta_slow=float(comp.get("beta_slow") or get("beta_slow", default=1.0)),
-            max_position=int(get("max_position_embeddings", "max_seq_len", default=1 << 20)),
+            max_position=max_position,
             num_mtp_layers=n_mtp,
+            **rope,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -269,15 +274,21 @@ class ModelConfig:
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
             "compress_rope_theta": self.compress_rope_theta,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "factor": self.yarn_factor,
-                "original_max_position_embeddings": self.yarn_original_seq_len,
-                "beta_fast": self.yarn_beta_fast,
-                "beta_slow": self.yarn_beta_slow,
-            },
+            "rope_parameters": self._hf_compress_rope(),
             "max_position_embeddings": self.max_position,
             "num_nextn_predict_layers": self.num_mtp_layers,
+        }
+
+    def _hf_compress_rope(self) -> dict[str, Any]:
+        """The compressed layers' RoPE as a flat transformers ``rope_parameters`` dict."""
+        if self.compress_rope_type == "default":
+            return {"rope_type": "default"}
+        return {
+            "rope_type": "yarn",
+            "factor": self.yarn_factor,
+            "original_max_position_embeddings": self.yarn_original_seq_len,
+            "beta_fast": self.yarn_beta_fast,
+            "beta_slow": self.yarn_beta_slow,
         }
 
     def describe(self) -> str:

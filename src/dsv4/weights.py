@@ -129,30 +129,49 @@ class AttentionWeights:
         return w
 
     @classmethod
-    def from_hf_module(cls, module: Any) -> "AttentionWeights":
-        """From a ``transformers`` ``DeepseekV4Attention`` (weights copied to FP32 on the host)."""
+    def from_hf_module(
+        cls, module: Any, copy: bool = True, fp8_dtype: torch.dtype = torch.float32
+    ) -> "AttentionWeights":
+        """From a ``transformers`` ``DeepseekV4Attention``: copied to FP32 on the host (``copy=True``), or the
+        module's own parameter tensors, detached, on their device and in their dtype (``copy=False``: no memory
+        of its own; in-place changes to the module's parameters show through).
+
+        FP8 projections (transformers' ``FP8Linear``: an 8-bit ``weight`` and its block scales
+        ``weight_scale_inv``, ``block_size`` rows × cols per scale, or one scale) are dequantized, ``weight ·
+        scale`` exactly in FP32 (``dsv4.checkpoint.dequantize_fp8_blocks``): to FP32 on the host with ``copy=True``,
+        to ``fp8_dtype`` on their device with ``copy=False`` (new tensors: the only copies that makes)."""
 
         def t(p: torch.Tensor) -> torch.Tensor:
-            return p.detach().to("cpu", torch.float32).clone()
+            return p.detach().to("cpu", torch.float32).clone() if copy else p.detach()
+
+        def lin(m: Any) -> torch.Tensor:
+            scale = getattr(m, "weight_scale_inv", None)
+            if m.weight.element_size() != 1 or scale is None:
+                return t(m.weight)
+            from .checkpoint import dequantize_fp8_blocks
+
+            block = tuple(getattr(m, "block_size", None) or (128, 128))  # no block size: one scale for all
+            w = dequantize_fp8_blocks(m.weight.detach(), scale.detach(), block)
+            return w.to("cpu") if copy else w.to(fp8_dtype)
 
         def comp(c: Any) -> CompressorWeights:
-            return CompressorWeights(wkv=t(c.kv_proj.weight), wgate=t(c.gate_proj.weight), ape=t(c.position_bias), norm=t(c.kv_norm.weight))
+            return CompressorWeights(wkv=lin(c.kv_proj), wgate=lin(c.gate_proj), ape=t(c.position_bias), norm=t(c.kv_norm.weight))
 
         w = cls(
-            wq_a=t(module.q_a_proj.weight),
+            wq_a=lin(module.q_a_proj),
             q_norm=t(module.q_a_norm.weight),
-            wq_b=t(module.q_b_proj.weight),
-            wkv=t(module.kv_proj.weight),
+            wq_b=lin(module.q_b_proj),
+            wkv=lin(module.kv_proj),
             kv_norm=t(module.kv_norm.weight),
             attn_sink=t(module.sinks),
-            wo_a=t(module.o_a_proj.weight),
-            wo_b=t(module.o_b_proj.weight),
+            wo_a=lin(module.o_a_proj),
+            wo_b=lin(module.o_b_proj),
         )
         if module.compressor is not None:
             w.compressor = comp(module.compressor)
             indexer = getattr(module.compressor, "indexer", None)
             if indexer is not None:
-                w.indexer = IndexerWeights(wq_b=t(indexer.q_b_proj.weight), weights_proj=t(indexer.scorer.weights_proj.weight), compressor=comp(indexer))
+                w.indexer = IndexerWeights(wq_b=lin(indexer.q_b_proj), weights_proj=lin(indexer.scorer.weights_proj), compressor=comp(indexer))
         return w
 
     @classmethod

@@ -15,8 +15,9 @@ def rope_inv_freq(cfg: ModelConfig, kind: LayerKind, device: torch.device | str 
     """Per-pair angular frequencies ``ω_i`` of a layer kind, as the official ``precompute_freqs_cis``.
 
     Sliding-only layers: ``ω_i = θ^{-2i/R}`` with θ = ``rope_theta``, no YaRN. CSA/HCA layers: θ =
-    ``compress_rope_theta`` with YaRN — pairs below ``low`` keep ``ω⁰_i``, pairs above ``high`` get ``ω⁰_i/factor``,
-    linear blend between (no magnitude scale).
+    ``compress_rope_theta``, with YaRN when ``cfg.compress_rope_type == "yarn"`` (the official models) — pairs
+    below ``low`` keep ``ω⁰_i``, pairs above ``high`` get ``ω⁰_i/factor``, linear blend between (no magnitude
+    scale) — and plain ``θ^{-2i/R}`` when it is ``"default"``.
 
     Returns:
         ``[R/2]`` float32.
@@ -24,7 +25,7 @@ def rope_inv_freq(cfg: ModelConfig, kind: LayerKind, device: torch.device | str 
     dim = cfg.rope_dim
     base = cfg.rope_theta if kind is LayerKind.SWA else cfg.compress_rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    if kind is not LayerKind.SWA:
+    if kind is not LayerKind.SWA and cfg.compress_rope_type == "yarn":
 
         def correction_dim(num_rotations: float) -> float:
             return dim * math.log(cfg.yarn_original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))

@@ -1,0 +1,67 @@
+"""``generate()`` through ``dsv4.hf`` on a GPU: the Triton backend gives the torch backend's tokens (marked gpu).
+
+Official numerics (FP8 / MXFP4 cache, BF16 compute), a tiny random DeepseekV4ForCausalLM (SWA, CSA, HCA layers)
+on CUDA, a left-padded batch of prompts from 17 to 300 tokens (past the window, several HCA windows, more CSA
+entries than the top-k). Greedy tokens must be equal; the two backends round BF16 GEMMs and index scores
+differently, so a step where the torch backend's best two logits are within 2^-7 of the largest |logit| (a
+near-tie) may go either way — from such a step on the rows are not compared. Needs transformers >= 5.24.0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from packaging.version import Version
+
+import dsv4
+
+pytestmark = pytest.mark.gpu
+
+transformers = pytest.importorskip("transformers")
+if Version(transformers.__version__) < Version("5.24.0") or not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip(f"needs transformers >= 5.24.0 (the version dsv4.hf is tested with), found {transformers.__version__}",
+                allow_module_level=True)
+import dsv4.hf  # noqa: E402
+
+NEAR_TIE = 2.0**-7
+
+
+def _generate(model, ids, mask, backend: str):
+    dsv4.hf.attach(model, backend=backend, numerics="official")
+    try:
+        return model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True)
+    finally:
+        dsv4.hf.detach(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_backend_generates_the_torch_backends_tokens() -> None:
+    pytest.importorskip("triton")
+    model = dsv4.hf.random_causal_lm(dsv4.ModelConfig.preset("tiny"), seed=21, device="cuda")
+    g = torch.Generator().manual_seed(22)
+    lengths = [300, 129, 64, 17]
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, L - n:] = torch.randint(3, 128, (n,), generator=g)
+        mask[b, L - n:] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = _generate(model, ids, mask, "torch")
+    got = _generate(model, ids, mask, "triton")
+    ref_logits, got_logits = torch.stack(ref.logits).float(), torch.stack(got.logits).float()  # [steps, B, V]
+    assert torch.isfinite(got_logits).all()
+    compared = 0
+    for b in range(len(lengths)):
+        for t in range(ref_logits.shape[0]):
+            want, have = ref.sequences[b, L + t], got.sequences[b, L + t]
+            if want != have:
+                top2 = ref_logits[t, b].topk(2).values
+                gap = (top2[0] - top2[1]).item() / ref_logits[t, b].abs().max().item()
+                assert gap <= NEAR_TIE, f"row {b} step {t}: token {have} vs {want}, not a near-tie (gap {gap:.2e})"
+                break
+            err = ((got_logits[t, b] - ref_logits[t, b]).norm() / ref_logits[t, b].norm()).item()
+            assert err <= 2e-2, (b, t, err)
+            compared += 1
+    assert compared >= 0.75 * ref_logits.shape[0] * len(lengths), compared
