@@ -452,10 +452,10 @@ def test_foreign_caches_and_unsupported_modes(yarn_model) -> None:
 
 
 def test_plan_step_unit() -> None:
-    """``plan_step`` directly: counts and token order of a left-padded first step and of a decode step."""
+    """``row_tokens`` directly: counts and token order of a left-padded first step and of a decode step."""
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
-    plan = dsv4.hf.plan_step(3, 4, 0, [0, 0, 0], mask, position_ids=torch.tensor([[0, 0, 0, 1], [0, 1, 2, 3], [0] * 4]))
+    plan = dsv4.hf.row_tokens(3, 4, 0, [0, 0, 0], mask, position_ids=torch.tensor([[0, 0, 0, 1], [0, 1, 2, 3], [0] * 4]))
     assert plan.new_tokens == (2, 4, 0) and plan.rows() == [0, 1] and plan.num_tokens == 6
     assert plan.token_index("cpu").tolist() == [2, 3, 4, 5, 6, 7]
-    step = dsv4.hf.plan_step(3, 1, 4, [2, 4, 0], torch.cat([mask, torch.tensor([[1], [1], [1]])], 1))
+    step = dsv4.hf.row_tokens(3, 1, 4, [2, 4, 0], torch.cat([mask, torch.tensor([[1], [1], [1]])], 1))
     assert step.new_tokens == (1, 1, 1) and step.token_index("cpu").tolist() == [0, 1, 2]

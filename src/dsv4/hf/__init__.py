@@ -30,9 +30,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .attach import ATTN_IMPLEMENTATION, Attachment, attach, detach
 from .cache import CacheSettings, DSV4Cache
 from .random_model import random_causal_lm
-from .step import InconsistentInputError, StepPlan, plan_step
+from .step import InconsistentInputError, RowTokens, row_tokens
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "Attachment", "CacheSettings", "DSV4Cache", "InconsistentInputError", "StepPlan", "attach",
-    "detach", "plan_step", "random_causal_lm",
+    "ATTN_IMPLEMENTATION", "Attachment", "CacheSettings", "DSV4Cache", "InconsistentInputError", "RowTokens", "attach",
+    "detach", "row_tokens", "random_causal_lm",
 ]

@@ -38,7 +38,7 @@ from ..cache import CacheFullError, HybridCache, StepBatch
 from ..cache.schema import blocks_for_tokens
 from ..config import ModelConfig
 from ..numerics import Numerics
-from .step import StepPlan, plan_step
+from .step import RowTokens, row_tokens
 
 __all__ = ["ATTACHMENT_ATTR", "CacheSettings", "DSV4Cache", "default_block_size"]
 
@@ -84,14 +84,14 @@ class OpenStep:
 
     Attributes:
         index: 0, 1, … per cache.
-        plan: the rows' real tokens (``StepPlan``).
+        plan: the rows' real tokens (``RowTokens``).
         batch: from ``HybridCache.prepare_forward`` (``None`` when no row has a real token this step).
         token_index: int64 ``[T]`` on the cache's device: flat ``b·S + s`` of each real token, plan order.
         pending: layers that have not run this step yet.
     """
 
     index: int
-    plan: StepPlan
+    plan: RowTokens
     batch: StepBatch | None
     token_index: Tensor
     pending: set[int] = field(default_factory=set)
@@ -196,7 +196,7 @@ class DSV4Cache(Cache):
         cache_position: Tensor | None = None,
     ) -> OpenStep:
         """Check and schedule one model step of ``batch_size`` rows × ``num_columns`` new columns (see
-        ``dsv4.hf.step.plan_step`` for the arguments): add the rows' requests on the first step, prepare the step
+        ``dsv4.hf.step.row_tokens`` for the arguments): add the rows' requests on the first step, prepare the step
         once for all layers, and open it.
 
         Raises (the cache unchanged): ``InconsistentInputError`` (bad or inconsistent inputs), ``CacheFullError``
@@ -212,7 +212,7 @@ class DSV4Cache(Cache):
             raise RuntimeError(self._broken)
         fresh = not self._rows
         past = [0] * batch_size if fresh else self.row_tokens()
-        plan = plan_step(batch_size, num_columns, self._columns, past, attention_mask, position_ids, cache_position)
+        plan = row_tokens(batch_size, num_columns, self._columns, past, attention_mask, position_ids, cache_position)
         if fresh:
             self._add_rows(plan)
         try:
@@ -264,7 +264,7 @@ class DSV4Cache(Cache):
             device=s.device, numerics=s.numerics,
         )
 
-    def _add_rows(self, plan: StepPlan) -> None:
+    def _add_rows(self, plan: RowTokens) -> None:
         B = plan.batch_size
         if self._hybrid is None or (self._owns_hybrid and self._hybrid.max_requests < B):
             longest = max(plan.new_tokens)
@@ -280,7 +280,7 @@ class DSV4Cache(Cache):
             self._hybrid.add_request(rid)
             self._rows.append(rid)
 
-    def _prepare(self, plan: StepPlan) -> StepBatch:
+    def _prepare(self, plan: RowTokens) -> StepBatch:
         request_plan = {self._rows[b]: plan.new_tokens[b] for b in plan.rows()}
         try:
             return self._hybrid.prepare_forward(request_plan)

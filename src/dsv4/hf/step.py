@@ -7,8 +7,8 @@ columns + the ``S`` new ones), and ``generate()`` keeps it that way. Batches mus
 all pads come before the first real token (``0 … 0 1 … 1``), so a row's real new tokens are its last ``c_b``
 columns. Finished rows that ``generate()`` keeps feeding (pad tokens with mask 1) are real tokens like any other.
 
-``plan_step`` checks the step's inputs against what the cache holds and against each other, and returns a
-``StepPlan``; any disagreement raises ``InconsistentInputError`` naming the row and the numbers, before anything
+``row_tokens`` checks the step's inputs against what the cache holds and against each other, and returns a
+``RowTokens``; any disagreement raises ``InconsistentInputError`` naming the row and the numbers, before anything
 changes. Host syncs: one small transfer for the mask statistics, one for the position check.
 """
 
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["InconsistentInputError", "StepPlan", "plan_step"]
+__all__ = ["InconsistentInputError", "RowTokens", "row_tokens"]
 
 
 class InconsistentInputError(ValueError):
@@ -28,7 +28,7 @@ class InconsistentInputError(ValueError):
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class RowTokens:
     """The real tokens of one model step.
 
     Attributes:
@@ -99,7 +99,7 @@ def _check_mask(mask: Tensor, B: int, P: int, S: int, past_tokens: Sequence[int]
     return new
 
 
-def _check_positions(position_ids: Tensor, plan: StepPlan) -> None:
+def _check_positions(position_ids: Tensor, plan: RowTokens) -> None:
     """Every real token's ``position_ids`` entry must be its request's position (pads are not checked)."""
     B, S = plan.batch_size, plan.num_columns
     if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != S or (
@@ -123,7 +123,7 @@ def _check_positions(position_ids: Tensor, plan: StepPlan) -> None:
         )
 
 
-def plan_step(
+def row_tokens(
     batch_size: int,
     num_columns: int,
     past_columns: int,
@@ -131,7 +131,7 @@ def plan_step(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     cache_position: Tensor | None = None,
-) -> StepPlan:
+) -> RowTokens:
     """The real tokens of one step, checked against the cache.
 
     Args:
@@ -170,7 +170,7 @@ def plan_step(
         new = [S] * B
     else:
         new = _check_mask(attention_mask, B, P, S, past_tokens)
-    plan = StepPlan(B, S, P, tuple(int(n) for n in past_tokens), tuple(new))
+    plan = RowTokens(B, S, P, tuple(int(n) for n in past_tokens), tuple(new))
     if position_ids is not None:
         _check_positions(position_ids, plan)
     return plan
