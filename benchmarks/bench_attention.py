@@ -159,7 +159,7 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
     does: L2 left full of dirty lines, which the kernel writes back as it reads — up to an L2 of extra DRAM writes)
     or ``"read"`` (clean lines). ``warmup_ms``: ``time_cuda``'s time-based warm-up before each timing (0: five
     calls)."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+    from dsv4.kernels.attention.triton_kernel import sparse_attention_fwd
 
     variants = variants or [{}]
     if compile_only:
@@ -259,7 +259,7 @@ def main() -> None:
     for item in a.set:
         target, value = item.split("=", 1)
         module, name = target.rsplit(".", 1)
-        mod = importlib.import_module(f"dsv4.kernels.{module}")
+        mod = importlib.import_module(f"dsv4.kernels.attention.{module}")
         if not hasattr(mod, name):
             raise SystemExit(f"--set: dsv4.kernels.{module} has no {name}")
         setattr(mod, name, ast.literal_eval(value))

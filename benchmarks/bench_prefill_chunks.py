@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import build  # noqa: E402
 
 from dsv4.bench.roofline import environment, time_cuda  # noqa: E402
-from dsv4.kernels.sparse_attention import bf16_keys, num_sms, sparse_attention_fwd  # noqa: E402
+from dsv4.kernels.attention.triton_kernel import bf16_keys, num_sms, sparse_attention_fwd  # noqa: E402
 
 #: (heads, top-k, tokens before the chunk)
 SHAPES = [(64, 64, 8192), (64, 256, 8192), (64, 512, 8192), (64, 1024, 8192), (64, 2048, 16384),

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from bench_attention import DECODE as SHAPES, build
-from dsv4.kernels import cluster, sparse_attention
+from dsv4.kernels.attention import cluster_launch as cluster, triton_kernel as sparse_attention
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--variant", default="{}", help="JSON keyword arguments of sparse_attention_fwd")
     ap.add_argument("--calls", type=int, default=3)
     a = ap.parse_args()
-    from dsv4.kernels import sparse_attention as sa
+    from dsv4.kernels.attention import triton_kernel as sa
 
     prefill = a.shape in PREFILL
     heads, ratio, topk, context = (PREFILL if prefill else DECODE)[a.shape]

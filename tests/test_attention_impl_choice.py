@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from dsv4.kernels import sparse_attention_sm90_ws  # noqa: E402
-from dsv4.kernels.sparse_attention import PIPELINED_MIN_CHUNKS, choose_impl, rows_are_words  # noqa: E402
+from dsv4.kernels.attention import sm90_ws as sparse_attention_sm90_ws  # noqa: E402
+from dsv4.kernels.attention.triton_kernel import PIPELINED_MIN_CHUNKS, choose_impl, rows_are_words  # noqa: E402
 
 LONG = sparse_attention_sm90_ws.WS_MIN_CHUNKS
 LONG_ALL = sparse_attention_sm90_ws.WS_MIN_CHUNKS_ALL
@@ -82,7 +82,7 @@ def test_errors_name_the_tensors() -> None:
     """Through ``sparse_attention_fwd`` (CPU tensors: no Hopper), the error names the device and strides."""
     import torch
 
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+    from dsv4.kernels.attention.triton_kernel import sparse_attention_fwd
 
     q = torch.zeros(1, 4, 512, dtype=torch.bfloat16)
     kv = torch.zeros(1, 512, dtype=torch.bfloat16)
@@ -113,7 +113,7 @@ def test_cluster_combine_choice_off_gluon() -> None:
     ``combine="kernel"``, or one split) keep the combine kernel, ``combine="cluster"`` there is an error naming why,
     and an unknown ``combine`` is refused. (Where it applies, whether every cluster fits on the device is the
     driver's answer: GPU tests.)"""
-    from dsv4.kernels.sparse_attention import _check_combine
+    from dsv4.kernels.attention.triton_kernel import _check_combine
 
     for impl in ("triton", "gluon_ws"):
         assert not _check_combine("auto", impl, 10)
@@ -133,7 +133,7 @@ def test_bf16_key_rows_choice() -> None:
     """``keys="auto"`` dequantizes a step's keys once into BF16 rows only where those rows are at most 1/8 of the
     FP8 key bytes the step reads (prefill chunks, not decode), on Hopper with a known bound on the visible entries;
     ``"bf16"`` where that cannot run is an error naming why; an unknown ``keys`` is refused."""
-    from dsv4.kernels.sparse_attention import _use_bf16_keys
+    from dsv4.kernels.attention.triton_kernel import _use_bf16_keys
 
     # a 4K-token prefill chunk of one request (8K context: 3,072 entries) vs a 64-request decode step
     assert _use_bf16_keys("auto", "auto", True, 4096, 1, 128, 3072, 640)
@@ -163,7 +163,7 @@ def test_pipelined_kernel_is_an_explicit_choice_on_hopper_only() -> None:
 def test_pipelined_fp8_pages_need_a_short_window() -> None:
     """Over FP8 pages the pipelined kernel looks up window chunks only in an item's prologue: a longer window is
     refused with a clear error before anything launches (``impl="auto"`` never picks it there)."""
-    from dsv4.kernels import sparse_attention_sm90_pipelined as pipelined
+    from dsv4.kernels.attention import sm90_pipelined as pipelined
 
     with pytest.raises(ValueError, match="windows of at most 256"):
         pipelined.launch((4, 1), (), {"WINDOW": pipelined.FP8_MAX_WINDOW + 64}, None, 132)
@@ -173,8 +173,8 @@ def test_pipelined_kernel_takes_no_splits() -> None:
     """The pipelined kernel's persistent programs share a step's items: ``step_splits`` gives it one split whatever
     ``num_splits`` asks (a split without chunks broke its warpgroups' protocol on the GPU), and its launch refuses
     a grid with splits; the other kernels split as asked or as ``choose_splits`` says."""
-    from dsv4.kernels import sparse_attention_sm90_pipelined as pipelined
-    from dsv4.kernels.sparse_attention import choose_splits, step_splits
+    from dsv4.kernels.attention import sm90_pipelined as pipelined
+    from dsv4.kernels.attention.triton_kernel import choose_splits, step_splits
 
     for num_splits in (None, 1, 5, 9):
         assert step_splits("gluon_pipelined", num_splits, 8, 18, 132, 1, "waves") == (1, 18)

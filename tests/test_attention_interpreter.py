@@ -37,7 +37,7 @@ SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     import json, sys
     import torch, dsv4
     from dsv4.config import LayerKind
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+    from dsv4.kernels.attention.triton_kernel import sparse_attention_fwd
     from dsv4.ops import torch_ops, triton_attention
     from test_gpu_attention import make_case, compare
 
@@ -95,7 +95,7 @@ COMBINE_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     """
     import math
     import torch
-    from dsv4.kernels.sparse_attention import _combine_kernel
+    from dsv4.kernels.attention.triton_kernel import _combine_kernel
 
     g = torch.Generator().manual_seed(0)
     T, H = 3, 4

@@ -20,7 +20,7 @@ _SCRIPT = r"""
 import sys, torch
 from test_gpu_attention import FLASH, PRO, make_case
 from dsv4.config import LayerKind
-from dsv4.kernels.sparse_attention import bf16_keys
+from dsv4.kernels.attention.triton_kernel import bf16_keys
 
 import dsv4
 device = sys.argv[1]

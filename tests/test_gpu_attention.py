@@ -134,8 +134,8 @@ def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tupl
     (``dequant="bits"`` then takes its two-multiply path). Returns ``(kernel, expected)`` as float32 ``[64, 512]``.
     """
     from dsv4.formats.fp8 import e4m3_decode
-    from dsv4.kernels import sparse_attention as sa
-    from dsv4.kernels import sparse_attention_sm90, sparse_attention_sm90_ws
+    from dsv4.kernels.attention import triton_kernel as sa
+    from dsv4.kernels.attention import sm90_serial as sparse_attention_sm90, sm90_ws as sparse_attention_sm90_ws
 
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randperm(64 * 448, generator=g) % 256).to(torch.uint8).view(64, 448)
@@ -180,7 +180,7 @@ def step_fwd(layer, batch, args, q=None, **options):
     """``sparse_attention_fwd`` over a ``make_case`` step (its queries, or ``q``); ``options`` are the op's keywords
     (``ratio`` 4 unless given). ``out`` / ``lse`` default to new NaN-filled tensors, so any element the kernels do
     not write fails the checks. Returns ``(out, lse)``."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+    from dsv4.kernels.attention.triton_kernel import sparse_attention_fwd
 
     q = args["q"] if q is None else q
     options.setdefault("ratio", 4)
@@ -293,7 +293,7 @@ def test_prefill_kernel_any_number_of_programs(name: str, programs: int, monkeyp
     other, the next item's queries and first keys copied in during the current item's last chunk: with 1, 3 or 7
     programs (each then runs hundreds of items, of different chunk counts for HCA) the outputs are the serial FP8
     path's bits."""
-    from dsv4.kernels import sparse_attention
+    from dsv4.kernels.attention import triton_kernel as sparse_attention
 
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs, topk=topk)
@@ -312,7 +312,7 @@ def test_pipelined_fp8_any_number_of_programs(name: str, programs: int, monkeypa
     """The pipelined kernel over the FP8 pages (``impl="gluon_pipelined"``, ``keys="fp8"``: the copy warpgroup
     dequantizes): with 1, 3, 7 or 132 persistent programs, each taking many (token, head block) items of different
     chunk counts (HCA), the outputs match the torch backend; a ``num_splits`` asked for does not apply to it."""
-    from dsv4.kernels import sparse_attention
+    from dsv4.kernels.attention import triton_kernel as sparse_attention
 
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, ti, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs, topk=topk)

@@ -74,7 +74,7 @@ def attend(
             entry_idx = torch_ops.all_visible_entries(batch, m)
         return torch_ops.attend(layer, batch, q, kv_new, m, entry_idx, sink, scale, inv_freq, numerics)
 
-    from ..kernels.sparse_attention import sparse_attention_fwd
+    from ..kernels.attention.triton_kernel import sparse_attention_fwd
 
     counts = entry_idx if entry_idx is not None and entry_idx.dim() == 1 else None
     listed = entry_idx if entry_idx is not None and entry_idx.dim() == 2 else None

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from . import ptx
-from .sparse_attention_sm90 import BLOCK_H, BLOCK_N, available
+from .. import ptx
+from .sm90_serial import BLOCK_H, BLOCK_N, available
 
 try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Triton kernel serves
     from triton.experimental import gluon
@@ -49,7 +49,7 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .sparse_attention_sm90 import (TILE_SL, _block_exponents, _dim_tiles, _fresh_rows, _masked_scores,
+    from .sm90_serial import (TILE_SL, _block_exponents, _dim_tiles, _fresh_rows, _masked_scores,
                                         _probabilities, _program_token, _rescale, _running_max, _split_chunks,
                                         _write_output)
 

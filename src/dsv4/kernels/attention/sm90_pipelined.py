@@ -62,10 +62,10 @@ try:  # Gluon ships with Triton ≥ 3.4; without it the other kernels serve
         warpgroup_mma_wait,
     )
 
-    from .sparse_attention_sm90 import (TILE_SL, _copy_keys, _dim_tiles, _issue_bf16_chunk, _masked_scores,
+    from .sm90_serial import (TILE_SL, _copy_keys, _dim_tiles, _issue_bf16_chunk, _masked_scores,
                                         _probabilities, _rescale, _running_max, _split_chunks, _store_rope,
                                         _unrotation)
-    from .sparse_attention_sm90_ws import (KEY_L, _chunk_address, _chunk_blocks, _chunk_entries, _copy_blocks,
+    from .sm90_ws import (KEY_L, _chunk_address, _chunk_blocks, _chunk_entries, _copy_blocks,
                                            _copy_scales, _dequantize_chunk, _request_chunk)
 
     _HAVE_GLUON = True

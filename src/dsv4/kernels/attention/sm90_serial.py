@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import torch
 
-from . import cluster as cluster_launch
-from . import hopper, ptx
+from . import cluster_launch
+from .. import hopper, ptx
 
 try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Triton kernel serves
     from triton.experimental import gluon

@@ -41,8 +41,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import cluster as cluster_launch
-from . import sparse_attention_sm90, sparse_attention_sm90_pipelined, sparse_attention_sm90_ws
+from . import cluster_launch
+from . import sm90_pipelined as sparse_attention_sm90_pipelined
+from . import sm90_serial as sparse_attention_sm90
+from . import sm90_ws as sparse_attention_sm90_ws
 
 __all__ = ["sparse_attention_fwd", "bf16_keys", "num_sms", "choose_impl", "choose_splits", "step_splits",
            "rows_are_words"]
