@@ -72,8 +72,7 @@ SPECIALISATIONS: list[tuple[str, str, dict]] = [
     ("attention_ws_hca", "attention_ws", {}),
     ("attention_ws_csa", "attention_ws", dict(RATIO=4, PAGE_ENTRIES=64, MODE=1)),
     ("attention_pipelined_bf16", "attention_pipelined", {}),
-    ("attention_pipelined_fp8", "attention_pipelined", dict(KEYS_BF16=False, PREFETCH_L2=True, VALUE_REGS_C=160,
-                                                            PRODUCER_REGS_C=168)),
+    ("attention_pipelined_fp8", "attention_pipelined", dict(KEYS_BF16=False, VALUE_REGS_C=160, PRODUCER_REGS_C=168)),
     ("combine", "combine", {}),
     ("bf16_keys", "bf16_keys", {}),
 ]

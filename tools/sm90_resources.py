@@ -48,7 +48,7 @@ _ATTENTION_DIV16 = {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stri
 KERNELS = {
     "attention": ("dsv4.kernels.attention.triton_kernel:_sparse_attention_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, BLOCK_H=64, BLOCK_N=64,
-             BF16_MATH=True, INTERPRET=False, num_warps=8, num_stages=1),
+             INTERPRET=False, num_warps=8, num_stages=1),
         _ATTENTION_DIV16),
     "attention_sm90": ("dsv4.kernels.attention.sm90_serial:_sparse_attention_sm90_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, CLUSTER=1, KEYS_BF16=False,
@@ -60,7 +60,7 @@ KERNELS = {
         _ATTENTION_DIV16),
     "attention_pipelined": ("dsv4.kernels.attention.sm90_pipelined:_pipelined_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=False, KEYS_BF16=True,
-             PREFETCH_L2=False, VALUE_REGS_C=168, PRODUCER_REGS_C=88, num_warps=4),
+             VALUE_REGS_C=168, PRODUCER_REGS_C=88, num_warps=4),
         _ATTENTION_DIV16),
     "dequant_sm90": ("dsv4.kernels.attention.sm90_serial:_dequant_probe_kernel",
         {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=8), set()),
@@ -122,11 +122,11 @@ KERNELS = {
     "queries": ("dsv4.kernels.queries:_queries_kernel", {"q_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
                                                          "out_ptr": "*bf16", "eps": "fp32"},
         dict(ROWS=4, num_warps=4, enable_fp_fusion=False), set()),
-    "combine": ("dsv4.kernels.attention.triton_kernel:_combine_kernel", {
+    "combine": ("dsv4.kernels.attention.combine:_combine_kernel", {
         "po_ptr": "*fp32", "plse_ptr": "*fp32", "positions_ptr": "*i64", "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32",
         "o_ptr": "*bf16", "lse_ptr": "*fp32"},
         dict(BLOCK_H=2, BLOCK_S=8, INTERPRET=False, num_warps=4), {"stride_ot", "stride_oh", "stride_lt"}),
-    "bf16_keys": ("dsv4.kernels.attention.triton_kernel:_bf16_keys_kernel", {
+    "bf16_keys": ("dsv4.kernels.attention.bf16_keys:_bf16_keys_kernel", {
         "ring_ptr": "*u8", "pool_ptr": "*u8", "block_tables_ptr": "*i32", "cu_seqlens_ptr": "*i32",
         "start_pos_ptr": "*i64", "token_slots_ptr": "*i64", "out_ptr": "*bf16"},
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, ROWS=16, num_warps=4),
