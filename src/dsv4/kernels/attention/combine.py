@@ -64,7 +64,7 @@ def _combine_kernel(
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
     pos = tl.load(positions_ptr + t)
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, 32))
-    # Straight-line for decode: the loop form takes 143 registers (3 programs per SM, not 4: a second wave at B=8).
+    # Straight-line for decode: the loop form takes more registers (fewer programs per multiprocessor).
     if num_splits <= BLOCK_S:
         plse, po_nope, po_rope = _split_block(po_ptr, plse_ptr, t, 0, num_splits, H, heads, head_ok, BLOCK_S)
         m = tl.max(plse, 0)
@@ -96,12 +96,11 @@ def _combine_kernel(
     kept = tl.exp2(m - top)  # 1 where m ≥ sink; 0 where no split has a key
     denom = weight * kept + tl.exp2(sink - top)
     tl.store(lse_ptr + t * stride_lt + heads, (top + tl.log2(denom)) * 0.6931471805599453, mask=head_ok)
-    scaled = denom / kept  # denom itself where m ≥ sink (the division's bits as before); inf where kept is 0
+    scaled = denom / kept  # denom itself where m ≥ sink (exactly: kept is 1); inf where kept is 0
     out = o_ptr + t * stride_ot + heads[:, None] * stride_oh
     tl.store(out + d[None, :], (nope / scaled[:, None]).to(o_ptr.dtype.element_ty),
              mask=head_ok[:, None] & (d[None, :] < NOPE_DIM))
     _store_rope(rope / scaled[:, None], pos, inv_freq, out + NOPE_DIM + r[None, :], head_ok[:, None], INTERPRET)
-
 
 
 def launch(plan: AttentionPlan, args: AttentionArgs) -> None:
