@@ -33,20 +33,9 @@ def _entry_source(entry_idx: Tensor | None, visible: Tensor | None, max_entries:
     return "window", 0
 
 
-def plan_for(
-    q: Tensor,
-    kv_new: Tensor,
-    block_tables: Tensor,
-    *,
-    window: int,
-    ratio: int = 0,
-    block_size: int = 1,
-    entry_idx: Tensor | None = None,
-    visible: Tensor | None = None,
-    max_entries: int = 0,
-    max_visible: int | None = None,
-    **requests,
-) -> AttentionPlan:
+def plan_for(q: Tensor, kv_new: Tensor, block_tables: Tensor, *, window: int, ratio: int = 0, block_size: int = 1,
+             entry_idx: Tensor | None = None, visible: Tensor | None = None, max_entries: int = 0,
+             max_visible: int | None = None, **requests) -> AttentionPlan:
     """The plan of ``sparse_attention_fwd`` for these tensors (its arguments, see there) on their device:
     ``plan.plan_attention`` with the shapes, whether the rows are 16-byte words, the device's multiprocessors and
     — on Hopper — its resident clusters; ``requests``: ``impl``, ``keys``, ``combine``, ``num_splits`` and the
