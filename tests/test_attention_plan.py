@@ -179,8 +179,8 @@ def test_plan_is_a_pure_value() -> None:
 
 def test_describe() -> None:
     text = plan("flash_csa", 8).describe()
-    assert text.startswith("attention gluon: 8 tokens × 1 head blocks of 64")
-    assert "lists of 512 entries" in text and "10 splits × 1 chunks" in text and "combine kernel" in text
+    assert text.startswith("attention gluon: 8 tokens × 1 head block of 64")
+    assert "lists of 512 entries" in text and "10 splits × 1 chunk of 64 keys" in text and "combine kernel" in text
     text = prefill("flash_csa").describe()
     assert "BF16 rows (128 + 3072 per request)" in text and "132 persistent programs" in text
     assert "\n" not in text

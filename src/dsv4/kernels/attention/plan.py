@@ -186,12 +186,16 @@ class AttentionPlan:
                   "all": f"window + all visible entries (≤ {self.num_compressed})"}[self.mode]
         keys = (f"BF16 rows ({self.window} + {self.key_entries} per request)" if self.keys == "bf16"
                 else "FP8 pages")
-        split = (f"{self.splits} splits × {self.chunks_per_split} chunks" if self.splits > 1
-                 else f"{self.chunks_per_split} chunks")
+        split = (f"{self.splits} splits × {_count(self.chunks_per_split, 'chunk')}" if self.splits > 1
+                 else _count(self.chunks_per_split, "chunk"))
         merge = {"none": "", "combine_kernel": ", combine kernel", "cluster": ", merged in clusters"}[self.merge]
         programs = f", {self.persistent_programs} persistent programs" if self.persistent_programs else ""
-        return (f"attention {self.kernel}: {self.tokens} tokens × {self.head_blocks} head blocks of {self.block_h}, "
-                f"{source}, {split} of {self.block_n} keys from {keys}{merge}{programs}")
+        return (f"attention {self.kernel}: {_count(self.tokens, 'token')} × {_count(self.head_blocks, 'head block')} "
+                f"of {self.block_h}, {source}, {split} of {self.block_n} keys from {keys}{merge}{programs}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def choose_kernel(impl: str, sm90: bool, rows_in_words: bool, chunks_per_split: int, all_entries: bool = False,
