@@ -3,8 +3,8 @@
 The order of a step: ``plan_for`` (the plan from the tensors' shapes and the device: ``plan.plan_attention``) →
 ``AttentionArgs.build`` (the kernels' shared arguments, the split partials) → ``bf16_keys`` where the plan reads
 BF16 key rows → the plan's kernel (``triton_kernel``, ``sm90_serial``, ``sm90_ws``, ``sm90_pipelined``) → the
-combine kernel where the plan merges splits with it (``combine``). ``run`` only consumes the plan: it checks that
-the plan fits the tensors and re-decides nothing.
+combine kernel where the plan merges splits with it (``combine``). A plan given to ``sparse_attention_fwd`` is
+checked against the tensors (cheap checks that raise); ``run`` only consumes it and re-decides nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def _check(plan: AttentionPlan, q: Tensor, kv_new: Tensor, pool: Tensor | None, 
                          f"entries) {made_for}, the step has {given}")
     if plan.mode != "window" and pool is None:
         raise ValueError("compressed entries need the pool pages")
+    if plan.kernel != "triton" and not is_sm90(q.device):
+        raise ValueError(f"kernel {plan.kernel!r} needs a CUDA device of compute capability 9.x (device {q.device})")
     if plan.kernel in ("gluon_ws", "gluon_pipelined") and not rows_are_words(q, kv_new):
         raise ValueError(f"kernel {plan.kernel!r} reads q and kv_new rows as 16-byte words: their strides must be "
                          f"multiples of 8 and their data 16-byte aligned (q strides {tuple(q.stride())})")
