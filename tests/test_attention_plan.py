@@ -221,3 +221,33 @@ def test_replace_forces_a_kernel() -> None:
     assert forced.grid == base.grid and forced.merge == "combine_kernel"
     pipelined = dataclasses.replace(plan("pro_csa", 64), persistent_programs=7)
     assert pipelined.grid == (7,)
+
+
+def test_launcher_checks_a_given_plan() -> None:
+    """``sparse_attention_fwd(plan=...)`` refuses, before anything runs, a plan made for another step, a plan
+    together with requests, a Gluon plan off Hopper; the retired variants are no longer keywords."""
+    pytest.importorskip("triton")
+    import torch
+
+    from dsv4.kernels.attention.launch import plan_for, sparse_attention_fwd
+
+    T, H, W = 2, 4, 16
+    q, kv = torch.zeros(T, H, 512, dtype=torch.bfloat16), torch.zeros(T, 512, dtype=torch.bfloat16)
+    tables = torch.zeros(T, 1, dtype=torch.int32)
+    step = (q, kv, torch.zeros(T, 584 * W, dtype=torch.uint8), torch.full((T, W), -1, dtype=torch.int32), None,
+            tables, torch.arange(T, dtype=torch.int32), torch.zeros(T, dtype=torch.int64),
+            torch.arange(T + 1, dtype=torch.int32), torch.zeros(T, dtype=torch.int64), torch.arange(T),
+            torch.zeros(H), torch.zeros(32), 1.0)
+    plan = plan_for(q, kv, tables, window=W)
+    assert plan.kernel == "triton" and plan.mode == "window"
+    with pytest.raises(ValueError, match="the plan is for"):
+        sparse_attention_fwd(*step, window=W, plan=dataclasses.replace(plan, tokens=3))
+    with pytest.raises(ValueError, match="the plan is for"):
+        sparse_attention_fwd(*step, window=2 * W, plan=plan)
+    with pytest.raises(ValueError, match="a plan or requests"):
+        sparse_attention_fwd(*step, window=W, plan=plan, impl="triton")
+    with pytest.raises(ValueError, match="compute capability 9.x"):
+        sparse_attention_fwd(*step, window=W, plan=dataclasses.replace(plan, kernel="gluon", block_h=64))
+    for retired in (dict(prefetch=True), dict(dequant="bits"), dict(split_policy="fill"), dict(bf16_math=False)):
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            sparse_attention_fwd(*step, window=W, **retired)
