@@ -173,7 +173,7 @@ if _HAVE_GLUON:
         _copy_keys(rows, ok, k0.index(buf), 0, 256)
         _copy_keys(rows, ok, k1.index(buf), 256, 128)
         _copy_keys(rows, ok, k2.index(buf), 384, 64)
-        _copy_keys(rows, ok, k3.index(buf), 448, 64)
+        _copy_keys(rows, ok, k3.index(buf), NOPE_DIM, 64)
         ONE_L: gl.constexpr = gl.BlockedLayout([1], [32], [RL.warps_per_cta[0]], [0])
         valid_smem.index(buf).store(gl.convert_layout(valid, ONE_L).to(gl.int32))
         async_copy.commit_group()

@@ -23,7 +23,7 @@ if _HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from .sm90_common import BH, BN, MODE_LIST, _copy_keys, _issue_bf16_chunk, _split_chunks
+    from .sm90_common import BH, BN, MODE_LIST, NOPE_DIM, _copy_keys, _issue_bf16_chunk, _split_chunks
     from .sm90_ws import (KEY_L, _chunk_address, _chunk_blocks, _chunk_entries, _copy_blocks, _copy_scales,
                           _dequantize_chunk, _request_chunk)
 
@@ -99,7 +99,7 @@ if _HAVE_GLUON:
         _copy_keys(q_rows, q_ok, q0, 0, 256)
         _copy_keys(q_rows, q_ok, q1, 256, 128)
         _copy_keys(q_rows, q_ok, q2, 384, 64)
-        _copy_keys(q_rows, q_ok, q3, 448, 64)
+        _copy_keys(q_rows, q_ok, q3, NOPE_DIM, 64)
 
     @gluon.jit
     def _copy_partition(q0, q1, q2, q3, k0, k1, k2, k3, valid_smem, kv_ready, kv_free, q_free, items, q_ptr,
