@@ -478,7 +478,7 @@ def test_attend_all_invalid_gives_sink_only(variant: dict) -> None:
     """A token whose compressed slots are all −1 and whose ring is empty sees only its own window entry."""
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [400], [1], "cuda", seed=3, invalid_frac=1.0)
     ti = torch.full_like(ti, -1)
-    err_o, err_l, _, _ = compare(layer, batch, args, ti, ti)
+    err_o, err_l, _, _ = compare(layer, batch, args, ti, ti, variant)
     assert err_o <= 1e-2 and err_l <= 1e-3
 
 
