@@ -251,3 +251,21 @@ def test_launcher_checks_a_given_plan() -> None:
     for retired in (dict(prefetch=True), dict(dequant="bits"), dict(split_policy="fill"), dict(bf16_math=False)):
         with pytest.raises(TypeError, match="unexpected keyword"):
             sparse_attention_fwd(*step, window=W, **retired)
+
+
+def test_cluster_residency_probe_arguments() -> None:
+    """``sm90_serial.resident_clusters`` compiles one cluster specialisation without tensors (a GPU asks the driver
+    about it): every argument of the kernel is accounted for, pointers by their dtype."""
+    pytest.importorskip("triton.experimental.gluon")
+    import torch
+
+    from dsv4.kernels.attention import sm90_serial
+
+    kernel = sm90_serial._sparse_attention_sm90_kernel
+    runtime = [p.name for p in kernel.params if not p.is_constexpr]
+    constexprs = [p.name for p in kernel.params if p.is_constexpr]
+    assert sorted(constexprs) == sorted(sm90_serial._PROBE_CONSTEXPRS)
+    args = sm90_serial._probe_args()
+    assert len(args) == len(runtime)
+    for name, arg in zip(runtime, args):
+        assert isinstance(arg, torch.dtype) == name.endswith("_ptr"), name

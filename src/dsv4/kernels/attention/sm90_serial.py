@@ -434,17 +434,25 @@ _POINTER_DTYPES = {
 }
 
 
+#: the cluster specialisation ``resident_clusters`` compiles (a CSA decode split)
+_PROBE_CONSTEXPRS = dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, CLUSTER=2,
+                         KEYS_BF16=False)
+
+
+def _probe_args() -> tuple:
+    """The kernel's non-constexpr arguments as a launch without tensors takes them (``JITFunction.warmup``): each
+    pointer's torch dtype, 64 for every integer (strides, counts), 1.0 for the softmax scale."""
+    return tuple(_POINTER_DTYPES[p.name] if p.name.endswith("_ptr") else (1.0 if p.name == "qk_scale" else 64)
+                 for p in _sparse_attention_sm90_kernel.params if p.name not in _PROBE_CONSTEXPRS)
+
+
 @functools.lru_cache(maxsize=None)
 def _probe_compiled(device_index: int):
-    """One cluster specialisation of the kernel (a CSA decode split), compiled for ``device_index`` from argument
-    dtypes alone: what ``resident_clusters`` asks the driver about."""
-    kernel = _sparse_attention_sm90_kernel
-    constexprs = dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, CLUSTER=2,
-                      KEYS_BF16=False)
-    args = [_POINTER_DTYPES[p.name] if p.name.endswith("_ptr") else (1.0 if p.name == "qk_scale" else 64)
-            for p in kernel.params if p.name not in constexprs]
+    """``_PROBE_CONSTEXPRS``' specialisation compiled for ``device_index`` from argument dtypes alone: what
+    ``resident_clusters`` asks the driver about."""
     with torch.cuda.device(device_index):
-        return cluster_launch.compiled_kernel(kernel, (1, 1), tuple(args), dict(constexprs, num_warps=NUM_WARPS))
+        return cluster_launch.compiled_kernel(_sparse_attention_sm90_kernel, (1, 1), _probe_args(),
+                                              dict(_PROBE_CONSTEXPRS, num_warps=NUM_WARPS))
 
 
 @functools.lru_cache(maxsize=None)
