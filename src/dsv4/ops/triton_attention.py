@@ -91,7 +91,8 @@ def attend(
     Args:
         entry_idx: CSA int ``[T, K]`` entry indices (−1 = none); HCA int64 ``[T]`` counts from
             ``all_visible_entries`` (a ``[T, K]`` list works too); ``None`` for SWA layers.
-        plan: the step's ``AttentionPlan`` (``attention_plan``); ``None``: made here from the batch.
+        plan: the step's ``AttentionPlan`` (``attention_plan``); ``None``: made here from the batch. (Unused where
+            the torch backend serves the layer.)
     Returns:
         ``o`` ``[T, H, D]`` act dtype (inverse RoPE applied), ``lse`` ``[T, H]`` float32 (sink included).
     """
