@@ -1,4 +1,4 @@
-"""Benchmark: Triton sparse attention over the paged 584-B KV entries (``dsv4.kernels.sparse_attention``).
+"""Benchmark: sparse attention over the paged 584-B KV entries (``dsv4.kernels.attention``).
 
 Shapes (issue 6): decode, one query token per request, batch 1/8/64/128 —
 
@@ -10,7 +10,7 @@ Shapes (issue 6): decode, one query token per request, batch 1/8/64/128 —
 and prefill chunks of 4096 queries (one request, window mostly from this step's tokens): Flash CSA 640 keys,
 Pro CSA 1152 keys. Pages, rings and entry lists are built directly (random valid FP8 bytes, block tables with
 scattered blocks), not through the cache. Timing: median of CUDA-event-timed CUDA-graph replays (the kernels' GPU time, as the engine's decode steps run),
-L2 flushed before each; the eager time (Python launches included) is reported next to it.
+L2 flushed before each; the eager time (Python launches and the plan included) is reported next to it.
 
 Bytes: the keys each token reads (584 B per window/compressed entry, 1 KiB for its own BF16 entry), entry
 indices, q, o, lse (prefill: each compressed entry once, it is shared by the chunk's queries). FLOPs:
@@ -18,11 +18,12 @@ indices, q, o, lse (prefill: each compressed entry once, it is shared by the chu
 FLOPs / BF16 matmul rate, both measured in the same run.
 
     python benchmarks/bench_attention.py [--quick] [--json out.json] [--variants JSON] [--parallel-compile]
-        [--only flash_csa:8,pro_csa] [--set sparse_attention_sm90.NAME=VALUE ...] [--flush zero|read]
+        [--only flash_csa:8,pro_csa] [--set sm90_ws.NAME=VALUE ...] [--flush zero|read]
 
-``--variants`` compares keyword sets of ``sparse_attention_fwd`` in one process; ``--set`` changes a module constant
-of ``dsv4.kernels`` for the whole run (one process per setting for an A/B of kernel constants; not passed on to
-``--parallel-compile``'s subprocesses).
+``--variants`` compares request sets of ``sparse_attention_fwd`` in one process (``impl``, ``keys``, ``combine``,
+``num_splits`` and the Triton tiling: ``plan_attention``'s keywords); each row names the plan it ran
+(``AttentionPlan.describe``). ``--set`` changes a module constant of ``dsv4.kernels.attention`` for the whole run
+(one process per setting for an A/B of kernel constants; not passed on to ``--parallel-compile``'s subprocesses).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
     does: L2 left full of dirty lines, which the kernel writes back as it reads — up to an L2 of extra DRAM writes)
     or ``"read"`` (clean lines). ``warmup_ms``: ``time_cuda``'s time-based warm-up before each timing (0: five
     calls)."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+    from dsv4.kernels.attention.launch import plan_for, sparse_attention_fwd
 
     variants = variants or [{}]
     if compile_only:
@@ -184,6 +185,10 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
         first = None
         for vi, var in enumerate(variants):
             try:
+                plan = plan_for(call["q"], call["kv_new"], call["block_tables"], **{
+                    k: call[k] for k in ("window", "ratio", "block_size", "entry_idx", "visible", "max_entries",
+                                         "max_visible") if k in call}, **var)
+                # (planned inside each call, as a step without a plan: the eager time includes it)
                 fn = lambda: sparse_attention_fwd(**call, out=ws_out, lse=lse, **var)  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
@@ -208,7 +213,8 @@ def run(quick: bool = False, device: str = "cuda", variants: list[dict[str, Any]
             label += f" #{vi} {var}" if len(variants) > 1 else ""
             rows.append(roofline_row(
                 label, s, nbytes, flops, bw, rate, shape=name, batch=batch, tokens=T, heads=heads,
-                keys=args["_keys"], variant=var, variant_index=vi, flashmla_us=ref, diff_vs_first=diff,
+                keys=args["_keys"], variant=var, variant_index=vi, plan=plan.describe(), flashmla_us=ref,
+                diff_vs_first=diff,
                 vs_flashmla=(ref / (s * 1e6)) if ref else None, eager_us=s_eager * 1e6, l2_flush=flush,
                 warmup_ms=warmup_ms,
             ))
@@ -239,12 +245,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="acceptance shapes only")
     ap.add_argument("--json", default=None, help="write rows + environment here")
     ap.add_argument("--variants", default=None,
-                    help="JSON list of keyword sets for sparse_attention_fwd, e.g. '[{\"block_n\": 32}]'")
+                    help="JSON list of request sets for sparse_attention_fwd, e.g. '[{\"impl\": \"triton\"}, {}]'")
     ap.add_argument("--only", default=None, help="comma-separated shapes, 'name' or 'name:batch' (e.g. flash_csa:64)")
     ap.add_argument("--compile-only", action="store_true", help="call each variant once per shape, no timing")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a constant of a dsv4.kernels module first (Python literal), e.g. "
-                         "sparse_attention_sm90.WIDE_PARTIAL=False; repeatable")
+                    help="set a constant of a dsv4.kernels.attention module first (Python literal), e.g. "
+                         "sm90_ws.PRODUCER_REGS=144; repeatable")
     ap.add_argument("--flush", choices=("zero", "read"), default="zero",
                     help="L2 flush before each timed call: overwrite a 256 MiB buffer (dirty lines, the default) or "
                          "read it (clean lines)")
@@ -259,11 +265,11 @@ def main() -> None:
     for item in a.set:
         target, value = item.split("=", 1)
         module, name = target.rsplit(".", 1)
-        mod = importlib.import_module(f"dsv4.kernels.{module}")
+        mod = importlib.import_module(f"dsv4.kernels.attention.{module}")
         if not hasattr(mod, name):
-            raise SystemExit(f"--set: dsv4.kernels.{module} has no {name}")
+            raise SystemExit(f"--set: dsv4.kernels.attention.{module} has no {name}")
         setattr(mod, name, ast.literal_eval(value))
-        print(f"# dsv4.kernels.{module}.{name} = {getattr(mod, name)!r}", flush=True)
+        print(f"# dsv4.kernels.attention.{module}.{name} = {getattr(mod, name)!r}", flush=True)
     if a.parallel_compile:
         t0 = time.time()
         compile_in_parallel(a.quick, variants or [{}])

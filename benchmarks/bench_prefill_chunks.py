@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import build  # noqa: E402
 
 from dsv4.bench.roofline import environment, time_cuda  # noqa: E402
-from dsv4.kernels.sparse_attention import bf16_keys, num_sms, sparse_attention_fwd  # noqa: E402
+from dsv4.kernels.attention.bf16_keys import bf16_keys  # noqa: E402
+from dsv4.kernels.attention.launch import sparse_attention_fwd  # noqa: E402
+from dsv4.kernels.device import sm_count  # noqa: E402
 
 #: (heads, top-k, tokens before the chunk)
 SHAPES = [(64, 64, 8192), (64, 256, 8192), (64, 512, 8192), (64, 1024, 8192), (64, 2048, 16384),
@@ -45,7 +47,7 @@ def run(json_path: str | None = None) -> list[dict]:
                                            entries=call["max_visible"]),
                          warmup=5, iters=30, flush_l2=True, graph=True)
         items = QUERIES * -(-heads // 64)
-        waves = -(-items // num_sms(torch.device("cuda")))
+        waves = -(-items // sm_count(torch.device("cuda")))
         chunks = 2 + topk // 64
         rows.append(dict(heads=heads, topk=topk, chunks=chunks, step_us=step * 1e6, bf16_keys_us=keys * 1e6,
                          wave_us=(step - keys) * 1e6 / waves))

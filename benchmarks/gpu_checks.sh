@@ -25,7 +25,6 @@ echo "== indexer bench rc=$?"; grep -v '^ *$' "$O/idx_bench.log" | tail -30
 I=tests/test_gpu_indexer.py
 timeout 40 python3 -m pytest -q -p no:cacheprovider "$I::test_gpu_radix_topk_large" "$I::test_gpu_indexer_topk_variants" > "$O/idx_tests.log" 2>&1
 echo "== indexer tests rc=$?"; tail -3 "$O/idx_tests.log"
-WV='"split_policy": "waves"'
-V="[{}, {$WV}, {$WV, \"prefetch\": true}, {$WV, \"block_h\": 32, \"block_n\": 32, \"prefetch\": true, \"dequant\": \"bits\"}]"
+V='[{}, {"impl": "triton"}, {"impl": "triton", "block_h": 32, "block_n": 32}]'
 timeout 130 python3 benchmarks/bench_attention.py --quick --variants "$V" --json "$O/attn_variants.json" > "$O/attn_bench.log" 2>&1
 echo "== attention bench rc=$?"; grep -v '^ *$' "$O/attn_bench.log" | tail -40

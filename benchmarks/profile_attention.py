@@ -1,7 +1,8 @@
-"""Resources and (under ``ncu``) hardware counters of the sparse-attention kernel at one shape.
+"""Resources and (under ``ncu``) hardware counters of the sparse-attention kernels at one shape.
 
-Prints each compiled variant's registers per thread, spilled bytes and shared memory (from Triton's compiled
-kernel), then runs ``--calls`` more launches for a profiler to pick up, e.g.::
+Runs ``--calls`` launches of the step's plan (``--variant``: requests such as ``{"impl": "triton"}``) for a
+profiler to pick up, then prints each compiled kernel's registers per thread, spilled bytes and shared memory
+(from Triton's compiled kernels), e.g.::
 
     ncu --clock-control none -k regex:_sparse_attention_kernel --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section Occupancy \\
@@ -37,10 +38,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="flash_csa", choices=[*DECODE, *PREFILL])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--variant", default="{}", help="JSON keyword arguments of sparse_attention_fwd")
+    ap.add_argument("--variant", default="{}", help="JSON requests of sparse_attention_fwd (impl, keys, combine, ...)")
     ap.add_argument("--calls", type=int, default=3)
     a = ap.parse_args()
-    from dsv4.kernels import sparse_attention as sa
+    from dsv4.kernels.attention import launch, sm90_pipelined, sm90_serial, sm90_ws, triton_kernel
 
     prefill = a.shape in PREFILL
     heads, ratio, topk, context = (PREFILL if prefill else DECODE)[a.shape]
@@ -48,9 +49,12 @@ def main() -> None:
     call = {k: v for k, v in args.items() if not k.startswith("_")}
     var = json.loads(a.variant)
     for _ in range(a.calls):
-        sa.sparse_attention_fwd(**call, **var)
+        launch.sparse_attention_fwd(**call, **var)
     torch.cuda.synchronize()
-    print(f"{a.shape} B={a.batch} {var}: {kernel_resources(sa._sparse_attention_kernel)}", flush=True)
+    for jit_fn in (triton_kernel._sparse_attention_kernel, sm90_serial._sparse_attention_sm90_kernel,
+                   sm90_ws._sparse_attention_ws_kernel, sm90_pipelined._pipelined_kernel):
+        if jit_fn.device_caches:
+            print(f"{a.shape} B={a.batch} {var} {jit_fn.__name__}: {kernel_resources(jit_fn)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,14 @@
 
 Runs ``dsv4.ops.triton_attention.attend`` with ``TRITON_INTERPRET=1`` (in a subprocess: the variable must be set
 before Triton compiles anything) on the tiny config's SWA / CSA / HCA layers, with stale and empty ring slots,
-−1 entries and forced key splits, against the torch backend, once per kernel variant (``VARIANTS``), plus the
-exact key dequantization probe (``test_gpu_attention.dequant_probe``, FP32 paths). The interpreter rounds FP32 → BF16 by truncation,
+−1 entries and forced key splits (requested, and forced into the plan with ``dataclasses.replace``), against the
+torch backend, plus the exact key dequantization probe (``test_gpu_attention.dequant_probe``, FP32 paths). The interpreter rounds FP32 → BF16 by truncation,
 so agreement is to ~5e-3 rather than BF16 rounding; numerics are checked on the GPU (``test_gpu_attention``).
 Skipped when Triton is not installed (CI).
 """
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
@@ -34,19 +33,14 @@ INTERPRETER_PATCH = textwrap.dedent(
 
 SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     """
-    import json, sys
+    import dataclasses
     import torch, dsv4
     from dsv4.config import LayerKind
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
-    from dsv4.ops import torch_ops, triton_attention
-    from test_gpu_attention import make_case, compare
+    from dsv4.kernels.attention.launch import sparse_attention_fwd
+    from test_gpu_attention import compare, dequant_probe, make_case, step_plan
 
-    variant = json.loads(sys.argv[1])
-    triton_attention.KERNEL_OPTIONS.update(variant)
-
-    from test_gpu_attention import dequant_probe
     for wide in (False, True):  # every E4M3 code, exact (the FP32 paths: the interpreter's BF16 is wrong)
-        got, expected = dequant_probe("cpu", variant, wide)
+        got, expected = dequant_probe("cpu", {}, wide)
         assert torch.equal(got, expected), (wide, int((got != expected).sum()))
 
     tiny = dsv4.ModelConfig.preset("tiny")
@@ -61,41 +55,38 @@ SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         err_o, err_l, o, o_ref = compare(layer, batch, args, ti, xi)
         assert err_o < 1e-2 and err_l < 1e-4, (kind, err_o, err_l)
         m = args["m"]
-        for splits in (2, 5):
+        entries = dict(ratio=m, entry_idx=xi if xi is not None and xi.dim() == 2 else None,
+                       visible=xi if xi is not None and xi.dim() == 1 else None,
+                       max_entries=int(batch.visible_entries[m].max()) if kind is LayerKind.HCA else 0)
+        calls = [dict(num_splits=splits, block_n=16) for splits in (2, 5)]
+        plan = step_plan(layer, batch, args, block_n=16, **entries)
+        per = -(-plan.max_chunks // 3)  # (up to) three splits forced into the plan
+        splits = -(-plan.max_chunks // per)
+        calls.append(dict(plan=dataclasses.replace(plan, splits=splits, chunks_per_split=per,
+                                                   merge="combine_kernel" if splits > 1 else "none")))
+        for call in calls:
             out, lse = sparse_attention_fwd(
                 args["q"], args["kv_new"], layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables,
                 batch.token_request, batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots,
-                args["sink"], args["inv_freq"], args["scale"], window=batch.window, ratio=m,
-                block_size=batch.block_size, entry_idx=xi if xi is not None and xi.dim() == 2 else None,
-                visible=xi if xi is not None and xi.dim() == 1 else None,
-                max_entries=int(batch.visible_entries[m].max()) if kind is LayerKind.HCA else 0,
-                num_splits=splits, block_n=16, **variant,
+                args["sink"], args["inv_freq"], args["scale"], window=batch.window, block_size=batch.block_size,
+                **entries, **call,
             )
             err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
-            assert err < 1e-2, (kind, splits, err)
+            assert err < 1e-2, (kind, call, err)
     print("ok")
     """
 )
 
 
-# Kernel variants (keywords of sparse_attention_fwd); test_gpu_attention.VARIANTS runs them on the GPU.
-VARIANTS = {
-    "default": {},
-    "prefetch": {"prefetch": True},
-    "bits": {"dequant": "bits"},
-}
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_attend_logic_in_interpreter(variant: str) -> None:
-    run_interpreted(SCRIPT, json.dumps(VARIANTS[variant]))
+def test_attend_logic_in_interpreter() -> None:
+    run_interpreted(SCRIPT)
 
 
 COMBINE_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     """
     import math
     import torch
-    from dsv4.kernels.sparse_attention import _combine_kernel
+    from dsv4.kernels.attention.combine import _combine_kernel
 
     g = torch.Generator().manual_seed(0)
     T, H = 3, 4

@@ -1,4 +1,4 @@
-"""A step's keys dequantized once into BF16 rows (``sparse_attention.bf16_keys``), against the storage's decode.
+"""A step's keys dequantized once into BF16 rows (``attention.bf16_keys``), against the storage's decode.
 
 Runs the Triton kernel under the interpreter on the CPU (it converts no FP8 in hardware: the E4M3 codes are decoded
 from their bits) and on a GPU when there is one: every ring slot and every entry a request's tokens see, bit for
@@ -20,7 +20,7 @@ _SCRIPT = r"""
 import sys, torch
 from test_gpu_attention import FLASH, PRO, make_case
 from dsv4.config import LayerKind
-from dsv4.kernels.sparse_attention import bf16_keys
+from dsv4.kernels.attention.bf16_keys import bf16_keys
 
 import dsv4
 device = sys.argv[1]

@@ -3,12 +3,15 @@
 Each case builds a real ``HybridCache`` layer, fills its pool pages and rings with random valid 584-B entries
 (some ring slots stale or empty), schedules a step of several requests (decode tokens and prefill chunks), draws
 random queries, window entries, sinks and CSA entry lists (some −1), and compares ``attend`` of both backends.
-The kernel tests run once per entry of ``VARIANTS`` (kernel variants under measurement), and
-``test_dequant_exact`` checks each variant's key dequantization bit for bit over every E4M3 code.
+The kernel tests run once per entry of ``VARIANTS`` (requests to the attention plan: each kept kernel), and
+``test_dequant_exact`` checks each kernel's key dequantization bit for bit over every E4M3 code;
+``test_forced_plans_match_torch`` runs every kernel, key source and merge through the launcher with plans forced
+by ``dataclasses.replace``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -101,17 +104,14 @@ def make_case(
     return layer, batch, args, torch_idx, triton_idx
 
 
-# Kernel variants under measurement (keywords of ``sparse_attention_fwd``; ``{}`` the default kernel). Each GPU
-# case below runs once per variant; the benchmark's ``--variants`` takes the same dicts.
+# Requests to the attention plan (``plan_attention``'s keywords; ``{}`` the rules' plan), one per kept kernel and
+# merge. Each GPU case below runs once per variant; the benchmark's ``--variants`` takes the same dicts.
 VARIANTS = {
-    "default": {},  # the Gluon kernel on Hopper, else the Triton one
+    "default": {},  # the Gluon kernels on Hopper, else the Triton one
     "ws": {"impl": "gluon_ws"},  # the warp-specialized Gluon kernel (Hopper only)
     "pipelined": {"impl": "gluon_pipelined", "keys": "fp8"},  # score / value / copy warpgroups over the FP8 pages
     "kernel_combine": {"combine": "kernel"},  # split partials merged by the combine kernel, never in clusters
     "triton": {"impl": "triton"},
-    "fill": {"split_policy": "fill"},
-    "prefetch": {"impl": "triton", "prefetch": True},
-    "bits": {"impl": "triton", "dequant": "bits"},
 }
 
 
@@ -120,22 +120,21 @@ _SELECTED = [v for v in os.environ.get("DSV4_ATTN_VARIANTS", "").split(",") if v
 
 
 @pytest.fixture(params=_SELECTED)
-def variant(request, monkeypatch):
-    """Runs the test with ``dsv4.ops.triton_attention.attend`` using one kernel variant."""
-    from dsv4.ops import triton_attention
-
-    monkeypatch.setattr(triton_attention, "KERNEL_OPTIONS", dict(VARIANTS[request.param]))
+def variant(request) -> dict:
+    """The requests of one entry of ``VARIANTS``."""
     return VARIANTS[request.param]
 
 
 def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's key dequantization (Triton: ``_key_block`` × 8; Gluon on Hopper: ``_e4m3_to_bf16``) of 64
-    entries holding every finite E4M3 code, against ``code × 2^(e−127)`` rounded to BF16 once. Exponents 100–134, or 10–246 when ``wide``
-    (``dequant="bits"`` then takes its two-multiply path). Returns ``(kernel, expected)`` as float32 ``[64, 512]``.
+    """The key dequantization of the kernel ``options`` (a ``VARIANTS`` entry) runs (Triton: ``_key_block`` × 8;
+    the Gluon kernels on Hopper: ``sm90_serial._e4m3_to_bf16`` or ``sm90_ws``'s word variant) of 64 entries holding
+    every finite E4M3 code, against ``code × 2^(e−127)`` rounded to BF16 once. Exponents 100–134, or 10–246 when
+    ``wide`` (the Gluon conversion's second multiply, e > 134). Returns ``(kernel, expected)`` as float32
+    ``[64, 512]``.
     """
     from dsv4.formats.fp8 import e4m3_decode
-    from dsv4.kernels import sparse_attention as sa
-    from dsv4.kernels import sparse_attention_sm90, sparse_attention_sm90_ws
+    from dsv4.kernels.attention import sm90_serial, sm90_ws, triton_kernel
+    from dsv4.kernels.device import is_sm90
 
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randperm(64 * 448, generator=g) % 256).to(torch.uint8).view(64, 448)
@@ -150,25 +149,25 @@ def dequant_probe(device: str, options: dict, wide: bool, seed: int = 0) -> tupl
     scale = torch.ldexp(torch.ones(64, 7), exps[:, :7].to(torch.int32) - 127).repeat_interleave(64, 1)
     expected = torch.cat(((e4m3_decode(codes) * scale).to(torch.bfloat16), rope), 1).float()
     out = torch.empty(64, 512, dtype=torch.bfloat16, device=device)
-    interpret = device != "cuda"
-    if options.get("impl", "auto") != "triton" and sparse_attention_sm90.available(torch.device(device)):
+    impl = options.get("impl", "auto")
+    if impl != "triton" and is_sm90(torch.device(device)):
         # the pipelined kernel dequantizes FP8 pages through the warp-specialized kernel's helpers
-        ws = options.get("impl") in ("gluon_ws", "gluon_pipelined")
-        gluon = sparse_attention_sm90_ws if ws else sparse_attention_sm90
+        gluon = sm90_ws if impl in ("gluon_ws", "gluon_pipelined") else sm90_serial
         gluon.dequant_probe(pages.to(device), out)
-        return out.float().cpu(), expected
-    probe = sa._dequant_probe_kernel
-    probe[(1,)](pages.to(device), out, BF16_MATH=options.get("bf16_math", True) and not interpret,
-                DEQUANT_BITS=options.get("dequant") == "bits", num_warps=8)
+    else:
+        triton_kernel.dequant_probe(pages.to(device), out)
     return out.float().cpu(), expected
 
 
-def compare(layer, batch, args, torch_idx, triton_idx):
-    """Relative errors ``(o, lse)`` of the triton ``attend`` against torch's, plus the triton outputs."""
+def compare(layer, batch, args, torch_idx, triton_idx, requests: dict | None = None, plan=None):
+    """Relative errors ``(o, lse)`` of the triton ``attend`` against torch's, plus the triton outputs; the triton
+    side runs ``plan``, or the plan of ``requests`` (``VARIANTS``), or the rules' plan."""
     from dsv4.ops import triton_attention
 
     o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=torch_idx, **args)
-    o, lse = triton_attention.attend(layer, batch, entry_idx=triton_idx, **args)
+    if plan is None and requests:
+        plan = triton_attention.attention_plan(batch, args["q"], args["kv_new"], args["m"], triton_idx, **requests)
+    o, lse = triton_attention.attend(layer, batch, entry_idx=triton_idx, plan=plan, **args)
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype and lse.shape == lse_ref.shape
     assert torch.isfinite(o.float()).all() and torch.isfinite(lse).all()
     err_o = ((o.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
@@ -176,11 +175,21 @@ def compare(layer, batch, args, torch_idx, triton_idx):
     return err_o, err_l, o, o_ref
 
 
+def step_plan(layer, batch, args, q=None, **options):
+    """The plan ``step_fwd`` makes for the same ``options`` (entry keywords and requests)."""
+    from dsv4.kernels.attention.launch import plan_for
+
+    q = args["q"] if q is None else q
+    options.setdefault("ratio", 4)
+    return plan_for(q, args["kv_new"], batch.block_tables, window=batch.window, block_size=batch.block_size,
+                    **options)
+
+
 def step_fwd(layer, batch, args, q=None, **options):
     """``sparse_attention_fwd`` over a ``make_case`` step (its queries, or ``q``); ``options`` are the op's keywords
-    (``ratio`` 4 unless given). ``out`` / ``lse`` default to new NaN-filled tensors, so any element the kernels do
-    not write fails the checks. Returns ``(out, lse)``."""
-    from dsv4.kernels.sparse_attention import sparse_attention_fwd
+    (``ratio`` 4 unless given; a ``plan``, or requests). ``out`` / ``lse`` default to new NaN-filled tensors, so any
+    element the kernels do not write fails the checks. Returns ``(out, lse)``."""
+    from dsv4.kernels.attention.launch import sparse_attention_fwd
 
     q = args["q"] if q is None else q
     options.setdefault("ratio", 4)
@@ -230,11 +239,63 @@ def test_attend_matches_torch(name: str, variant: dict) -> None:
     if name not in _BUILT:  # built once, shared by the variants (attend only reads the cache)
         _BUILT[name] = make_case(cfg, kind, prefix, step, "cuda", seed=len(name), topk=topk)
     layer, batch, args, ti, xi = _BUILT[name]
-    err_o, err_l, o, _ = compare(layer, batch, args, ti, xi)
+    err_o, err_l, o, _ = compare(layer, batch, args, ti, xi, variant)
     assert err_o <= 1e-2, err_o
     assert err_l <= 1e-3, err_l
     if name == "hca_1m":
         assert int(batch.visible_entries[cfg.hca_ratio].max()) == 8192
+
+
+# Plans forced onto a step with dataclasses.replace: (kernel, key source, splits asked, merge of the splits).
+FORCED = {
+    "triton": ("triton", "fp8", 1, None),
+    "triton_splits": ("triton", "fp8", 3, "combine_kernel"),
+    "gluon": ("gluon", "fp8", 1, None),
+    "gluon_splits": ("gluon", "fp8", 3, "combine_kernel"),
+    "gluon_cluster": ("gluon", "fp8", 3, "cluster"),
+    "gluon_bf16": ("gluon", "bf16", 1, None),
+    "gluon_bf16_cluster": ("gluon", "bf16", 3, "cluster"),
+    "ws": ("gluon_ws", "fp8", 1, None),
+    "ws_splits": ("gluon_ws", "fp8", 3, "combine_kernel"),
+    "pipelined_fp8": ("gluon_pipelined", "fp8", 1, None),
+    "pipelined_bf16": ("gluon_pipelined", "bf16", 1, None),
+}
+
+
+def force(plan, batch, m: int, kernel: str, keys: str, splits: int, merge: str | None):
+    """``plan`` with another kernel, key source and split (``dataclasses.replace``; the fields that follow from
+    them — chunks per split, BF16 rows' entries, persistent programs, 64 heads per program — set to match)."""
+    assert plan.block_n == 64
+    per = -(-plan.max_chunks // splits)
+    splits = -(-plan.max_chunks // per)
+    entries = {"list": batch.addressable_entries(m) if m else 0, "all": plan.num_compressed, "window": 0}[plan.mode]
+    return dataclasses.replace(
+        plan, kernel=kernel, keys=keys, key_entries=entries if keys == "bf16" else 0, splits=splits,
+        chunks_per_split=per, merge="none" if splits == 1 else merge, block_h=64,
+        persistent_programs=min(plan.items, 132) if kernel == "gluon_pipelined" else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["csa_decode_flash", "hca_decode", "swa_decode", "csa_prefill"])
+@pytest.mark.parametrize("forced", list(FORCED))
+def test_forced_plans_match_torch(name: str, forced: str) -> None:
+    """Every kept kernel, key source (FP8 pages, BF16 rows) and merge (none, combine kernel, clusters) runs through
+    ``attend(plan=...)`` with a plan forced by ``dataclasses.replace`` and matches the torch backend."""
+    from dsv4.kernels.device import is_sm90
+    from dsv4.ops import triton_attention
+
+    if FORCED[forced][0] != "triton" and not is_sm90(torch.device("cuda")):
+        pytest.skip("the Gluon kernels need a Hopper GPU")
+    cfg, kind, prefix, step, topk = CASES[name]
+    if name not in _BUILT:
+        _BUILT[name] = make_case(cfg, kind, prefix, step, "cuda", seed=len(name), topk=topk)
+    layer, batch, args, ti, xi = _BUILT[name]
+
+    base = triton_attention.attention_plan(batch, args["q"], args["kv_new"], args["m"], xi)
+    plan = force(base, batch, args["m"], *FORCED[forced])
+    err_o, err_l, _, _ = compare(layer, batch, args, ti, xi, plan=plan)
+    assert err_o <= 1e-2, (plan.describe(), err_o)
+    assert err_l <= 1e-3, (plan.describe(), err_l)
 
 
 @pytest.mark.gpu
@@ -288,19 +349,17 @@ def _entry_options(kind: LayerKind, batch, args, triton_idx) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["csa_prefill", "hca_prefill", "swa_prefill"])
 @pytest.mark.parametrize("programs", [1, 3, 7])
-def test_prefill_kernel_any_number_of_programs(name: str, programs: int, monkeypatch) -> None:
+def test_prefill_kernel_any_number_of_programs(name: str, programs: int) -> None:
     """The pipelined kernel's persistent programs (over BF16 rows) each take items (token, head block) one after the
     other, the next item's queries and first keys copied in during the current item's last chunk: with 1, 3 or 7
-    programs (each then runs hundreds of items, of different chunk counts for HCA) the outputs are the serial FP8
-    path's bits."""
-    from dsv4.kernels import sparse_attention
-
+    programs (a plan with ``persistent_programs`` replaced; each then runs hundreds of items, of different chunk
+    counts for HCA) the outputs are the serial FP8 path's bits."""
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, _, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs, topk=topk)
     opts = _entry_options(kind, batch, args, xi)
     want_o, want_lse = step_fwd(layer, batch, args, impl="gluon", keys="fp8", **opts)
-    monkeypatch.setattr(sparse_attention, "num_sms", lambda device: programs)
-    o, lse = step_fwd(layer, batch, args, impl="gluon_pipelined", keys="bf16", **opts)
+    plan = step_plan(layer, batch, args, impl="gluon_pipelined", keys="bf16", **opts)
+    o, lse = step_fwd(layer, batch, args, plan=dataclasses.replace(plan, persistent_programs=programs), **opts)
     assert torch.equal(o.view(torch.int16), want_o.view(torch.int16))
     assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32))
 
@@ -308,18 +367,17 @@ def test_prefill_kernel_any_number_of_programs(name: str, programs: int, monkeyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["csa_decode_pro", "hca_decode", "csa_prefill", "hca_1m"])
 @pytest.mark.parametrize("programs", [1, 3, 7, 132])
-def test_pipelined_fp8_any_number_of_programs(name: str, programs: int, monkeypatch) -> None:
+def test_pipelined_fp8_any_number_of_programs(name: str, programs: int) -> None:
     """The pipelined kernel over the FP8 pages (``impl="gluon_pipelined"``, ``keys="fp8"``: the copy warpgroup
     dequantizes): with 1, 3, 7 or 132 persistent programs, each taking many (token, head block) items of different
     chunk counts (HCA), the outputs match the torch backend; a ``num_splits`` asked for does not apply to it."""
-    from dsv4.kernels import sparse_attention
-
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, ti, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs, topk=topk)
     o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
-    monkeypatch.setattr(sparse_attention, "num_sms", lambda device: programs)
-    out, lse = step_fwd(layer, batch, args, num_splits=9, impl="gluon_pipelined", keys="fp8",
-                        **_entry_options(kind, batch, args, xi))
+    opts = _entry_options(kind, batch, args, xi)
+    plan = step_plan(layer, batch, args, num_splits=9, impl="gluon_pipelined", keys="fp8", **opts)
+    assert plan.splits == 1
+    out, lse = step_fwd(layer, batch, args, plan=dataclasses.replace(plan, persistent_programs=programs), **opts)
     assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
     err = ((out.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
     assert err <= 1e-2, err
@@ -420,7 +478,7 @@ def test_attend_all_invalid_gives_sink_only(variant: dict) -> None:
     """A token whose compressed slots are all −1 and whose ring is empty sees only its own window entry."""
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [400], [1], "cuda", seed=3, invalid_frac=1.0)
     ti = torch.full_like(ti, -1)
-    err_o, err_l, _, _ = compare(layer, batch, args, ti, ti)
+    err_o, err_l, _, _ = compare(layer, batch, args, ti, ti, variant)
     assert err_o <= 1e-2 and err_l <= 1e-3
 
 

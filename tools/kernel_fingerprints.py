@@ -12,6 +12,10 @@ checked without a GPU::
 A kernel whose signature changes (arguments added, removed or reordered) legitimately changes its fingerprint;
 ``--opcodes`` compares only the sequence of SASS opcodes (operands ignored), which shows whether the code around
 the arguments stayed the same.
+
+``ptxas`` is not deterministic for every kernel: where its register allocator spills (the Triton attention kernel)
+two compiles of the same PTX give different SASS. ``--ptx`` hashes the PTX instead (without line information,
+debug sections and the kernel's name): the same PTX is the same program handed to ``ptxas``.
 """
 
 from __future__ import annotations
@@ -68,8 +72,7 @@ SPECIALISATIONS: list[tuple[str, str, dict]] = [
     ("attention_ws_hca", "attention_ws", {}),
     ("attention_ws_csa", "attention_ws", dict(RATIO=4, PAGE_ENTRIES=64, MODE=1)),
     ("attention_pipelined_bf16", "attention_pipelined", {}),
-    ("attention_pipelined_fp8", "attention_pipelined", dict(KEYS_BF16=False, PREFETCH_L2=True, VALUE_REGS_C=160,
-                                                            PRODUCER_REGS_C=168)),
+    ("attention_pipelined_fp8", "attention_pipelined", dict(KEYS_BF16=False, VALUE_REGS_C=160, PRODUCER_REGS_C=168)),
     ("combine", "combine", {}),
     ("bf16_keys", "bf16_keys", {}),
 ]
@@ -89,8 +92,20 @@ def normalised_sass(text: str) -> list[str]:
     return lines
 
 
-def fingerprint(kernel: str, overrides: dict, opcodes: bool = False) -> str:
-    lines = normalised_sass(sass(compile_sm90(kernel, overrides).asm["cubin"]))
+def normalised_ptx(text: str, name: str) -> list[str]:
+    """PTX instruction and directive lines without comments, ``.loc`` / ``.file`` lines, debug sections or the
+    kernel's name."""
+    text = text.split("\t.section\t.debug", 1)[0].replace(name, "KERNEL")
+    lines = (re.sub(r"\s+", " ", ln.split("//", 1)[0]).strip() for ln in text.splitlines())
+    return [ln for ln in lines if ln and not ln.startswith((".loc", ".file"))]
+
+
+def fingerprint(kernel: str, overrides: dict, opcodes: bool = False, ptx: bool = False) -> str:
+    compiled = compile_sm90(kernel, overrides)
+    if ptx:
+        lines = normalised_ptx(compiled.asm["ptx"], compiled.metadata.name)
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    lines = normalised_sass(sass(compiled.asm["cubin"]))
     if opcodes:
         lines = [re.split(r"[ ;]", ln.lstrip("@!PT0123456789 "), maxsplit=1)[0] for ln in lines]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
@@ -102,13 +117,14 @@ def main() -> None:
     ap.add_argument("--compare", help="compare with the fingerprints in this JSON file")
     ap.add_argument("--only", nargs="*", help="specialisation names (default: all)")
     ap.add_argument("--opcodes", action="store_true", help="hash only the opcode sequence")
+    ap.add_argument("--ptx", action="store_true", help="hash the PTX (ptxas is not deterministic where it spills)")
     a = ap.parse_args()
     results: dict[str, str] = {}
     for name, kernel, overrides in SPECIALISATIONS:
         if a.only and name not in a.only:
             continue
         try:
-            results[name] = fingerprint(kernel, overrides, a.opcodes)
+            results[name] = fingerprint(kernel, overrides, a.opcodes, a.ptx)
         except Exception as err:  # report and go on: one broken kernel should not hide the others
             results[name] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
         print(f"{name:32s} {results[name]}", flush=True)

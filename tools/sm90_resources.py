@@ -46,25 +46,25 @@ _ATTENTION_DIV16 = {"stride_qt", "stride_qh", "stride_kvt", "stride_ring", "stri
 #: kernel → (import path, pointer dtypes by argument, default constexprs + num_warps / num_stages,
 #: int args ≡ 0 mod 16)
 KERNELS = {
-    "attention": ("dsv4.kernels.sparse_attention:_sparse_attention_kernel", _ATTENTION_ARGS,
+    "attention": ("dsv4.kernels.attention.triton_kernel:_sparse_attention_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, BLOCK_H=64, BLOCK_N=64,
-             BF16_MATH=True, INTERPRET=False, num_warps=8, num_stages=1),
+             INTERPRET=False, num_warps=8, num_stages=1),
         _ATTENTION_DIV16),
-    "attention_sm90": ("dsv4.kernels.sparse_attention_sm90:_sparse_attention_sm90_kernel", _ATTENTION_ARGS,
+    "attention_sm90": ("dsv4.kernels.attention.sm90_serial:_sparse_attention_sm90_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=True, CLUSTER=1, KEYS_BF16=False,
              num_warps=8),
         _ATTENTION_DIV16),
-    "attention_ws": ("dsv4.kernels.sparse_attention_sm90_ws:_sparse_attention_ws_kernel", _ATTENTION_ARGS,
+    "attention_ws": ("dsv4.kernels.attention.sm90_ws:_sparse_attention_ws_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=128, BLOCK_SIZE=256, PAGE_ENTRIES=2, MODE=2, SPLIT=True, PRODUCER_REGS=152,
              num_warps=8),
         _ATTENTION_DIV16),
-    "attention_pipelined": ("dsv4.kernels.sparse_attention_sm90_pipelined:_pipelined_kernel", _ATTENTION_ARGS,
+    "attention_pipelined": ("dsv4.kernels.attention.sm90_pipelined:_pipelined_kernel", _ATTENTION_ARGS,
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, MODE=1, SPLIT=False, KEYS_BF16=True,
-             PREFETCH_L2=False, VALUE_REGS_C=168, PRODUCER_REGS_C=88, num_warps=4),
+             VALUE_REGS_C=168, PRODUCER_REGS_C=88, num_warps=4),
         _ATTENTION_DIV16),
-    "dequant_sm90": ("dsv4.kernels.sparse_attention_sm90:_dequant_probe_kernel",
+    "dequant_sm90": ("dsv4.kernels.attention.sm90_serial:_dequant_probe_kernel",
         {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=8), set()),
-    "dequant_ws": ("dsv4.kernels.sparse_attention_sm90_ws:_dequant_probe_kernel",
+    "dequant_ws": ("dsv4.kernels.attention.sm90_ws:_dequant_probe_kernel",
         {"pages_ptr": "*u8", "out_ptr": "*bf16"}, dict(num_warps=4), set()),
     "write": ("dsv4.kernels.write.compressor:write_before_attention_kernel", {
         "kv_ptr": "*bf16", "pos_ptr": "*i64", "kv_out_ptr": "*bf16", "start_ptr": "*i64", "end_ptr": "*i64",
@@ -122,11 +122,11 @@ KERNELS = {
     "queries": ("dsv4.kernels.project.queries:_queries_kernel", {"q_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
                                                          "out_ptr": "*bf16", "eps": "fp32"},
         dict(ROWS=4, num_warps=4, enable_fp_fusion=False), set()),
-    "combine": ("dsv4.kernels.sparse_attention:_combine_kernel", {
+    "combine": ("dsv4.kernels.attention.combine:_combine_kernel", {
         "po_ptr": "*fp32", "plse_ptr": "*fp32", "positions_ptr": "*i64", "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32",
         "o_ptr": "*bf16", "lse_ptr": "*fp32"},
         dict(BLOCK_H=2, BLOCK_S=8, INTERPRET=False, num_warps=4), {"stride_ot", "stride_oh", "stride_lt"}),
-    "bf16_keys": ("dsv4.kernels.sparse_attention:_bf16_keys_kernel", {
+    "bf16_keys": ("dsv4.kernels.attention.bf16_keys:_bf16_keys_kernel", {
         "ring_ptr": "*u8", "pool_ptr": "*u8", "block_tables_ptr": "*i32", "cu_seqlens_ptr": "*i32",
         "start_pos_ptr": "*i64", "token_slots_ptr": "*i64", "out_ptr": "*bf16"},
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, ROWS=16, num_warps=4),

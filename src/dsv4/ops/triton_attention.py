@@ -1,4 +1,4 @@
-"""Triton glue for ``all_visible_entries`` and ``attend`` (``dsv4.kernels.sparse_attention``).
+"""Triton glue for ``all_visible_entries`` and ``attend`` (``dsv4.kernels.attention``).
 
 Same signatures and results as ``torch_ops`` with one documented difference in the HCA hand-off:
 ``all_visible_entries`` returns the per-token *count* of visible entries (int64 ``[T]``, ``batch.visible_entries[m]``)
@@ -9,24 +9,28 @@ instead of a ``[T, N]`` list padded with −1, so nothing of data-dependent size
 The kernels read the official ``fp8_ds_mla`` 584-B entries. Layers whose numerics use another KV format
 (``fp8_per_token``, ``fp32``), whose geometry is not 512 = 448 + 64, or tensors not on a CUDA device (unless
 ``TRITON_INTERPRET=1``) run the torch backend's ``attend`` instead (same results; not graph-safe).
+
+Every launch decision of a step's attention is an ``AttentionPlan`` (``dsv4.kernels.attention.plan``):
+``attention_plan`` makes the one ``attend`` would run, ``attend(plan=...)`` runs a given one.
 """
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
+from ..kernels.device import runs_here
 from ..numerics import Numerics
 from . import torch_ops
 
-__all__ = ["KERNEL_OPTIONS", "all_visible_entries", "attend", "supports"]
+if TYPE_CHECKING:
+    from ..kernels.attention.plan import AttentionPlan
 
-# Extra keywords for ``sparse_attention_fwd`` (kernel variants under measurement; tests and benchmarks set it).
-KERNEL_OPTIONS: dict = {}
+__all__ = ["all_visible_entries", "attend", "attention_plan", "supports"]
 
 
 def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
@@ -37,16 +41,36 @@ def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
 def supports(layer: LayerCache, q: Tensor, numerics: Numerics) -> bool:
     """Whether the Triton kernel handles this layer/input (else ``attend`` falls back to torch)."""
     s = layer.schema
-    on_device = q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (layer.kv_pages, layer.ring))  # 8-B scale words
     return (
-        on_device
+        runs_here(q)
         and aligned
         and numerics.kv_format == "fp8_ds_mla"
         and s.kv_storage.name == "fp8_ds_mla"
         and (s.head_dim, s.rope_dim) == (512, 64)
         and q.dtype == torch.bfloat16
     )
+
+
+def _entry_keywords(batch: StepBatch, m: int, entry_idx: Tensor | None) -> dict:
+    """``sparse_attention_fwd``'s keywords for the step's compressed entries: CSA lists ``[T, K]`` or HCA counts
+    ``[T]`` (with the bound on them), and the bound on any token's visible entries."""
+    counts = entry_idx if entry_idx is not None and entry_idx.dim() == 1 else None
+    return dict(
+        window=batch.window, ratio=m, block_size=batch.block_size,
+        entry_idx=entry_idx if entry_idx is not None and entry_idx.dim() == 2 else None, visible=counts,
+        max_entries=batch.addressable_entries(m) if counts is not None else 0,
+        max_visible=batch.addressable_entries(m) if m else None,
+    )
+
+
+def attention_plan(batch: StepBatch, q: Tensor, kv_new: Tensor, m: int, entry_idx: Tensor | None,
+                   **requests) -> AttentionPlan:
+    """The plan ``attend`` makes for this step when given none (arguments as there); ``requests`` override the
+    rules (``plan_attention``'s ``impl``, ``keys``, ``combine``, ``num_splits``, …), checked."""
+    from ..kernels.attention.launch import plan_for
+
+    return plan_for(q, kv_new, batch.block_tables, **_entry_keywords(batch, m, entry_idx), **requests)
 
 
 def attend(
@@ -60,12 +84,15 @@ def attend(
     scale: float,
     inv_freq: Tensor,
     numerics: Numerics,
+    plan: AttentionPlan | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention over window ∪ compressed entries with the sink, then the inverse RoPE (see ``torch_ops.attend``).
 
     Args:
         entry_idx: CSA int ``[T, K]`` entry indices (−1 = none); HCA int64 ``[T]`` counts from
             ``all_visible_entries`` (a ``[T, K]`` list works too); ``None`` for SWA layers.
+        plan: the step's ``AttentionPlan`` (``attention_plan``); ``None``: made here from the batch. (Unused where
+            the torch backend serves the layer.)
     Returns:
         ``o`` ``[T, H, D]`` act dtype (inverse RoPE applied), ``lse`` ``[T, H]`` float32 (sink included).
     """
@@ -74,33 +101,10 @@ def attend(
             entry_idx = torch_ops.all_visible_entries(batch, m)
         return torch_ops.attend(layer, batch, q, kv_new, m, entry_idx, sink, scale, inv_freq, numerics)
 
-    from ..kernels.sparse_attention import sparse_attention_fwd
+    from ..kernels.attention.launch import sparse_attention_fwd
 
-    counts = entry_idx if entry_idx is not None and entry_idx.dim() == 1 else None
-    listed = entry_idx if entry_idx is not None and entry_idx.dim() == 2 else None
-    o, lse = sparse_attention_fwd(
-        q,
-        kv_new,
-        layer.ring,
-        layer.ring_positions,
-        layer.kv_pages,
-        batch.block_tables,
-        batch.token_request,
-        batch.positions,
-        batch.cu_seqlens,
-        batch.start_pos,
-        batch.token_slots,
-        sink.float(),
-        inv_freq.float(),
-        scale,
-        window=batch.window,
-        ratio=m,
-        block_size=batch.block_size,
-        entry_idx=listed,
-        visible=counts,
-        max_entries=batch.addressable_entries(m) if counts is not None else 0,
-        max_visible=batch.addressable_entries(m) if m else None,
-        workspace=layer.workspace,
-        **KERNEL_OPTIONS,
+    return sparse_attention_fwd(
+        q, kv_new, layer.ring, layer.ring_positions, layer.kv_pages, batch.block_tables, batch.token_request,
+        batch.positions, batch.cu_seqlens, batch.start_pos, batch.token_slots, sink.float(), inv_freq.float(), scale,
+        workspace=layer.workspace, plan=plan, **_entry_keywords(batch, m, entry_idx),
     )
-    return o, lse

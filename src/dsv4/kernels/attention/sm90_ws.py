@@ -1,10 +1,10 @@
-"""Sparse attention with sink over the paged 584-B KV entries, warp-specialized for Hopper (sm_90), in Gluon.
+"""The warp-specialized Hopper (sm_90) attention kernel in Gluon, for long key lists (``kernel="gluon_ws"``).
 
-Same semantics, arguments and key set as ``sparse_attention._sparse_attention_kernel`` and the same math per chunk
-as ``sparse_attention_sm90`` (read those); what differs is who does what. Here a producer partition (4 warps)
-looks up, loads and dequantizes each 64-key chunk into one of two BF16 key buffers while the consumer partition
-(8 warps = 2 warpgroups) runs S = Q·Kᵀ, the online softmax and O = O·α + P·K on the other; the two hand the
-buffers over through mbarriers (``k_ready`` / ``k_free``):
+Same semantics, arguments and key set as ``triton_kernel`` and the same math per chunk as ``sm90_serial`` (read
+those); what differs is who does what. A producer partition (4 warps) looks up, loads and dequantizes each 64-key
+chunk into one of two BF16 key buffers while the consumer partition (8 warps = 2 warpgroups) runs S = Q·Kᵀ, the
+online softmax and O = O·α + P·K on the other; the two hand the buffers over through mbarriers (``k_ready`` /
+``k_free``):
 
     producer, chunk c:  wait k_free[c % 2] → chunk c's scale words and c+1's block tables (copied by cp.async
                         an iteration ago) → start the copies of c+1's scale words and c+2's block tables →
@@ -12,34 +12,38 @@ buffers over through mbarriers (``k_ready`` / ``k_free``):
                         chunk c+1's as soon as it is stored → arrive k_ready[c % 2]; entries of c+3
     consumer, chunk c:  wait k_ready[c % 2] → S = Q·Kᵀ → softmax → P → O += P·K → arrive k_free[c % 2]
 
-Raw bytes move as 32-bit words (four E4M3 codes or two BF16 values; a register tile of bytes would hold one byte
-per register) and are dequantized by ``ptx.DEQUANT_E4M3_WORDS`` (the same exact products as
-``sparse_attention_sm90``); the BF16 tiles are written through 32-bit views of their shared memory (the 128-byte
-swizzle permutes 16-byte pieces, the same for either element type). The softmax denominators are row sums per
-chunk (per-element sums, as in ``sparse_attention_sm90``, need 16 more consumer registers: slower here).
+Raw bytes move as 32-bit words (four E4M3 codes or two BF16 values) and are dequantized by
+``ptx.DEQUANT_E4M3_WORDS`` (the serial kernel's exact products); the BF16 tiles are written through 32-bit views of
+their shared memory (the 128-byte swizzle permutes 16-byte pieces, the same for either element type). The softmax
+denominators are row sums per chunk. Registers: the producer's are ``PRODUCER_REGS`` per thread, the consumers get
+the rest of the 64K. A value loaded in one producer iteration and carried into the next would be copied between
+registers at the loop's end, waiting for the load: hence the scale words and block tables through shared memory.
 
-Registers: the producer's are ``launch(producer_regs=…)`` per thread (default ``PRODUCER_REGS``), the consumers
-get the rest of the 64K. A value loaded in one producer iteration and carried into the next is copied between
-registers at the loop's end, and that copy waits for the load: hence the scale words and block tables through
-shared memory (CSA's entry lists still pay it). Measured on an H100 (``benchmarks/RESULTS.md``): faster than
-``sparse_attention_sm90`` when a program runs many chunks (Flash HCA at 1M context, B ≥ 64: 65+ chunks per split;
-10-18%), about equal or slower on short key lists (CSA decode: 10 chunks) and prefill, so
-``sparse_attention_fwd``'s ``impl="auto"`` picks it from ``WS_MIN_CHUNKS`` chunks per split — from
-``WS_MIN_CHUNKS_ALL`` for HCA's contiguous entries (measured on an H200: 3-4% faster from 9 chunks per split).
-
-Needs a CUDA device of compute capability 9.x (``sparse_attention_sm90.available()``); no interpreter path.
+It pays off where a program runs many chunks (``plan.WS_MIN_CHUNKS``, ``WS_MIN_CHUNKS_ALL`` for HCA; see RESULTS.md,
+"Sparse attention: a warp-specialized Gluon kernel for long key lists"). Its row loads need q / kv_new rows
+16-byte aligned (``args.rows_are_words``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import ptx
-from .sparse_attention_sm90 import BLOCK_H, BLOCK_N, available
+from .. import ptx
+from ..device import KV_DATA_BYTES
+from .args import AttentionArgs
+from .plan import AttentionPlan
+from .sm90_common import _HAVE_GLUON
 
-try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Triton kernel serves
+__all__ = ["PRODUCER_REGS", "dequant_probe", "launch"]
+
+NUM_WARPS = 8  # the consumer partition: two warpgroups of wgmma and softmax
+PRODUCER_WARPS = 4  # the producer partition: lookups, loads, dequantization
+PRODUCER_REGS = 152  # registers per producer thread (the consumers get the rest: 176); read at each launch
+
+if _HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -47,36 +51,12 @@ try:  # Gluon ships with Triton ≥ 3.4; without it (or without a GPU) the Trito
         warpgroup_mma_wait,
     )
 
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-
-    from .sparse_attention_sm90 import (TILE_SL, _block_exponents, _dim_tiles, _fresh_rows, _masked_scores,
-                                        _probabilities, _program_token, _rescale, _running_max, _split_chunks,
-                                        _write_output)
-
-    _HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAVE_GLUON = False
-
-__all__ = ["PRODUCER_REGS", "WS_MIN_CHUNKS", "WS_MIN_CHUNKS_ALL", "available", "dequant_probe", "launch"]
-
-NUM_WARPS = 8  # the consumer partition: two warpgroups of wgmma and softmax
-PRODUCER_WARPS = 4  # the producer partition: lookups, loads, dequantization
-PRODUCER_REGS = 152  # registers per producer thread (the consumers get the rest: 176)
-WS_MIN_CHUNKS = 32  # impl="auto" runs this kernel from this many chunks per split (see the module docstring)
-#: the same for every visible entry (HCA: the entries of a chunk are contiguous); H200, 2026-11-25, this kernel vs
-#: the serial one: HCA-128K B=64 / 128 (9 / 18 chunks per split) 60.9 / 82.1 vs 63.2 / 85.6 µs, HCA-1M B=8 (9)
-#: 57.6 vs 59.7, HCA-128K B=8 (2) 30.8 vs 29.2; CSA's scattered entries stay with WS_MIN_CHUNKS
-WS_MIN_CHUNKS_ALL = 8
-
+    from .sm90_common import (BH, BN, MODE_LIST, NOPE_DIM, TILE_SL, _block_exponents, _dim_tiles, _fresh_rows,
+                              _masked_scores, _probabilities, _program_token, _rescale, _running_max, _split_chunks)
+    from .sm90_output import _write_output
 
 if _HAVE_GLUON:
-    BH = gl.constexpr(BLOCK_H)
-    BN = gl.constexpr(BLOCK_N)
-    NOPE_DIM = gl.constexpr(448)
-    DATA_WORDS = gl.constexpr(144)  # per entry: 448 E4M3 codes + 64 BF16 rope values = 576 bytes
-    MODE_WINDOW = gl.constexpr(0)
-    MODE_LIST = gl.constexpr(1)
-    MODE_ALL = gl.constexpr(2)
+    DATA_WORDS = gl.constexpr(KV_DATA_BYTES // 4)  # per entry: 448 E4M3 codes + 64 BF16 rope values, as words
     DEQUANT_PTX = gl.constexpr(ptx.DEQUANT_E4M3_WORDS)
     PRODUCER_WARPS_C = gl.constexpr(PRODUCER_WARPS)
 
@@ -209,7 +189,7 @@ if _HAVE_GLUON:
     def _copy_scales(address, dst):
         """Asynchronous copy of a chunk's 64 scale words (``_chunk_address``) into ``dst`` (int64 ``[64]``, shared
         memory; keys not read are zeros). Loaded into registers instead, the words would be copied between
-        registers at the loop's end, and that copy waits for the load (ncu: the producer's top stall)."""
+        registers at the loop's end, and that copy waits for the load."""
         words, rows, ok, scale_ptrs, valid = address
         async_copy.async_copy_global_to_shared(dst, scale_ptrs, mask=ok)
         async_copy.commit_group()
@@ -370,7 +350,7 @@ if _HAVE_GLUON:
             mbarrier.wait(k_ready.index(buf), (i // 2) & 1)
             s = _masked_scores(q0, q1, q2, q3, k0.index(buf), k1.index(buf), k2.index(buf), k3.index(buf),
                                valid_smem.index(buf), qk_scale, S_L)
-            # Online softmax (base 2), as sparse_attention_sm90's but with the row sums taken per chunk.
+            # Online softmax (base 2), as sm90_serial's but with the row sums taken per chunk.
             m_i, alpha = _running_max(m_i, s)
             o0 = _rescale(o0, alpha)
             o1 = _rescale(o1, alpha)
@@ -480,10 +460,7 @@ def dequant_probe(pages: torch.Tensor, out: torch.Tensor) -> None:
     _dequant_probe_kernel[(1,)](pages, out, num_warps=PRODUCER_WARPS)
 
 
-def launch(grid: tuple[int, int], args: tuple, geometry: dict, producer_regs: int | None = None) -> None:
-    """Launch the Gluon kernel: ``args`` / ``geometry`` are ``sparse_attention_fwd``'s prepared arguments and
-    geometry constexprs (the Triton kernel's, see there); ``producer_regs`` the producer partition's registers
-    per thread (a multiple of 8; default ``PRODUCER_REGS``, read at each launch; the consumers get
-    ``(65536 − 256·producer_regs) / 256``)."""
-    regs = PRODUCER_REGS if producer_regs is None else producer_regs
-    _sparse_attention_ws_kernel[grid](*args, **geometry, PRODUCER_REGS=regs, num_warps=NUM_WARPS)
+def launch(plan: AttentionPlan, args: AttentionArgs) -> None:
+    """Launch the kernel of a ``kernel="gluon_ws"`` plan over ``plan.grid`` (FP8 pages; no cluster merge)."""
+    _sparse_attention_ws_kernel[plan.grid](*args.positional(), **plan.constexprs, PRODUCER_REGS=PRODUCER_REGS,
+                                           num_warps=NUM_WARPS)

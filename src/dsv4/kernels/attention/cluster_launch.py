@@ -1,20 +1,16 @@
-"""Launching a Triton / Gluon kernel as thread-block clusters (Hopper), without compiling it for several CTAs.
+"""Launching a Triton / Gluon kernel compiled for one CTA as thread-block clusters (Hopper).
 
 A kernel compiled with ``num_ctas=1`` runs unchanged when launched in clusters of ``n`` CTAs along x: each CTA is
 the program it always was (``program_id(0)`` is the CTA's index in the grid, so a cluster is ``n`` consecutive
-programs), and the cluster only adds what the kernel asks for in inline PTX — here ``barrier.cluster``, which
+programs), and the cluster only adds what the kernel asks for in inline PTX — e.g. ``barrier.cluster``, which
 guarantees that the ``n`` programs run at the same time and orders their memory operations. (Compiling with
 ``num_ctas=n`` instead would make every layout of the kernel describe ``n`` CTAs.)
 
-Triton's launcher already launches clusters: it reads ``num_ctas`` from the compiled kernel's packed metadata,
-multiplies the grid's x by it and passes the cluster dimension. ``launch`` sets that field on the compiled kernel
-of the cluster's specialisation (the kernel takes the cluster size as a constexpr, so each size is its own
-compiled kernel) and launches that compiled kernel directly (no second pass through the JIT's argument binding) —
-graph-capturable like any launch.
-
-``max_active_clusters`` asks the driver how many clusters of a compiled kernel fit on the GPU at once (a cluster's
-CTAs must share one GPC: with one CTA per multiprocessor, an H100's 132 SMs hold 8 clusters of 10-16 CTAs, 16 of
-5-8), so a caller can keep a launch within one wave.
+Triton's launcher reads ``num_ctas`` from the compiled kernel's packed metadata, multiplies the grid's x by it and
+passes the cluster dimension; ``launch`` sets that field on the compiled kernel of the cluster's specialisation (the
+kernel takes the cluster size as a constexpr, so each size is its own compiled kernel) and launches it directly —
+graph-capturable like any launch. ``max_active_clusters`` asks the driver how many clusters of a compiled kernel
+the GPU holds at once (a cluster's CTAs share one GPC). Importing this module needs no GPU and no Triton.
 """
 
 from __future__ import annotations
@@ -50,18 +46,23 @@ def compiled_kernel(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:
     return compiled
 
 
-def _prepare(compiled: Any, cluster: int) -> None:
-    """Make ``compiled`` launch in clusters of ``cluster`` CTAs (once per compiled kernel)."""
+def _allow(compiled: Any, cluster: int) -> None:
+    """Let ``compiled`` run in clusters of ``cluster`` CTAs: above 8 ("non-portable") the kernel must opt in."""
     if not 1 <= cluster <= MAX_CLUSTER:
         raise ValueError(f"cluster size must be 1…{MAX_CLUSTER}, got {cluster}")
-    warps, ctas, shared = compiled.packed_metadata
-    if ctas == cluster:
-        return
     if cluster > _PORTABLE:
         err = _driver().cuFuncSetAttribute(ctypes.c_void_p(compiled.function),
                                            _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         if err != 0:
             raise RuntimeError(f"cuFuncSetAttribute(non-portable cluster size) failed: CUDA error {err}")
+
+
+def _prepare(compiled: Any, cluster: int) -> None:
+    """Make ``compiled`` launch in clusters of ``cluster`` CTAs (once per compiled kernel)."""
+    warps, ctas, shared = compiled.packed_metadata
+    if ctas == cluster:
+        return
+    _allow(compiled, cluster)
     compiled.packed_metadata = (warps, cluster, shared)
 
 
@@ -104,8 +105,7 @@ def max_active_clusters(compiled: Any, cluster: int) -> int:
         cfg.num_attrs = 1
         count = ctypes.c_int(0)
         try:
-            if cluster > _PORTABLE:
-                _prepare(compiled, cluster)  # the driver answers 0 for a non-portable size the kernel did not allow
+            _allow(compiled, cluster)  # the driver answers 0 for a non-portable size the kernel did not allow
             err = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(compiled.function),
                                                          ctypes.byref(cfg))
         except (OSError, AttributeError, RuntimeError):
