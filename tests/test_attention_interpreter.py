@@ -1,6 +1,6 @@
 """The sparse-attention kernel's index and mask logic on the CPU, through the Triton interpreter.
 
-Runs ``dsv4.ops.triton_attention.attend`` with ``TRITON_INTERPRET=1`` (in a subprocess: the variable must be set
+Runs ``dsv4.ops.triton_attention.attend_layer`` with ``TRITON_INTERPRET=1`` (in a subprocess: the variable must be set
 before Triton compiles anything) on the tiny config's SWA / CSA / HCA layers, with stale and empty ring slots,
 −1 entries and forced key splits (requested, and forced into the plan with ``dataclasses.replace``), against the
 torch backend, plus the exact key dequantization probe (``test_gpu_attention.dequant_probe``, FP32 paths). The interpreter rounds FP32 → BF16 by truncation,

@@ -95,10 +95,7 @@ def make_case(
         torch_idx = torch.where(ok, order, -1).to(device)
         triton_idx = torch_idx
     elif kind is LayerKind.HCA:
-        torch_idx = torch_ops.all_visible_entries(batch, m)
-        from dsv4.ops import triton_attention
-
-        triton_idx = triton_attention.all_visible_entries(batch, m)
+        torch_idx = triton_idx = batch.visible_entries[m]  # HCA: each token's count of visible entries
     args = dict(q=q.to(device), kv_new=kv_new.to(device), m=m, sink=sink.to(device), scale=cfg.softmax_scale,
                 inv_freq=inv_freq.to(device), numerics=nm)
     return layer, batch, args, torch_idx, triton_idx
@@ -164,10 +161,10 @@ def compare(layer, batch, args, torch_idx, triton_idx, requests: dict | None = N
     side runs ``plan``, or the plan of ``requests`` (``VARIANTS``), or the rules' plan."""
     from dsv4.ops import triton_attention
 
-    o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=torch_idx, **args)
+    o_ref, lse_ref = torch_ops.attend_layer(layer, batch, entry_idx=torch_idx, **args)
     if plan is None and requests:
         plan = triton_attention.attention_plan(batch, args["q"], args["kv_new"], args["m"], triton_idx, **requests)
-    o, lse = triton_attention.attend(layer, batch, entry_idx=triton_idx, plan=plan, **args)
+    o, lse = triton_attention.attend_layer(layer, batch, entry_idx=triton_idx, plan=plan, **args)
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype and lse.shape == lse_ref.shape
     assert torch.isfinite(o.float()).all() and torch.isfinite(lse).all()
     err_o = ((o.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
@@ -302,7 +299,7 @@ def test_forced_plans_match_torch(name: str, forced: str) -> None:
 def test_attend_forced_splits_and_poisoned_output(variant: dict) -> None:
     """Split-KV partials + combine give the same result, and every output element is written."""
     layer, batch, args, ti, _ = make_case(FLASH, LayerKind.CSA, [5000, 12], [1, 3], "cuda", seed=7)
-    o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
+    o_ref, lse_ref = torch_ops.attend_layer(layer, batch, entry_idx=ti, **args)
     for splits in (1, 3, 20):
         out, lse = step_fwd(layer, batch, args, entry_idx=ti, num_splits=splits, **variant)
         assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
@@ -373,7 +370,7 @@ def test_pipelined_fp8_any_number_of_programs(name: str, programs: int) -> None:
     chunk counts (HCA), the outputs match the torch backend; a ``num_splits`` asked for does not apply to it."""
     cfg, kind, prefix, step, topk = CASES[name]
     layer, batch, args, ti, xi = make_case(cfg, kind, prefix, step, "cuda", seed=programs, topk=topk)
-    o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
+    o_ref, lse_ref = torch_ops.attend_layer(layer, batch, entry_idx=ti, **args)
     opts = _entry_options(kind, batch, args, xi)
     plan = step_plan(layer, batch, args, num_splits=9, impl="gluon_pipelined", keys="fp8", **opts)
     assert plan.splits == 1
@@ -406,7 +403,7 @@ def test_cluster_combine_matches_combine_kernel(splits: int) -> None:
     every output element is written (poisoned before). Flash (64 heads) and Pro (two head blocks per token)."""
     for cfg, prefix, step in ((FLASH, [9000, 12, 3000], [1, 3, 1]), (PRO, [9000, 700], [2, 1])):
         layer, batch, args, ti, _ = make_case(cfg, LayerKind.CSA, prefix, step, "cuda", seed=splits)
-        o_ref, lse_ref = torch_ops.attend(layer, batch, entry_idx=ti, **args)
+        o_ref, lse_ref = torch_ops.attend_layer(layer, batch, entry_idx=ti, **args)
         got = {}
         for combine in ("cluster", "kernel"):
             out, lse = step_fwd(layer, batch, args, entry_idx=ti, num_splits=splits, impl="gluon", combine=combine)

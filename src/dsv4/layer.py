@@ -129,6 +129,9 @@ class Attention:
             raise ValueError(f"the triton backend needs CUDA tensors, got x on {x.device}")
         if plan is not None and plan.backend != backend:
             raise ValueError(f"plan was made by the {plan.backend!r} backend, this layer runs {backend!r}")
+        if plan is not None and not plan.fits(batch.shape_key()):
+            raise ValueError(f"plan was made for another step shape ({plan.summary}); build one per step with "
+                             "Attention.plan_step(batch, cache)")
         if x.device != cache.device:
             raise ValueError(f"x is on {x.device} but the cache is on {cache.device}")
         if batch.device != cache.device:

@@ -165,6 +165,13 @@ class StepBatch:
     def device(self) -> torch.device:
         return self.positions.device
 
+    def shape_key(self) -> tuple:
+        """The step's fixed-shape geometry — tokens per request, block-table width, block size, window, ratios, emit
+        capacities: what a launch plan (``dsv4.ops.StepPlan``) may depend on. Two batches with the same key can
+        share a plan (and a captured CUDA graph); positions, slots and block ids do not enter it."""
+        return (tuple(self.num_new), int(self.block_tables.shape[1]), self.block_size, self.window, self.ratios,
+                tuple(sorted(self.emit_capacity.items())))
+
     def addressable_entries(self, m: int) -> int:
         """Entries at ratio ``m`` that the block tables can address: a host bound on every token's visible
         entries that depends only on this batch's shapes. Graph-safe kernels size grids and buffers with it, never

@@ -4,6 +4,7 @@
 * ``runs_here(t)``: the Triton kernels can take ``t`` (a CUDA tensor, or any tensor under the interpreter).
 * ``sm_count(device)``: streaming multiprocessors of a CUDA device (cached); ``INTERPRETER_SMS`` elsewhere.
 * ``is_sm90(device)``: a Hopper GPU (compute capability 9.x) with Gluon importable — where the ``*_sm90`` kernels run.
+* ``facts(device)``: all of these as one ``DeviceFacts``, what a step's launch plan reads.
 
 The byte layout of the cache entries (584-B KV entries, 68-B MXFP4 indexer keys) is ``dsv4.formats.layouts``'s;
 it is re-exported here so that kernels and launchers state it once.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,9 +33,9 @@ from ..formats.layouts import (
 )
 
 __all__ = [
-    "FP8_KEY_BYTES", "INDEXER_KEY_DIM", "INTERPRETER_SMS", "KV_DATA_BYTES", "KV_DIM", "KV_ENTRY_BYTES",
+    "DeviceFacts", "FP8_KEY_BYTES", "INDEXER_KEY_DIM", "INTERPRETER_SMS", "KV_DATA_BYTES", "KV_DIM", "KV_ENTRY_BYTES",
     "KV_FP8_BLOCK", "KV_NOPE_DIM", "KV_ROPE_DIM", "KV_SCALE_BYTES", "MXFP4_KEY_BYTES", "has_gluon", "interpreting",
-    "is_sm90", "runs_here", "sm_count",
+    "facts", "is_sm90", "runs_here", "sm_count",
 ]
 
 #: Multiprocessors a launch plans for when the kernels run in the interpreter (no device to ask).
@@ -84,3 +87,36 @@ def is_sm90(device: torch.device | str) -> bool:
     if device.type != "cuda" or interpreting() or not has_gluon():
         return False
     return _cuda_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What a step's launch plan needs to know about the device it runs on (``facts``; tests build one by hand to
+    plan for an H200 on any machine).
+
+    Attributes:
+        kernels: the Triton kernels run there (a CUDA device, or the interpreter).
+        sm_count: its streaming multiprocessors.
+        sm90: a Hopper GPU with Gluon (the ``*_sm90`` kernels run).
+        resident_clusters: ``n -> how many clusters of n one-multiprocessor programs the device holds at once``
+            (``None``: never merge split partials in clusters).
+    """
+
+    kernels: bool
+    sm_count: int
+    sm90: bool
+    resident_clusters: Callable[[int], int] | None = None
+
+
+def facts(device: torch.device | str) -> DeviceFacts:
+    """The facts of ``device`` (cheap after the first call: every query is cached)."""
+    device = torch.device(device)
+    sm90 = is_sm90(device)
+    clusters = None
+    if sm90:
+        from .attention import sm90_serial  # compiles one kernel when a plan first asks
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        clusters = functools.partial(sm90_serial.resident_clusters, index)
+    return DeviceFacts(kernels=device.type == "cuda" or interpreting(), sm_count=sm_count(device), sm90=sm90,
+                       resident_clusters=clusters)

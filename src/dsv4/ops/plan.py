@@ -59,15 +59,22 @@ class StepPlan:
         backend: the backend that made it (``"torch"`` makes none).
         layers: ``{LayerKind: LayerPlan}`` for every kind the cache holds.
         summary: the step's shape in a few words (requests, tokens, most new tokens per request).
+        shape: ``StepBatch.shape_key()`` of the batch it was made for (``None``: the torch backend's empty plan,
+            valid for any batch); a layer refuses a plan made for another shape.
     """
 
     backend: str
     layers: dict[LayerKind, LayerPlan] = field(default_factory=dict)
     summary: str = ""
+    shape: tuple | None = None
 
     @classmethod
     def empty(cls, backend: str) -> StepPlan:
         return cls(backend)
+
+    def fits(self, batch_shape: tuple) -> bool:
+        """Whether this plan was made for batches of this ``StepBatch.shape_key()``."""
+        return self.shape is None or self.shape == batch_shape
 
     def layer(self, kind: LayerKind) -> LayerPlan:
         """The plan of ``kind`` (an empty plan where none was made: every stage runs torch)."""

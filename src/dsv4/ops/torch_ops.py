@@ -18,6 +18,7 @@ from ..cache.batch import StepBatch
 from ..cache.manager import HybridCache, LayerCache
 from ..cache.storage import EntryStorage
 from ..config import LayerKind
+from ..numerics import Numerics
 from ..reference.compressor import finish_entries, pool_windows, project
 from ..reference.core import attend_with_sink, window_indices
 from ..reference.indexer import index_scores, indexer_queries as _reference_indexer_queries, select_topk
@@ -34,7 +35,7 @@ __all__ = [
     "query_latent", "queries", "window_kv", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
     # building blocks
-    "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries", "window_keys",
+    "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries", "window_keys",
 ]
 
 NAME = "torch"
@@ -275,16 +276,32 @@ def gather(layer: LayerCache, batch: StepBatch, m: int, entry_idx: Tensor, dtype
 
 def attend(step: LayerStep, q: Tensor, kv: Tensor, entry_idx: Tensor | None) -> tuple[Tensor, Tensor]:
     """See ``backend.AttentionBackend.attend``."""
-    batch, layer, nm = step.batch, step.cache, step.numerics
-    keys, valid = window_keys(layer, batch, kv)
+    return attend_layer(step.cache, step.batch, q, kv, step.ratio, entry_idx, step.weights.attn_sink,
+                        step.cfg.softmax_scale, step.inv_freq, step.numerics)
+
+
+def attend_layer(
+    layer: LayerCache, batch: StepBatch, q: Tensor, kv_new: Tensor, m: int, entry_idx: Tensor | None, sink: Tensor,
+    scale: float, inv_freq: Tensor, numerics: Numerics,
+) -> tuple[Tensor, Tensor]:
+    """``attend`` on explicit tensors (what kernel tests compare against).
+
+    Args:
+        layer, batch: the layer's cache and the step. q: ``[T, H, D]`` queries (head-normed, RoPE'd). kv_new:
+            ``[T, D]`` the step's window entries as stored. m: the layer's ratio (0: SWA).
+        entry_idx: CSA int64 ``[T, K]`` lists (−1 = none), HCA int64 ``[T]`` counts, SWA ``None``.
+        sink: float32 ``[H]`` sink logits; scale: the softmax scale; inv_freq: float32 ``[R/2]``.
+    Returns:
+        ``o`` ``[T, H, D]`` act dtype (inverse RoPE applied), ``lse`` float32 ``[T, H]`` (sink included).
+    """
+    keys, valid = window_keys(layer, batch, kv_new)
     if entry_idx is not None:
         if entry_idx.dim() == 1:  # HCA: every entry i < count
-            entry_idx = entry_lists(entry_idx, _max_entries(batch, step.ratio))
-        keys = torch.cat((keys, gather(layer, batch, step.ratio, entry_idx, kv.dtype)), dim=1)
+            entry_idx = entry_lists(entry_idx, _max_entries(batch, m))
+        keys = torch.cat((keys, gather(layer, batch, m, entry_idx, kv_new.dtype)), dim=1)
         valid = torch.cat((valid, entry_idx >= 0), dim=1)
-    o, lse = attend_with_sink(q, keys, valid, step.weights.attn_sink, step.cfg.softmax_scale, nm.prob_dtype,
-                              nm.act_dtype)
-    return apply_rope(o, batch.positions, step.inv_freq, inverse=True), lse
+    o, lse = attend_with_sink(q, keys, valid, sink, scale, numerics.prob_dtype, numerics.act_dtype)
+    return apply_rope(o, batch.positions, inv_freq, inverse=True), lse
 
 
 def append_swa(step: LayerStep, kv: Tensor) -> None:

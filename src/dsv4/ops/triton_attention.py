@@ -23,19 +23,16 @@ from torch import Tensor
 
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
-from ..kernels.device import runs_here
+from ..config import LayerKind
+from ..kernels.device import DeviceFacts, runs_here
 from ..numerics import Numerics
 from . import torch_ops
+from .step import LayerStep
 
 if TYPE_CHECKING:
     from ..kernels.attention.plan import AttentionPlan
 
-__all__ = ["all_visible_entries", "attend", "attention_plan", "supports"]
-
-
-def all_visible_entries(batch: StepBatch, m: int) -> Tensor:
-    """HCA: how many compressed entries each token sees, int64 ``[T]`` (every entry ``i < count`` is attended)."""
-    return batch.visible_entries[m]
+__all__ = ["attend", "attend_layer", "attention_plan", "plan_layer", "supports"]
 
 
 def supports(layer: LayerCache, q: Tensor, numerics: Numerics) -> bool:
@@ -73,7 +70,37 @@ def attention_plan(batch: StepBatch, q: Tensor, kv_new: Tensor, m: int, entry_id
     return plan_for(q, kv_new, batch.block_tables, **_entry_keywords(batch, m, entry_idx), **requests)
 
 
-def attend(
+def plan_layer(batch: StepBatch, layer: LayerCache, heads: int, ratio: int, entries_per_token: int,
+               numerics: Numerics, device: DeviceFacts) -> AttentionPlan | None:
+    """The step's ``AttentionPlan`` for a layer (``None``: the torch backend serves it — formats, geometry or a
+    device the kernels do not handle). ``entries_per_token``: CSA the width of the indexer's lists (``k``); HCA
+    and SWA ignore it (HCA attends every visible entry, bounded by the block tables' reach)."""
+    s = layer.schema
+    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (layer.kv_pages, layer.ring))  # 8-B scale words
+    if not (device.kernels and aligned and numerics.kv_format == s.kv_storage.name == "fp8_ds_mla"
+            and (s.head_dim, s.rope_dim) == (512, 64) and numerics.act_dtype == torch.bfloat16):
+        return None
+    from ..kernels.attention.plan import plan_attention
+
+    reach = batch.addressable_entries(ratio) if ratio else 0
+    mode, num = ("window", 0) if not ratio else ("list", entries_per_token) if s.kind is LayerKind.CSA else ("all", reach)
+    return plan_attention(
+        tokens=batch.num_tokens, requests=batch.num_requests, heads=heads, window=batch.window, ratio=ratio,
+        block_size=batch.block_size, mode=mode if num else "window", num_compressed=num,
+        max_visible=reach if ratio else None, sm_count=device.sm_count, sm90=device.sm90,
+        resident_clusters=device.resident_clusters)
+
+
+def attend(step: LayerStep, q: Tensor, kv: Tensor, entry_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+    """See ``backend.AttentionBackend.attend``: as ``step.plan.attention`` says (``None``: the torch backend)."""
+    plan = step.plan.attention
+    if plan is None:
+        return torch_ops.attend(step, q, kv, entry_idx)
+    return attend_layer(step.cache, step.batch, q, kv, step.ratio, entry_idx, step.weights.attn_sink,
+                        step.cfg.softmax_scale, step.inv_freq, step.numerics, plan)
+
+
+def attend_layer(
     layer: LayerCache,
     batch: StepBatch,
     q: Tensor,
@@ -86,20 +113,18 @@ def attend(
     numerics: Numerics,
     plan: AttentionPlan | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention over window ∪ compressed entries with the sink, then the inverse RoPE (see ``torch_ops.attend``).
+    """``attend`` on explicit tensors (``torch_ops.attend_layer``'s arguments): the kernels where ``supports``,
+    else the torch backend.
 
     Args:
-        entry_idx: CSA int ``[T, K]`` entry indices (−1 = none); HCA int64 ``[T]`` counts from
-            ``all_visible_entries`` (a ``[T, K]`` list works too); ``None`` for SWA layers.
-        plan: the step's ``AttentionPlan`` (``attention_plan``); ``None``: made here from the batch. (Unused where
-            the torch backend serves the layer.)
+        entry_idx: CSA int ``[T, K]`` entry indices (−1 = none); HCA int64 ``[T]`` counts (a ``[T, K]`` list works
+            too); ``None`` for SWA layers.
+        plan: the step's ``AttentionPlan`` (``attention_plan``); ``None``: made here from the batch.
     Returns:
         ``o`` ``[T, H, D]`` act dtype (inverse RoPE applied), ``lse`` ``[T, H]`` float32 (sink included).
     """
     if not supports(layer, q, numerics):
-        if entry_idx is not None and entry_idx.dim() == 1:
-            entry_idx = torch_ops.all_visible_entries(batch, m)
-        return torch_ops.attend(layer, batch, q, kv_new, m, entry_idx, sink, scale, inv_freq, numerics)
+        return torch_ops.attend_layer(layer, batch, q, kv_new, m, entry_idx, sink, scale, inv_freq, numerics)
 
     from ..kernels.attention.launch import sparse_attention_fwd
 

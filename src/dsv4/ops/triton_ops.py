@@ -19,9 +19,10 @@ from torch import Tensor
 from ..cache.batch import StepBatch
 from ..cache.manager import HybridCache
 from ..config import LayerKind
-from ..kernels.device import runs_here
+from ..kernels.device import DeviceFacts, facts
 from ..kernels.write.plan import plan_write
 from . import projections, triton_attention, triton_indexer
+from .triton_attention import attend
 from .plan import LayerPlan, StepPlan
 from .step import LayerStep
 from .triton_write import append_swa, kernels_handle, new_entries, queries, query_latent, window_kv
@@ -36,25 +37,31 @@ NAME = "triton"
 GRAPH_SAFE = True
 
 
-def plan_step(batch: StepBatch, cache: HybridCache) -> StepPlan:
-    """The step's launch decisions for every layer kind ``cache`` holds (host arithmetic on the batch's shape)."""
+def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None = None) -> StepPlan:
+    """The step's launch decisions for every layer kind ``cache`` holds (host arithmetic on the batch's shape).
+
+    ``device``: plan for these device facts instead of the cache's device's (tests plan for an H200 on the CPU).
+    """
+    dev = device if device is not None else facts(cache.device)
     nm, cfg = cache.numerics, cache.cfg
-    kernels = (runs_here(batch.positions) and nm.act_dtype == torch.bfloat16
-               and (cfg.head_dim, cfg.rope_dim) == (512, 64))
+    kernels = dev.kernels and nm.act_dtype == torch.bfloat16 and (cfg.head_dim, cfg.rope_dim) == (512, 64)
     formats = kernels and kernels_handle(nm, cfg.nope_dim, cfg.head_dim, cfg.index_head_dim)
     layers: dict[LayerKind, LayerPlan] = {}
     for schema in cache.schemas.values():
         kind, m = schema.kind, schema.ratio
         if kind in layers:
             continue
-        write = None
-        if formats and (m == 0 or batch.block_size % m == 0):
+        write = attention = None
+        if formats:
             write = plan_write(ratio=m, overlap=kind is LayerKind.CSA, has_index=kind is LayerKind.CSA,
                                tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
                                emit_capacity=batch.emit_capacity.get(m, 0))
-        layers[kind] = LayerPlan(kind, kernels=kernels, write=write)
+        if kernels:
+            attention = triton_attention.plan_layer(batch, cache.layer(schema.layer_idx), cfg.num_heads, m,
+                                                    cfg.index_topk, nm, dev)
+        layers[kind] = LayerPlan(kind, kernels=kernels, write=write, attention=attention)
     summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"
-    return StepPlan(NAME, layers, summary)
+    return StepPlan(NAME, layers, summary, batch.shape_key())
 
 
 def indexer_queries(step: LayerStep, q_latent: Tensor):
@@ -79,10 +86,6 @@ def visible_entries(step: LayerStep) -> Tensor:
     return step.batch.visible_entries[step.ratio]
 
 
-def attend(step: LayerStep, q: Tensor, kv: Tensor, entry_idx: Tensor | None) -> tuple[Tensor, Tensor]:
-    """See ``backend.AttentionBackend.attend``."""
-    return triton_attention.attend(step.cache, step.batch, q, kv, step.ratio, entry_idx, step.weights.attn_sink,
-                                   step.cfg.softmax_scale, step.inv_freq, step.numerics)
 
 
 def output(step: LayerStep, o: Tensor) -> Tensor:
