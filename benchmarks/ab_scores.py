@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill shape (e.g. variants with maxnreg)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    from dsv4.kernels import indexer as new
+    from dsv4.kernels.indexer import scores as new
 
     if a.profile_calls:
         label, batch, context, tokens = SHAPES[0]

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
-from dsv4.kernels.topk import VARIANTS
+from dsv4.kernels.indexer.topk import VARIANTS
 
 H, C, K_TOP, M, BLOCK = 64, 128, 512, 4, 256
 CEILINGS: dict[str, float] = {}  # measured copy bandwidth and FP8 matmul rate of this run
@@ -37,7 +37,7 @@ EPP = BLOCK // M  # entries per page
 
 def _setup(batch: int, context: int, tokens: int, fmt: str, seed: int = 0):
     """Random pool + step metadata for ``batch`` requests each at ``context`` tokens after a step of ``tokens``."""
-    from dsv4.kernels.indexer import FMT_FP8, FMT_MXFP4
+    from dsv4.kernels.indexer.scores import FMT_FP8, FMT_MXFP4
     from dsv4.ops.triton_indexer import head_pad
 
     dev = torch.device("cuda")
@@ -69,7 +69,7 @@ def _setup(batch: int, context: int, tokens: int, fmt: str, seed: int = 0):
 
 
 def _scores_fn(s, batch: int, tokens: int, config: dict | None = None):
-    from dsv4.kernels.indexer import index_scores
+    from dsv4.kernels.indexer.scores import index_scores
 
     def fn():
         index_scores(s["pages"], s["block_tables"], s["cu"], s["visible"], s["q"], s["w"], s["scores"],
@@ -100,7 +100,7 @@ TOPK_LAUNCHES = [
 def _topk_variants(s, tag, tk_bytes, bw, rate, iters, common) -> list[dict]:
     """Every ``TOPK_LAUNCHES`` entry on the scores of ``s``: checked against torch.topk (values, once), then timed
     eagerly and as a CUDA-graph replay."""
-    from dsv4.kernels.topk import filter_header_shape, radix_topk, topk_workspace_shape
+    from dsv4.kernels.indexer.topk import filter_header_shape, radix_topk, topk_workspace_shape
 
     sc, vis = s["scores"], s["visible"]
     ws = torch.empty(topk_workspace_shape(sc.shape[0], sc.dtype), dtype=torch.int32, device=sc.device)
@@ -146,7 +146,7 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
     64K / 128K context (``contexts``: these instead), nothing else; ``topk_prefill``: the same on 4K-token prefill
     chunks (one request at 8K / 32K / 64K / 128K, eight at 32K), each on the index scores the scores kernel computed
     for that chunk."""
-    from dsv4.kernels.topk import radix_topk
+    from dsv4.kernels.indexer.topk import radix_topk
 
     bw = measure_copy_bandwidth()
     rate = measure_matmul_rate(dtype=torch.float8_e4m3fn)

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from bench_indexer import K_TOP, _scores_fn, _setup
-from dsv4.kernels.topk import VARIANTS, _bound_group, filter_header_shape, radix_topk
+from dsv4.kernels.indexer.topk import VARIANTS, _bound_group, filter_header_shape, radix_topk
 
 
 def main() -> None:

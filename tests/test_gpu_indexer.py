@@ -27,8 +27,8 @@ from dsv4.cache import HybridCache  # noqa: E402
 from dsv4.numerics import Numerics  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.ops import triton_indexer as ti  # noqa: E402
-from dsv4.kernels import topk as topk_mod  # noqa: E402
-from dsv4.kernels.topk import VARIANTS, filter_header_shape, radix_topk  # noqa: E402
+from dsv4.kernels.indexer import topk as topk_mod  # noqa: E402
+from dsv4.kernels.indexer.topk import VARIANTS, filter_header_shape, radix_topk  # noqa: E402
 from dsv4.reference.indexer import index_scores as ref_scores  # noqa: E402
 
 TINY = dsv4.ModelConfig.preset("tiny")
@@ -193,7 +193,7 @@ def test_interpreter_scores_page_tiles(fmt: str, monkeypatch) -> None:
     of the conversion tables)."""
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
-    from dsv4.kernels import indexer as kidx
+    from dsv4.kernels.indexer import scores as kidx
 
     pick = kidx.pick_scores_config
     monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "PROGRAMS_PER_SM": 1})
@@ -267,7 +267,7 @@ def test_topk_default_variant_by_shape() -> None:
     """Decode-sized row counts: "bisect" on short rows, "filter4" on long ones; "split8" for few rows; prefill-sized
     row counts: "bisect" up to 32,768 columns, "split8" beyond; and the scratch each default needs (none for
     "bisect")."""
-    from dsv4.kernels import topk as tk
+    from dsv4.kernels.indexer import topk as tk
 
     assert tk.default_variant(64, 132, 8192) == "bisect" and tk.default_variant(128, 132, 2048) == "bisect"
     assert tk.default_variant(64, 132, 32768) == "filter4" and tk.default_variant(132, 132, 8193) == "filter4"
@@ -313,7 +313,7 @@ def _mxfp4_score_bits(layer, batch, q, w, num_sms=None, config=None, dtype=torch
     """The scores kernel's BF16 scores (as int16 bits; unwritten elements stay NaN) of MXFP4 queries ``q`` with head
     weights ``w`` over ``layer``'s pool (block size 256), called directly with ``num_sms`` / ``config``; with
     ``dtype`` float32 the FP32 scores themselves."""
-    from dsv4.kernels.indexer import FMT_MXFP4, index_scores
+    from dsv4.kernels.indexer.scores import FMT_MXFP4, index_scores
 
     qq = ti.queries_from_float(q, "mxfp4")
     wq = torch.zeros_like(qq.scale)
@@ -340,7 +340,7 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
     MXFP4 scales a tile ahead, tiles copied two ahead); MXFP4 keys with block exponents up to 10 binades apart.
     Scores and top-k vs the reference; then, one program per request (tiles cross pages within a program), the PTX
     conversion and its integer twin, and the per-row block-table gather, all bitwise equal."""
-    from dsv4.kernels import indexer as kidx
+    from dsv4.kernels.indexer import scores as kidx
 
     cfg, cache, layer, batch = _scenario("cuda", fmt, heads=64, k=512, steps=DECODE_STEPS, block_size=256,
                                          block_spread=5 if fmt == "mxfp4" else 0)
@@ -364,7 +364,7 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
 def _recorded_gluon_launches(monkeypatch) -> list[dict]:
     """Skip without an sm_90 device; else record the keyword arguments of every ``indexer_sm90.launch`` (the list
     returned, filled as the test runs)."""
-    from dsv4.kernels import indexer_sm90
+    from dsv4.kernels.indexer import scores_sm90 as indexer_sm90
 
     if not indexer_sm90.available(torch.device("cuda")):
         pytest.skip("the Gluon kernel needs an sm_90 device")
@@ -387,7 +387,7 @@ def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -
     requests of 1 to 750 keys (partial tiles, tiles over several pages, odd and even tile counts per program),
     keys whose block exponents differ by up to 10 binades, 64 and 4 heads; the poisoned buffer must be written
     wherever a key is visible. Then with one program per request, and the Triton kernel on the same step."""
-    from dsv4.kernels import indexer as kidx
+    from dsv4.kernels.indexer import scores as kidx
 
     calls = _recorded_gluon_launches(monkeypatch)
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=heads, k=k, steps=GLUON_STEPS, block_size=256,
@@ -445,7 +445,7 @@ def test_gpu_scores_gluon_chunks(heads: int, k: int, spread: int, monkeypatch) -
     order agrees, else within one BF16 step: a warning says which); then the Triton kernel on the same step."""
     import warnings
 
-    from dsv4.kernels import indexer as kidx
+    from dsv4.kernels.indexer import scores as kidx
 
     calls = _recorded_gluon_launches(monkeypatch)
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=heads, k=k, steps=CHUNK_STEPS, block_size=256,
@@ -524,7 +524,7 @@ def test_interpreter_mxfp4_queries() -> None:
     """The fused query kernel (interpreter) equals RoPE → Hadamard → MXFP4 QDQ of the reference (bitwise values)."""
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
-    from dsv4.kernels.indexer import mxfp4_queries
+    from dsv4.kernels.indexer.scores import mxfp4_queries
     from dsv4.reference.rope import apply_rope, rope_inv_freq
 
     g = torch.Generator().manual_seed(4)
@@ -542,8 +542,8 @@ def test_interpreter_mxfp4_queries() -> None:
 def test_gpu_topk_default_decode_16k() -> None:
     """Decode rows of 16,384 BF16 columns (64K context): on Hopper the default is the Gluon "bisect" (no scratch),
     elsewhere "filter4" (its scratch); either way torch.topk's selection up to ties."""
-    from dsv4.kernels import topk as tk
-    from dsv4.kernels import topk_sm90
+    from dsv4.kernels.indexer import topk as tk
+    from dsv4.kernels.indexer import topk_bisect_sm90 as topk_sm90
 
     g = torch.Generator(device="cuda").manual_seed(16)
     T, n = 64, 16384
@@ -588,7 +588,7 @@ def test_gpu_bisect_gluon_same_bits_as_triton(n: int) -> None:
     both scan in column order — on rows with ties at the threshold, all equal, ≤ k / k + 1 candidates, counts not
     a multiple of 8 (a partly read vector), a huge spread of values, −inf / +inf, and scores with the NaN bits
     0xFFFF (key 0, like the columns past a row's count) needed to fill the selection."""
-    from dsv4.kernels import topk_sm90
+    from dsv4.kernels.indexer import topk_bisect_sm90 as topk_sm90
 
     if not topk_sm90.available(torch.device("cuda")):
         pytest.skip("needs sm_90 and Gluon")

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dsv4.kernels import topk, topk_sm90  # noqa: E402
+from dsv4.kernels.indexer import topk, topk_bisect_sm90 as topk_sm90  # noqa: E402
 
 
 @pytest.mark.parametrize("columns,warps,expected", [

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import torch
 
-from . import hopper, ptx
+from .. import hopper, ptx
 
 try:  # Gluon ships with Triton >= 3.4
     from triton.experimental import gluon

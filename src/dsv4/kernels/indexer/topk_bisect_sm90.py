@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from . import hopper
+from .. import hopper
 
 try:  # Gluon ships with Triton >= 3.4
     from triton.experimental import gluon

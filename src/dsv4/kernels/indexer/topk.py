@@ -75,8 +75,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import topk_sm90
-from .indexer import interpreting
+from . import topk_bisect_sm90
+from ..device import interpreting
 
 __all__ = ["radix_topk", "ALGORITHMS", "VARIANTS", "DEFAULT_VARIANT", "default_variant", "bisect_runs_gluon",
            "scratch_shapes", "topk_workspace_shape", "filter_header_shape", "filter_rows_fit", "sm_count"]
@@ -804,8 +804,8 @@ def _gluon_bisect_fits(rows: Tensor, key_bits: int, num_warps: int | None) -> bo
     """Whether ``topk_sm90`` serves a ``"bisect"`` launch on ``rows`` (``[T, N]``, keys of ``key_bits``): a Hopper
     GPU, BF16 rows of whole vectors, 8-32 columns per thread."""
     block, warps = _bisect_block(rows.shape[1], num_warps)
-    return (not interpreting() and topk_sm90.available(rows.device)
-            and topk_sm90.applies(key_bits, rows.shape[1], rows.stride(0), block, warps))
+    return (not interpreting() and topk_bisect_sm90.available(rows.device)
+            and topk_bisect_sm90.applies(key_bits, rows.shape[1], rows.stride(0), block, warps))
 
 
 def bisect_runs_gluon(scores: Tensor, num_warps: int | None = None) -> bool:
@@ -820,7 +820,7 @@ def _bisect_launch(bits, key_bits, counts, k, out, num_warps, ptx, gluon: bool):
     block, num_warps = _bisect_block(N, num_warps)
     group, fill = _bound_group(N, k, block), min(triton.next_power_of_2(k), 4096)
     if gluon:
-        return topk_sm90.launch(bits, counts, k, out, block=block, group=group, fill=fill, num_warps=num_warps)
+        return topk_bisect_sm90.launch(bits, counts, k, out, block=block, group=group, fill=fill, num_warps=num_warps)
     _bisect_topk_kernel[(T,)](bits, bits.stride(0), counts, out, out.stride(0), K=k, KEY_BITS=key_bits,
                               BLOCK=block, C=group, FILL=fill, PTX=ptx, num_warps=num_warps)
     return out
@@ -906,7 +906,7 @@ def radix_topk(scores: Tensor, counts: Tensor, k: int, out: Tensor | None = None
         inline_ptx: ``"filter"`` / ``"bisect"``: scattered loads and stores as inline PTX (``_store_columns``);
             default on the GPU, never in the interpreter; False: ``tl.load`` / ``tl.store`` (for A/B timing).
         gluon: ``"bisect"`` only: False keeps the Triton kernel where the Gluon one (``topk_sm90``: BF16 scores on
-            sm_90, rows of a multiple of 8 columns, 8 to 32 columns per thread: ``topk_sm90.applies``) would run.
+            sm_90, rows of a multiple of 8 columns, 8 to 32 columns per thread: ``topk_bisect_sm90.applies``) would run.
     Returns:
         int64 ``[T, k]``: the selected indices (order unspecified; ties at the threshold broken by lowest index for
         ``"row"``, arbitrarily otherwise), −1 in the slots past ``min(k, counts[t])``.

@@ -63,7 +63,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import indexer_sm90, ptx
+from .. import ptx
+from . import scores_sm90
 
 __all__ = [
     "FMT_MXFP4", "FMT_FP8", "FMT_FP32",
@@ -517,9 +518,9 @@ def index_scores(
         config: override of ``pick_scores_config`` (keys ``QT``, ``BLOCK_N``, ``num_warps``, ``NUM_STAGES``,
             ``PROGRAMS_PER_SM``, ``USE_ASM``, ``PAGE_VECTOR``: a split's block-table entries held in registers, the
             default where tiles lie within a page; ``maxnreg``: a register cap per thread (the Gluon kernel's
-            default ``indexer_sm90.register_cap``, 0 for none); ``GLUON``: ``False`` keeps the Triton kernel
+            default ``scores_sm90.register_cap``, 0 for none); ``GLUON``: ``False`` keeps the Triton kernel
             where the Gluon one (``indexer_sm90``) would serve: MXFP4 keys on sm_90; ``GLUON_QT``: its queries per
-            program for multi-token steps, default ``indexer_sm90.CHUNK_QUERIES``; ``MIN_TILES_PER_PROGRAM``: its
+            program for multi-token steps, default ``scores_sm90.CHUNK_QUERIES``; ``MIN_TILES_PER_PROGRAM``: its
             shortest split, default 8).
     Returns:
         ``out``.
@@ -532,9 +533,9 @@ def index_scores(
     if config:
         cfg.update(config)
     use_gluon = (fmt == FMT_MXFP4 and cfg.get("GLUON", True) and not interpreting()
-                 and indexer_sm90.applies(HP, entries_per_page) and indexer_sm90.available(q.device))
+                 and scores_sm90.applies(HP, entries_per_page) and scores_sm90.available(q.device))
     if use_gluon:
-        QT, BLOCK_N = indexer_sm90.queries_per_program(max_new, HP, cfg.get("GLUON_QT")), indexer_sm90.BLOCK_N
+        QT, BLOCK_N = scores_sm90.queries_per_program(max_new, HP, cfg.get("GLUON_QT")), scores_sm90.BLOCK_N
     else:
         QT, BLOCK_N = cfg["QT"], cfg["BLOCK_N"]
     page_vector = cfg.get("PAGE_VECTOR", entries_per_page % BLOCK_N == 0)
@@ -548,13 +549,13 @@ def index_scores(
     # many short programs: the last wave's tail stays small
     splits = max(1, min(tiles, triton.cdiv(cfg.get("PROGRAMS_PER_SM", 16) * num_sms, num_requests * chunks)))
     if use_gluon:  # but not so short that the pipeline's fill dominates (small batches)
-        splits = min(splits, triton.cdiv(tiles, cfg.get("MIN_TILES_PER_PROGRAM", indexer_sm90.MIN_TILES_PER_PROGRAM)))
+        splits = min(splits, triton.cdiv(tiles, cfg.get("MIN_TILES_PER_PROGRAM", scores_sm90.MIN_TILES_PER_PROGRAM)))
     per_split = triton.cdiv(tiles, splits)
     if page_vector and not use_gluon:  # a split's pages are held in registers: at most MAX_TILES_PER_SPLIT
         per_split = min(per_split, MAX_TILES_PER_SPLIT)
     splits = triton.cdiv(tiles, per_split)
     if use_gluon:
-        indexer_sm90.launch(pages, block_tables, cu_seqlens, visible, q, w, out, entries_per_page=entries_per_page,
+        scores_sm90.launch(pages, block_tables, cu_seqlens, visible, q, w, out, entries_per_page=entries_per_page,
                             num_requests=num_requests, queries=QT, chunks=chunks, tiles_per_split=per_split,
                             splits=splits, maxnreg=cfg.get("maxnreg"))
         return out
