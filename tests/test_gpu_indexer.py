@@ -524,7 +524,7 @@ def test_interpreter_mxfp4_queries() -> None:
     """The fused query kernel (interpreter) equals RoPE → Hadamard → MXFP4 QDQ of the reference (bitwise values)."""
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
-    from dsv4.kernels.indexer.scores import mxfp4_queries
+    from dsv4.kernels.indexer.queries import mxfp4_queries
     from dsv4.reference.rope import apply_rope, rope_inv_freq
 
     g = torch.Generator().manual_seed(4)

@@ -131,7 +131,7 @@ KERNELS = {
         "start_pos_ptr": "*i64", "token_slots_ptr": "*i64", "out_ptr": "*bf16"},
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, ROWS=16, num_warps=4),
         {"stride_ring", "stride_page", "stride_bt", "stride_ob"}),
-    "mxfp4_queries": ("dsv4.kernels.indexer.scores:_mxfp4_queries_kernel", {
+    "mxfp4_queries": ("dsv4.kernels.indexer.queries:_mxfp4_queries_kernel", {
         "q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q8_ptr": "*u8", "qs_ptr": "*fp32"},
         dict(HB=16, ROUND_BF16=True, num_warps=4, enable_fp_fusion=False), {"q_stride"}),
     "topk_row": ("dsv4.kernels.indexer.topk:_radix_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},

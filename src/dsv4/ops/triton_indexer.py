@@ -22,7 +22,8 @@ from .. import formats
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
 from ..config import ModelConfig
-from ..kernels.indexer.scores import FMT_FP8, FMT_FP32, FMT_MXFP4, index_scores, mxfp4_queries
+from ..kernels.indexer.queries import mxfp4_queries
+from ..kernels.indexer.scores import FMT_FP8, FMT_FP32, FMT_MXFP4, index_scores
 from ..kernels.indexer import topk
 from ..numerics import Numerics
 from ..reference.indexer import index_scores as _reference_scores

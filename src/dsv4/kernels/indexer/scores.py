@@ -1,287 +1,46 @@
-"""Lightning-indexer kernels (SPEC §5): fused query prep and paged index scores on the tensor cores.
+"""Index scores over the paged indexer keys, in Triton (SPEC §5): every key format, and the interpreter.
 
-Two kernels:
+``_scores_kernel`` computes ``I[t, s] = Σ_h w[t, h] · relu(q[t, h] · K[s])`` for every query of a request against that
+request's keys in the paged pool (through its block table), rounded once to the score dtype. Keys are a tile's rows
+(MMA ``M``), the heads of ``QT`` queries its columns (``N = QT · HP``), the 128 channels the reduction. The relu and
+head weight run as ``(x + |x|) · w/2`` (``_head_sum``): the same bits, on the FMA pipe.
 
-* ``_mxfp4_queries_kernel`` — indexer queries as the official numerics round them: RoPE on the last 64 dims
-  (FP32, rounded once to BF16), the normalized 128-point Hadamard butterfly in FP32, MXFP4 (E2M1, one UE8M0
-  power-of-two scale per 32 values, the "ceil" rule). The result is written as FP8 E4M3 *operand bytes* (below).
-* ``_scores_kernel`` — ``I[t, s] = Σ_h w[t, h] · relu(q[t, h] · K[s])`` for every query of a request against that
-  request's keys in the paged pool (through its block table), rounded once to the score dtype. Keys are the tile's
-  rows (MMA ``M``), the heads of ``QT`` queries its columns (``N = QT · HP``), the 128 channels the reduction.
+Key formats (``FORMAT``):
 
-MXFP4 keys on sm_90 — the indexer's hot path, decode steps and prefill chunks — run a Gluon kernel instead
-(``indexer_sm90``: same numerics, the key bytes converted straight into the MMA's register operand, no shared
-memory per tile; a decode tile's MMA overlapping the previous one's head sum, a prefill tile converted once for
-four queries); ``index_scores`` chooses. This module's kernel serves the other formats, and the Triton interpreter.
-
-A transposed layout — heads as MMA rows, keys as columns — measured slower on the H200 (154 µs vs 129 µs at B=64, 128K
-decode, before the changes below) and was removed.
-
-MXFP4 on FP8 tensor cores. An E2M1 value times a power of two is an E4M3 value (one mantissa bit fits into three),
-so every key is turned into E4M3 bytes *exactly* in registers and one FP8 MMA (K = 128) does the 64 heads. The four
-block scales of a key are folded into its bytes relative to the key's largest block: block ``j`` holds
-``e2m1 · 2**(e_j − e_max + 6)`` (largest magnitude 6 · 64 = 384 ≤ 448) and the key keeps one scale
-``2**(e_max − 127 − 6)`` applied after the head reduction (``relu(c·x) = c·relu(x)`` for ``c > 0``). Queries are
-folded the same way per head, their scale multiplying the head weight. This is exact whenever a vector's four
-block exponents span at most 11 binades (always, in practice: the Hadamard rotation evens the blocks out); a block
-more than 2**11 below its vector's largest is flushed to zero (its contribution is below 2**-11 of the largest
-block's). The E2M1 → E4M3 conversion of the packed key bytes is one inline-PTX function (``UNPACK_KEYS_PTX``): each
-block's shift is added once to an 8-entry table of E4M3 bytes (``_block_tables``), and ``prmt`` looks four
-magnitudes up at a time (9 instructions per four packed bytes, ``ptx.UNPACK_KEYS``); under the Triton interpreter
-the same bytes come from plain integer arithmetic, and ``tests/test_indexer_ptx.py`` executes the PTX itself on the
-CPU. The relu and head weight run as ``(x + |x|) · w/2`` (``_head_sum``): the same bits, on the FMA pipe.
-
-Memory pipeline. Where pages hold a multiple of the 64-key tile (block size 256: one page per tile), a program
-reads its split's block-table entries once, before its loop, and takes each tile's page from registers: no load
-feeds the address of a key tile, so Triton's pipeliner copies the tile's codes two tiles ahead (``NUM_STAGES=3``),
-and the tile's scales (2 bytes per thread, too small for an asynchronous copy) are loaded into registers one tile
-ahead (``PAGE_VECTOR``; H200, B=64 × 128K decode: 114 → 88 µs). Smaller pages take a per-row block-table gather.
-
-Channel order. Packed E2M1 nibbles put channel ``2i`` in the low and ``2i + 1`` in the high nibble of byte ``i``;
-four packed bytes are eight consecutive channels. The conversion turns each four bytes into two E4M3 words, the
-first four channels and the last four (a ``prmt`` selector nibble is an E2M1 code: no nibble shuffling), so a
-key's operands ``ka`` / ``kb`` hold channels ``8k + r`` / ``8k + 4 + r`` at ``4k + r``; the sum over channels does
-not care about their order, and the query operand is stored in the same one (``q8[t, 0]`` / ``q8[t, 1]``,
-``triton_indexer.mxfp4_operand_channels``), so nothing is interleaved at run time.
-
-Other key formats share the scores kernel (``FORMAT``):
-
+* ``FMT_MXFP4`` (the official 68-B key): codes converted to E4M3 bytes exactly in registers, their block scales
+  folded in (``fp8_operands``), one FP8 MMA per tile; the key scale applied after the head sum.
 * ``FMT_FP8`` (vLLM's 132-B key: 128 E4M3 codes + an fp32 scale): codes go to the MMA as they are; ``q8[t, 0]`` /
   ``q8[t, 1]`` are the first / last 64 channels; the per-key and per-query fp32 scales are applied like the folded
   MXFP4 scales.
 * ``FMT_FP32`` (exact numerics, 512-B keys): an IEEE fp32 ``tl.dot`` (no TF32), ``qf[t, 0]`` / ``qf[t, 1]`` = first /
   last 64 channels.
+
+Memory pipeline. Where pages hold a multiple of the key tile (``PAGE_VECTOR``; block size 256: one page per 64-key
+tile), a program reads its split's block-table entries once, before its loop, and takes each tile's page from
+registers: no load feeds the address of a key tile, so Triton's pipeliner copies the tile's codes two tiles ahead
+(``NUM_STAGES=3``), and the tile's scales (2 bytes per thread, too small for an asynchronous copy) are loaded into
+registers one tile ahead. Smaller pages take a per-row block-table gather.
+
+MXFP4 keys on Hopper run the Gluon kernel instead (``scores_sm90``, same numerics); ``index_scores`` launches what
+the plan (``scores_plan``) chose.
 """
 
 from __future__ import annotations
-
-import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import ptx
+from ..device import interpreting
 from . import scores_sm90
+from .fp8_operands import block_lookup_tables, pow2_from_byte, unpack_keys_asm, unpack_keys_int
 
-__all__ = [
-    "FMT_MXFP4", "FMT_FP8", "FMT_FP32",
-    "mxfp4_queries", "index_scores", "interpreting", "pick_scores_config",
-]
+__all__ = ["FMT_MXFP4", "FMT_FP8", "FMT_FP32", "index_scores", "pick_scores_config"]
 
 FMT_MXFP4 = 0
 FMT_FP8 = 1
 FMT_FP32 = 2
-
-#: fp32 bits of 1/sqrt(128) and of fp32(1/6), the constants the reference multiplies by.
-_INV_SQRT128 = float(torch.tensor(1.0 / math.sqrt(128), dtype=torch.float32))
-_INV6 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
-_MXFP4_AMAX_FLOOR = 6.0 * 2.0**-126
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``): no inline PTX there."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# ------------------------------------------------------------------------------------------------ device helpers
-@triton.jit
-def _e4m3_from_e2m1(mag, d):
-    """E4M3 byte (no sign) of ``e2m1(mag) · 2**(d − 5)``; 0 when ``mag == 0`` or ``d < 0`` (flushed block).
-
-    ``mag``: int32 E2M1 magnitude code 0…7; ``d``: int32 shift 0…11 (or negative = flush).
-    The table ``e2m1 · 2**-5`` in E4M3 is 0x00, 0x08, 0x10, 0x14, 0x18, 0x1C, 0x20, 0x24; adding ``d`` to the
-    exponent field (``+ 8·d``) stays a normal number up to 0x7C = 384.
-    """
-    base = tl.where(mag == 1, 8, (mag + 2) * 4)
-    return tl.where((mag == 0) | (d < 0), 0, base + d * 8)
-
-
-#: The key conversion's lookup table at shift 0 (see ``dsv4.kernels.ptx``).
-_E4M3_LO: tl.constexpr = tl.constexpr(ptx.E4M3_TABLE_LO)
-_E4M3_HI: tl.constexpr = tl.constexpr(ptx.E4M3_TABLE_HI)
-
-
-@triton.jit
-def _block_tables(e, e_max):
-    """Per-block lookup tables of the key conversion: the E4M3 bytes of ``e2m1 · 2**(e − e_max + 6)``.
-
-    ``e``: int32 ``[..., 4]`` UE8M0 block exponents of a key; ``e_max``: int32 ``[...]`` their maximum. Returns
-    int32 ``(lo, hi)``, ``[..., 4]``: byte ``j`` of ``lo`` / ``hi`` is the E4M3 byte of magnitude code ``j`` /
-    ``j + 4``. The block's shift ``d = e − e_max + 11`` (0…11) is added to every nonzero entry's exponent field
-    (``+ 8·d`` per byte; the largest, 0x24 + 88 = 0x7C = 384, stays normal); a block more than 11 binades below the
-    key's largest (``d < 0``) gets all-zero tables (flushed).
-    """
-    d = e - e_max[:, None] + 11
-    lo = tl.where(d < 0, 0, _E4M3_LO + (d * 8) * 0x01010100)  # byte 0 (magnitude 0) stays 0
-    hi = tl.where(d < 0, 0, _E4M3_HI + (d * 8) * 0x01010101)
-    return lo, hi
-
-
-@triton.jit
-def _e4m3_from_table(c, lo, hi):
-    """E4M3 byte of the E2M1 code ``c`` (int32 0…15, sign in bit 3) by the block's tables ``lo`` / ``hi`` (the sign
-    kept on zeros: −0 for a negative code, as the PTX gives it)."""
-    mag = c & 7
-    table = tl.where(mag < 4, lo, hi)
-    byte = (table >> ((mag & 3) * 8)) & 0xFF
-    return (byte | ((c & 8) << 4)).to(tl.uint8)
-
-
-@triton.jit
-def _unpack_keys_int(x, lo, hi, BLOCK_N: tl.constexpr):
-    """Plain-integer twin of ``_unpack_keys_asm`` (interpreter path): same arguments, same bytes.
-
-    ``x``: uint8 ``[BLOCK_N, 4, 16]``. Bytes ``4k … 4k + 3`` of a block hold its channels ``8k … 8k + 7`` (two per
-    byte, low nibble first); the first four become bytes ``4k … 4k + 3`` of the first result, the last four those of
-    the second.
-    """
-    xi = x.to(tl.int32)
-    nibbles = tl.join(_e4m3_from_table(xi & 15, lo, hi), _e4m3_from_table(xi >> 4, lo, hi))  # [BLOCK_N, 4, 16, 2]
-    groups = tl.reshape(nibbles, (BLOCK_N, 4, 4, 2, 4))  # [key, block, k, half, r]: channel 8k + 4·half + r
-    first, last = tl.split(tl.permute(groups, (0, 1, 2, 4, 3)))
-    return tl.reshape(first, (BLOCK_N, 4, 16)), tl.reshape(last, (BLOCK_N, 4, 16))
-
-
-#: PTX of ``_unpack_keys_asm`` (``dsv4.kernels.ptx.UNPACK_KEYS``, a triton-free module so that
-#: ``tests/test_indexer_ptx.py`` can execute it on any CPU install).
-UNPACK_KEYS_PTX: tl.constexpr = tl.constexpr(ptx.UNPACK_KEYS)
-
-
-@triton.jit
-def _unpack_keys_asm(x, lo, hi):
-    """Packed E2M1 bytes → two E4M3 byte tensors, the block's shift applied, signs kept.
-
-    Args:
-        x: uint8 packed E2M1 bytes (channel ``2i`` in the low, ``2i + 1`` in the high nibble of byte ``i``).
-        lo, hi: int32, the block's lookup tables (``_block_tables``), broadcast over its bytes.
-    Returns:
-        ``(first, last)`` uint8: of every four packed bytes (eight channels), byte ``r`` of ``first`` is channel
-        ``r`` and byte ``r`` of ``last`` channel ``4 + r`` (``ptx.UNPACK_KEYS``: 9 instructions per four bytes;
-        a zero keeps its code's sign).
-        The query operand is stored in the same channel order (``q8[t, 0]`` / ``q8[t, 1]``).
-    """
-    return tl.inline_asm_elementwise(
-        asm=UNPACK_KEYS_PTX,
-        constraints="=r,=r,r,r,r,r,r,r,r,r,r",
-        args=[x, lo, hi],
-        dtype=(tl.uint8, tl.uint8),
-        is_pure=True,
-        pack=4,
-    )
-
-
-@triton.jit
-def _pow2_from_byte(e):
-    """fp32 ``2**(e − 127)`` of an int32 biased exponent ``e`` (0 below the normal range)."""
-    return tl.where(e >= 1, (tl.maximum(e, 1) << 23).to(tl.float32, bitcast=True), 0.0)
-
-
-# ------------------------------------------------------------------------------------------------ query prep
-@triton.jit
-def _butterfly(y, R: tl.constexpr, h: tl.constexpr):
-    """One Walsh–Hadamard stage on fp32 ``[R, 128]``: pairs ``(a, b)`` at distance ``h`` become ``(a + b, a − b)``."""
-    a, b = tl.split(tl.permute(tl.reshape(y, (R, 64 // h, 2, h)), (0, 1, 3, 2)))
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, 128))
-
-
-@triton.jit
-def _mxfp4_queries_kernel(
-    q_ptr, q_stride,            # bf16 [T, H * 128]: W_Iq c^Q, head-major
-    cos_ptr, sin_ptr,           # fp32 [T, 32]: cos / sin of p · ω_i
-    q8_ptr,                     # uint8 [T, 2, HP, 64] out: E4M3 operand bytes (channel order of _unpack_keys_asm)
-    qs_ptr,                     # fp32 [T, HP] out: 2**(e_max − 133) per head (0 for padded heads)
-    H, HP,
-    HB: tl.constexpr, ROUND_BF16: tl.constexpr,
-):
-    t = tl.program_id(0)
-    h0 = tl.program_id(1) * HB
-    heads = h0 + tl.arange(0, HB)
-    ch = tl.arange(0, 128)
-    live = heads < H
-    x = tl.load(q_ptr + t * q_stride + heads[:, None] * 128 + ch[None, :], mask=live[:, None], other=0.0)
-    x = x.to(tl.float32)
-
-    # RoPE on pairs 32…63 (channels 64…127), FP32, then one rounding to BF16.
-    re, im = tl.split(tl.reshape(x, (HB, 64, 2)))
-    pair = tl.arange(0, 64)
-    rot = pair >= 32
-    c = tl.load(cos_ptr + t * 32 + (pair - 32), mask=rot, other=1.0)[None, :]
-    s = tl.load(sin_ptr + t * 32 + (pair - 32), mask=rot, other=0.0)[None, :]
-    re2 = tl.where(rot[None, :], re * c - im * s, re)
-    im2 = tl.where(rot[None, :], re * s + im * c, im)
-    y = tl.reshape(tl.join(re2, im2), (HB, 128))
-    if ROUND_BF16:  # RNE to BF16 by bit arithmetic (exact on the GPU and in the interpreter alike)
-        yi = y.to(tl.int32, bitcast=True)
-        y = ((yi + 0x7FFF + ((yi >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-
-    # Normalized Walsh–Hadamard: 7 butterfly stages (a, b) → (a + b, a − b) at distance h, as the reference.
-    y = _butterfly(y, HB, 1)
-    y = _butterfly(y, HB, 2)
-    y = _butterfly(y, HB, 4)
-    y = _butterfly(y, HB, 8)
-    y = _butterfly(y, HB, 16)
-    y = _butterfly(y, HB, 32)
-    y = _butterfly(y, HB, 64)
-    y = y * 0.08838834764831845  # fp32(1/sqrt(128)), as fast_hadamard_transform's scale
-
-    # MXFP4: per 32-value block s = 2**ceil(log2(max(amax, 6·2**-126) · fp32(1/6))) from the fp32 bits.
-    yb = tl.reshape(y, (HB, 4, 32))
-    amax = tl.max(tl.abs(yb), axis=2)
-    a6 = tl.maximum(amax, 6.0 * 1.1754943508222875e-38) * 0.1666666716337204
-    bits = a6.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # UE8M0 byte, [HB, 4]
-    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2**(127 − e), exact
-    v = tl.minimum(tl.maximum(yb * inv_s[:, :, None], -6.0), 6.0)
-    m = tl.abs(v)
-    mag = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
-           + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
-    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-
-    e_max = tl.max(e, axis=1)  # [HB]
-    d = e - e_max[:, None] + 11  # [HB, 4]
-    byte = _e4m3_from_e2m1(mag, d[:, :, None]) | (sign << 7)
-    # the keys' operand order (_unpack_keys_asm): of channels 8k … 8k + 7, the first four to q8[t, 0], the rest to
-    # q8[t, 1], both at 4k … 4k + 3
-    first, last = tl.split(tl.permute(tl.reshape(byte, (HB, 16, 2, 4)), (0, 1, 3, 2)))
-    half = tl.arange(0, 64)
-    out = q8_ptr + t * 2 * HP * 64 + heads[:, None] * 64 + half[None, :]
-    pad = heads < HP
-    tl.store(out, tl.reshape(first, (HB, 64)).to(tl.uint8), mask=pad[:, None])
-    tl.store(out + HP * 64, tl.reshape(last, (HB, 64)).to(tl.uint8), mask=pad[:, None])
-    qs = tl.where(live, _pow2_from_byte(e_max - 6), 0.0)
-    tl.store(qs_ptr + t * HP + heads, qs, mask=pad)
-
-
-def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int, head_pad: int) -> tuple[Tensor, Tensor]:
-    """Fused RoPE → Hadamard → MXFP4 of the indexer queries, as FP8 operand bytes.
-
-    Args:
-        q: ``[T, H * 128]`` act dtype, ``W_Iq c^Q`` head-major (the rotated values are rounded back to this dtype
-            when it is BF16, as the reference's RoPE does).
-        positions: int64 ``[T]``; inv_freq: float32 ``[32]`` (the layer's compressed RoPE table).
-        num_heads: ``H``; head_pad: ``HP`` ≥ H, a power of two ≥ 16 (MMA width).
-    Returns:
-        ``q8`` uint8 ``[T, 2, HP, 64]``: E4M3 bytes of ``e2m1 · 2**(e_j − e_max + 6)`` per head, ``q8[:, 0, h,
-        4k + r]`` = channel ``8k + r`` and ``q8[:, 1, h, 4k + r]`` = channel ``8k + 4 + r`` (zeros for padded heads); ``qscale`` float32 ``[T, HP]``:
-        ``2**(e_max − 133)`` so that ``q = qscale · q8`` (0 for padded heads).
-    """
-    T = q.shape[0]
-    q = q.contiguous()
-    angle = positions.to(torch.float32)[:, None] * inv_freq.to(device=q.device, dtype=torch.float32)[None, :]
-    cos, sin = angle.cos().contiguous(), angle.sin().contiguous()
-    q8 = torch.empty((T, 2, head_pad, 64), dtype=torch.uint8, device=q.device)
-    qscale = torch.empty((T, head_pad), dtype=torch.float32, device=q.device)
-    if T == 0:
-        return q8, qscale
-    HB = 16
-    grid = (T, triton.cdiv(head_pad, HB))
-    _mxfp4_queries_kernel[grid](q, q.stride(0), cos, sin, q8, qscale, num_heads, head_pad, HB=HB,
-                                ROUND_BF16=q.dtype == torch.bfloat16,
-                                num_warps=4, enable_fp_fusion=False)
-    return q8, qscale
 
 
 # ------------------------------------------------------------------------------------------------ scores
@@ -434,14 +193,14 @@ def _scores_kernel(
             else:
                 e = _mxfp4_scales(page, slot, kl, ENTRIES)
             e_max = tl.max(e, axis=1)
-            t_lo, t_hi = _block_tables(e, e_max)
+            t_lo, t_hi = block_lookup_tables(e, e_max)
             if USE_ASM:
-                klo, khi = _unpack_keys_asm(xb, t_lo[:, :, None], t_hi[:, :, None])
+                klo, khi = unpack_keys_asm(xb, t_lo[:, :, None], t_hi[:, :, None])
             else:
-                klo, khi = _unpack_keys_int(xb, t_lo[:, :, None], t_hi[:, :, None], BLOCK_N)
+                klo, khi = unpack_keys_int(xb, t_lo[:, :, None], t_hi[:, :, None], BLOCK_N)
             ka = tl.reshape(klo, (BLOCK_N, 64)).to(tl.float8e4nv, bitcast=True)
             kb = tl.reshape(khi, (BLOCK_N, 64)).to(tl.float8e4nv, bitcast=True)
-            ks = _pow2_from_byte(e_max - 6)
+            ks = pow2_from_byte(e_max - 6)
             sc = _head_sum(ka, kb, qa, qb, w_half, BLOCK_N, QT, HP, False)
         elif FORMAT == 1:
             # values: ENTRIES * 128 E4M3 bytes, then ENTRIES fp32 scales
@@ -572,3 +331,4 @@ def index_scores(
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     return out
+
