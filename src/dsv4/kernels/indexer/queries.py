@@ -90,7 +90,8 @@ def _mxfp4_queries_kernel(
     tl.store(qs_ptr + t * HP + heads, qs, mask=pad)
 
 
-def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int, head_pad: int) -> tuple[Tensor, Tensor]:
+def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int,
+                  head_pad: int) -> tuple[Tensor, Tensor]:
     """Fused RoPE → Hadamard → MXFP4 of the indexer queries, as FP8 operand bytes.
 
     Args:
@@ -100,8 +101,9 @@ def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int
         num_heads: ``H``; head_pad: ``HP`` ≥ H, a power of two ≥ 16 (MMA width).
     Returns:
         ``q8`` uint8 ``[T, 2, HP, 64]``: E4M3 bytes of ``e2m1 · 2**(e_j − e_max + 6)`` per head, ``q8[:, 0, h,
-        4k + r]`` = channel ``8k + r`` and ``q8[:, 1, h, 4k + r]`` = channel ``8k + 4 + r`` (zeros for padded heads); ``qscale`` float32 ``[T, HP]``:
-        ``2**(e_max − 133)`` so that ``q = qscale · q8`` (0 for padded heads).
+        4k + r]`` = channel ``8k + r`` and ``q8[:, 1, h, 4k + r]`` = channel ``8k + 4 + r`` (zeros for padded
+        heads); ``qscale`` float32 ``[T, HP]``: ``2**(e_max − 133)`` so that ``q = qscale · q8`` (0 for padded
+        heads).
     """
     T = q.shape[0]
     q = q.contiguous()

@@ -27,7 +27,6 @@ the plan (``scores_plan``) chose.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -35,8 +34,9 @@ from torch import Tensor
 from ..device import interpreting
 from . import scores_sm90
 from .fp8_operands import block_lookup_tables, pow2_from_byte, unpack_keys_asm, unpack_keys_int
+from .scores_plan import MAX_TILES_PER_SPLIT, ScoresPlan, sm90_applies
 
-__all__ = ["FMT_MXFP4", "FMT_FP8", "FMT_FP32", "index_scores", "pick_scores_config"]
+__all__ = ["FMT_FP8", "FMT_FP32", "FMT_MXFP4", "FORMAT_CODES", "index_scores"]
 
 FMT_MXFP4 = 0
 FMT_FP8 = 1
@@ -224,111 +224,60 @@ def _scores_kernel(
             tl.store(out_ptr + dst, sc.to(out_ptr.dtype.element_ty), mask=idx[:, None] < vis_q[None, :])
 
 
-#: Most key tiles one program of the scores kernel takes when its pages are held in registers (``PAGE_VECTOR``).
-MAX_TILES_PER_SPLIT = 32
+FORMAT_CODES = {"mxfp4": FMT_MXFP4, "fp8": FMT_FP8, "fp32": FMT_FP32}
 
 
-def pick_scores_config(fmt: int, head_pad: int, max_new: int) -> dict:
-    """Launch parameters of the scores kernel: ``QT`` queries per program (keys read once for all of them),
-    ``BLOCK_N`` keys per tile, warps and pipeline depth."""
-    qt = 1
-    while qt < max_new and qt * 2 * head_pad <= 256:
-        qt *= 2
-    if fmt == FMT_FP32:
-        return dict(QT=max(1, min(qt, 128 // head_pad)), BLOCK_N=64, num_warps=4, NUM_STAGES=2)
-    if qt * head_pad >= 256:
-        return dict(QT=qt, BLOCK_N=128, num_warps=8, NUM_STAGES=3)
-    # 3 stages: a tile's keys are read two tiles ahead (with 2 the copy is issued after a tile's compute and
-    # awaited before the next one's, with nothing in between)
-    return dict(QT=qt, BLOCK_N=64, num_warps=4, NUM_STAGES=3)
-
-
-def index_scores(
-    pages: Tensor,
-    block_tables: Tensor,
-    cu_seqlens: Tensor,
-    visible: Tensor,
-    q: Tensor,
-    w: Tensor,
-    out: Tensor,
-    *,
-    fmt: int,
-    m: int,
-    block_size: int,
-    entries_per_page: int,
-    num_requests: int,
-    max_new: int,
-    max_entries: int,
-    num_sms: int | None = None,
-    config: dict | None = None,
-) -> Tensor:
-    """Index scores of every query against its request's visible keys, read from the paged pool.
+def index_scores(pages: Tensor, block_tables: Tensor, cu_seqlens: Tensor, visible: Tensor, q: Tensor, w: Tensor,
+                 out: Tensor, plan: ScoresPlan) -> Tensor:
+    """Index scores of every query against its request's visible keys, read from the paged pool, by the kernel and
+    grid of ``plan`` (``scores_plan.plan_scores``).
 
     Args:
-        pages: uint8 ``[num_blocks, page_bytes]`` indexer key pages (format ``fmt``).
+        pages: uint8 ``[num_blocks, page_bytes]`` indexer key pages (format ``plan.key_format``).
         block_tables: int32 ``[B, max_blocks]``; cu_seqlens: int32 ``[B + 1]``; visible: int64 ``[T]``.
-        q: ``[T, 2, HP, 64]`` query operand (uint8 E4M3 bytes for MXFP4 / FP8, float32 for FP32).
+        q: ``[T, 2, HP, 64]`` query operand (uint8 E4M3 bytes for MXFP4 / FP8, float32 for FP32;
+            ``HP = plan.head_pad``).
         w: float32 ``[T, HP]`` head weights times the query scales (0 on padded heads).
-        out: ``[T, >= max_entries]`` score buffer (BF16 or FP32); row ``t`` is written for ``s < visible[t]``
+        out: ``[T, >= plan.entries]`` score buffer (BF16 or FP32); row ``t`` is written for ``s < visible[t]``
             only, other elements are left as they were.
-        m, block_size, entries_per_page: the layer's ratio and pool geometry.
-        num_requests, max_new, max_entries: host facts of the step (grid sizing; no device sync).
-        num_sms: multiprocessors to fill (default: the current device's).
-        config: override of ``pick_scores_config`` (keys ``QT``, ``BLOCK_N``, ``num_warps``, ``NUM_STAGES``,
-            ``PROGRAMS_PER_SM``, ``USE_ASM``, ``PAGE_VECTOR``: a split's block-table entries held in registers, the
-            default where tiles lie within a page; ``maxnreg``: a register cap per thread (the Gluon kernel's
-            default ``scores_sm90.register_cap``, 0 for none); ``GLUON``: ``False`` keeps the Triton kernel
-            where the Gluon one (``indexer_sm90``) would serve: MXFP4 keys on sm_90; ``GLUON_QT``: its queries per
-            program for multi-token steps, default ``scores_sm90.CHUNK_QUERIES``; ``MIN_TILES_PER_PROGRAM``: its
-            shortest split, default 8).
+        plan: the step's scores plan.
     Returns:
         ``out``.
+    Raises:
+        ValueError: inputs or a device that do not match the plan.
     """
-    T = q.shape[0]
-    if T == 0 or max_entries == 0 or num_requests == 0:
+    if not plan.launches:
         return out
-    HP = q.shape[2]
-    cfg = dict(pick_scores_config(fmt, HP, max_new))
-    if config:
-        cfg.update(config)
-    use_gluon = (fmt == FMT_MXFP4 and cfg.get("GLUON", True) and not interpreting()
-                 and scores_sm90.applies(HP, entries_per_page) and scores_sm90.available(q.device))
-    if use_gluon:
-        QT, BLOCK_N = scores_sm90.queries_per_program(max_new, HP, cfg.get("GLUON_QT")), scores_sm90.BLOCK_N
-    else:
-        QT, BLOCK_N = cfg["QT"], cfg["BLOCK_N"]
-    page_vector = cfg.get("PAGE_VECTOR", entries_per_page % BLOCK_N == 0)
-    if page_vector and entries_per_page % BLOCK_N:
-        raise ValueError(f"PAGE_VECTOR needs tiles within a page: BLOCK_N={BLOCK_N} must divide the "
-                         f"{entries_per_page} entries per page")
-    chunks = triton.cdiv(max_new, QT)
-    tiles = triton.cdiv(max_entries, BLOCK_N)
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    # many short programs: the last wave's tail stays small
-    splits = max(1, min(tiles, triton.cdiv(cfg.get("PROGRAMS_PER_SM", 16) * num_sms, num_requests * chunks)))
-    if use_gluon:  # but not so short that the pipeline's fill dominates (small batches)
-        splits = min(splits, triton.cdiv(tiles, cfg.get("MIN_TILES_PER_PROGRAM", scores_sm90.MIN_TILES_PER_PROGRAM)))
-    per_split = triton.cdiv(tiles, splits)
-    if page_vector and not use_gluon:  # a split's pages are held in registers: at most MAX_TILES_PER_SPLIT
-        per_split = min(per_split, MAX_TILES_PER_SPLIT)
-    splits = triton.cdiv(tiles, per_split)
-    if use_gluon:
-        scores_sm90.launch(pages, block_tables, cu_seqlens, visible, q, w, out, entries_per_page=entries_per_page,
-                            num_requests=num_requests, queries=QT, chunks=chunks, tiles_per_split=per_split,
-                            splits=splits, maxnreg=cfg.get("maxnreg"))
+    _check(plan, q, out)
+    if plan.kernel == "sm90":
+        scores_sm90.launch(pages, block_tables, cu_seqlens, visible, q, w, out, plan)
         return out
-    grid = (splits, chunks, num_requests)
-    _scores_kernel[grid](
+    _scores_kernel[plan.grid](
         pages, block_tables, block_tables.stride(0), cu_seqlens, visible, q, w, out, out.stride(0),
-        pages.stride(0), per_split,
-        M_RATIO=m, BLOCK_SIZE=block_size, ENTRIES=entries_per_page, HP=HP, QT=QT, BLOCK_N=BLOCK_N,
-        FORMAT=fmt, USE_ASM=cfg.get("USE_ASM", not interpreting()), NUM_STAGES=cfg["NUM_STAGES"],
-        PAGE_VECTOR=page_vector, MAX_TPS=MAX_TILES_PER_SPLIT,
-        HOST_BOUND=interpreting(),
-        TPS_HINT=per_split if interpreting() else 0,
-        num_warps=cfg["num_warps"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        pages.stride(0), plan.tiles_per_split,
+        M_RATIO=plan.ratio, BLOCK_SIZE=plan.block_size, ENTRIES=plan.entries_per_page, HP=plan.head_pad,
+        QT=plan.queries_per_program, BLOCK_N=plan.block_n, FORMAT=FORMAT_CODES[plan.key_format],
+        USE_ASM=plan.inline_ptx, NUM_STAGES=plan.num_stages, PAGE_VECTOR=plan.page_vector, MAX_TPS=MAX_TILES_PER_SPLIT,
+        HOST_BOUND=plan.interpreted, TPS_HINT=plan.tiles_per_split if plan.interpreted else 0,
+        num_warps=plan.num_warps, **({"maxnreg": plan.max_registers} if plan.max_registers else {}),
     )
     return out
 
+
+def _check(plan: ScoresPlan, q: Tensor, out: Tensor) -> None:
+    """Raise unless ``q`` / ``out`` and the device are what ``plan`` was made for (cheap host checks)."""
+    if plan.interpreted != interpreting():
+        raise ValueError(f"index_scores: a plan for {'the interpreter' if plan.interpreted else 'a GPU'} cannot run "
+                         f"{'in the interpreter' if interpreting() else 'on a GPU'}")
+    if q.shape[2] != plan.head_pad:
+        raise ValueError(f"index_scores: the queries have {q.shape[2]} padded heads, the plan {plan.head_pad}")
+    if out.shape[1] < plan.entries:
+        raise ValueError(f"index_scores: the score buffer has {out.shape[1]} columns, the plan {plan.entries}")
+    if plan.kernel == "sm90":
+        if plan.key_format != "mxfp4" or not sm90_applies(plan.head_pad, plan.entries_per_page):
+            raise ValueError(f"index_scores: the Gluon kernel takes MXFP4 keys, 16-256 padded heads and pages of a "
+                             f"multiple of {plan.block_n} entries, not this plan's")
+    elif plan.page_vector and (plan.entries_per_page % plan.block_n or plan.tiles_per_split > MAX_TILES_PER_SPLIT):
+        raise ValueError(f"index_scores: pages held in registers need tiles within a page (block_n={plan.block_n}, "
+                         f"{plan.entries_per_page} entries per page) and at most {MAX_TILES_PER_SPLIT} tiles per "
+                         f"program (plan: {plan.tiles_per_split})")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from .topk_common import block_columns, emit_selected, largest_key, load_keys, search_start, store_columns
+from .topk_common import block_columns, emit_selected, largest_key, load_keys, search_start
+from .topk_plan import TopkPlan
 
 
 @triton.jit
@@ -54,3 +56,12 @@ def _bisect_topk_kernel(
             b -= 1
         n_gt = tl.sum(tl.sum((key > thr).to(tl.int32), axis=1), axis=0)
         emit_selected(key, valid, cols, thr, n_gt, k_eff - n_gt, 0, 0, out_row, PTX)
+
+
+def launch(bits: Tensor, counts: Tensor, out: Tensor, plan: TopkPlan) -> Tensor:
+    """``"bisect"`` in Triton over ``bits`` (int16 / int32 ``[rows, columns]`` score bits) as ``plan`` says: one
+    program per row. Returns ``out`` (int64 ``[rows, k]``)."""
+    _bisect_topk_kernel[(plan.rows,)](bits, bits.stride(0), counts, out, out.stride(0), K=plan.k,
+                                      KEY_BITS=plan.key_bits, BLOCK=plan.block, C=plan.group, FILL=plan.fill,
+                                      PTX=not plan.interpreted, num_warps=plan.num_warps)
+    return out

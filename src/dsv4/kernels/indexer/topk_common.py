@@ -12,7 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["sortable_key", "load_keys", "address_operand", "gather_keys", "largest_key", "empty_prefix", "push_digit", "pick_bin", "block_columns", "list_slots", "store_columns", "search_start", "emit_selected"]
+__all__ = ["address_operand", "block_columns", "emit_selected", "empty_prefix", "gather_keys", "largest_key",
+           "list_slots", "load_keys", "pick_bin", "push_digit", "search_start", "sortable_key", "store_columns"]
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def store_columns(base, slot, col, PTX: tl.constexpr):
 
     With ``PTX`` the store is inline PTX that runs in the operands' own register layout and forms each address
     itself: ``tl.store`` of a scattered block first moves its 64-bit pointers to another layout through shared
-    memory (measured in the TTGIR of these kernels). Triton may replicate the impure op; a replicated store writes
+    memory (as the TTGIR of these kernels shows). Triton may replicate the impure op; a replicated store writes
     the same value again."""
     if PTX:
         if base.dtype.element_ty == tl.int64:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .topk_common import (block_columns, emit_selected, empty_prefix, gather_keys, list_slots, load_keys, pick_bin,
                           push_digit, search_start, store_columns)
+from .topk_plan import FILTER_CANDIDATES_PER_ROW, TopkPlan
 
 
 #: polls of a row barrier before a program gives up waiting (~seconds): the launcher keeps every program resident, so
@@ -119,7 +121,7 @@ def _filter_topk_kernel(
     K: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
     BLOCK: tl.constexpr,        # columns per register block; chunk <= BLOCK: one load per column
     C: tl.constexpr,            # columns per register-block row = per group of the bound (a power of two)
-    CBLOCK: tl.constexpr,       # candidates per register block of the selection (also tried: CBLOCK / 2)
+    CBLOCK: tl.constexpr,       # candidates per register block of the selection (up to CBLOCK / 2: a half block)
     CC: tl.constexpr,           # candidates per row of those blocks
     FILL: tl.constexpr,
     SPLIT: tl.constexpr,        # splits > 1: group maxima exchanged through hdr, one row barrier
@@ -232,3 +234,17 @@ def _filter_topk_kernel(
             # leave the header zero for the next call (every other program of the row has arrived: none reads it)
             tl.debug_barrier()
             tl.store(hdr + tl.arange(0, 4), tl.zeros((4,), tl.int32))
+
+
+def launch(bits: Tensor, counts: Tensor, out: Tensor, header: Tensor, candidates: Tensor, plan: TopkPlan) -> Tensor:
+    """``"filter"`` over ``bits`` (int16 / int32 ``[rows, columns]`` score bits) as ``plan`` says, in one launch of
+    ``programs_per_row`` programs per row, all resident at once. ``header``: int32 ``[rows, 4]``, zero, left zero;
+    ``candidates``: int32 ``[rows, columns]`` scratch. Returns ``out`` (int64 ``[rows, k]``)."""
+    splits = plan.programs_per_row
+    _filter_topk_kernel[(plan.rows, splits)](
+        bits, bits.stride(0), counts, header, header.stride(0), candidates, candidates.stride(0), out, out.stride(0),
+        plan.chunk, splits, K=plan.k, KEY_BITS=plan.key_bits, RADIX=plan.radix_bits, BLOCK=plan.block, C=plan.group,
+        CBLOCK=plan.candidate_block, CC=FILTER_CANDIDATES_PER_ROW, FILL=plan.fill, SPLIT=splits > 1,
+        PTX=not plan.interpreted, HOST_BOUND=plan.interpreted, CHUNK_HINT=plan.chunk if plan.interpreted else 0,
+        num_warps=plan.num_warps)
+    return out

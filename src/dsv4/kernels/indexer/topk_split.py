@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .topk_common import empty_prefix, load_keys, pick_bin, push_digit
+from .topk_plan import TopkPlan
 
 
 @triton.jit
@@ -97,3 +99,19 @@ def _split_select_kernel(
         rank_eq = base_eq + tl.cumsum(eq_i, 0) - 1
         tl.store(out_row + pos_gt, offs.to(tl.int64), mask=gt_i != 0)
         tl.store(out_row + n_gt + rank_eq, offs.to(tl.int64), mask=(eq_i != 0) & (rank_eq < remaining))
+
+
+def launch(bits: Tensor, counts: Tensor, out: Tensor, workspace: Tensor, plan: TopkPlan) -> Tensor:
+    """``"split"`` over ``bits`` (int16 / int32 ``[rows, columns]`` score bits) as ``plan`` says: one histogram launch
+    per ``radix_bits``-bit digit, then the select launch; ``workspace``: int32 ``[rows, ≥ plan.scratch()'s]``, zero.
+    Returns ``out`` (int64 ``[rows, k]``)."""
+    grid = (plan.rows, plan.programs_per_row)
+    common = dict(K=plan.k, KEY_BITS=plan.key_bits, RADIX=plan.radix_bits, BLOCK=plan.block,
+                  HOST_BOUND=plan.interpreted, CHUNK_HINT=plan.chunk if plan.interpreted else 0,
+                  num_warps=plan.num_warps)
+    for p in range(plan.key_bits // plan.radix_bits):
+        _split_hist_kernel[grid](bits, bits.stride(0), counts, workspace, workspace.stride(0), plan.chunk, PASS=p,
+                                 **common)
+    _split_select_kernel[grid](bits, bits.stride(0), counts, workspace, workspace.stride(0), out, out.stride(0),
+                               plan.chunk, FILL=plan.fill, **common)
+    return out
