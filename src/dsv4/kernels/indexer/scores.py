@@ -43,7 +43,6 @@ FMT_FP8 = 1
 FMT_FP32 = 2
 
 
-# ------------------------------------------------------------------------------------------------ scores
 @triton.jit
 def _head_sum(ka, kb, qa, qb, w_half, BLOCK_N: tl.constexpr, QT: tl.constexpr, HP: tl.constexpr,
               IEEE: tl.constexpr):

@@ -37,21 +37,16 @@ from __future__ import annotations
 import torch
 
 from .. import ptx
+from ..device import has_gluon
 from .scores_plan import SM90_BLOCK_N, ScoresPlan
 
-try:  # Gluon ships with Triton >= 3.4
+__all__ = ["launch"]
+
+if has_gluon():  # Gluon ships with Triton >= 3.4; the plan picks this kernel only where it runs (``device.is_sm90``)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    _HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAVE_GLUON = False
-
-__all__ = ["launch"]
-
-
-if _HAVE_GLUON:
     BN = gl.constexpr(SM90_BLOCK_N)
     # A thread's codes of its two keys (16 contiguous, aligned bytes each, the second key 8 rows = 512 bytes after
     # the first) as two vector loads from one address (``gl.load`` does not vectorise over this layout, and one

@@ -1,4 +1,5 @@
-"""Top-k "bisect" in Triton: one program per row, the whole row in registers."""
+"""Top-k ``"bisect"`` in Triton (``topk`` describes the algorithms): one program per row, the whole row in
+registers; ``topk_bisect_sm90`` is the same in Gluon for Hopper."""
 
 from __future__ import annotations
 

@@ -23,20 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from ..device import has_gluon
 from .topk_plan import BISECT_SM90_VECTOR, TopkPlan
-
-try:  # Gluon ships with Triton >= 3.4
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    _HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAVE_GLUON = False
 
 __all__ = ["launch"]
 
+if has_gluon():  # Gluon ships with Triton >= 3.4; the plan picks this kernel only where it runs (``device.is_sm90``)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
 
-if _HAVE_GLUON:
     VEC = gl.constexpr(BISECT_SM90_VECTOR)
 
     @gluon.jit

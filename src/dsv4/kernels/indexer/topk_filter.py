@@ -1,4 +1,6 @@
-"""Top-k "filter": a row over up to one program per multiprocessor, a bound, a candidate list, a bisection."""
+"""Top-k ``"filter"`` (``topk`` describes the algorithms): one launch, a row over up to one program per
+multiprocessor, all resident and meeting at per-row barriers; a lower bound of the threshold, a candidate list, a
+bisection over the candidates."""
 
 from __future__ import annotations
 

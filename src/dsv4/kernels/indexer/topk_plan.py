@@ -33,8 +33,9 @@ from .scores_plan import cdiv
 
 __all__ = [
     "ALGORITHMS", "BISECT_DEFAULT_MAX_COLUMNS", "BISECT_GLUON_DEFAULT_MAX_COLUMNS", "BISECT_MAX_COLUMNS",
-    "BISECT_PREFILL_MAX_COLUMNS", "FILTER_MIN_ROWS", "TopkPlan", "bisect_plan", "bisect_sm90_fits", "filter_plan",
-    "launched_algorithm", "plan_topk", "split_plan", "topk_algorithm",
+    "BISECT_PREFILL_MAX_COLUMNS", "BISECT_SM90_VECTOR", "FILTER_CANDIDATES_PER_ROW", "FILTER_MIN_ROWS", "TopkPlan",
+    "bisect_block", "bisect_plan", "bisect_sm90_fits", "bound_group", "filter_plan", "key_bits", "launched_algorithm",
+    "next_power_of_2", "plan_topk", "split_plan", "topk_algorithm",
 ]
 
 ALGORITHMS = ("bisect", "filter", "split")

@@ -1,4 +1,5 @@
-"""Top-k "split": radix select with each row cut over many programs, one launch per pass."""
+"""Top-k ``"split"`` (``topk`` describes the algorithms): radix select with each row cut into chunks over many
+programs, one histogram launch per digit (atomics into the row's int32 workspace), then one select launch."""
 
 from __future__ import annotations
 
