@@ -574,7 +574,10 @@ def test_gpu_topk_default_decode_16k() -> None:
     s[2, : n // 2] = 0.5  # ties across the row
     counts = torch.randint(1, n + 1, (T,), generator=g, device="cuda")
     counts[0], counts[1] = n, 300
-    plan = plan_topk(T, n, 512, s.dtype, **_device_facts())
+    facts = _device_facts()
+    if facts["sm_count"] < T:
+        pytest.skip(f"{T} decode rows need at least {T} SMs")
+    plan = plan_topk(T, n, 512, s.dtype, **facts)
     assert plan.gluon == device.is_sm90(s.device)
     assert plan.algorithm == ("bisect" if plan.gluon else "filter") and (plan.scratch() == {}) == plan.gluon
     scratch = {name: torch.zeros(shape, dtype=torch.int32, device="cuda")

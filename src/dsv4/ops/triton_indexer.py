@@ -171,7 +171,7 @@ def indexer_topk(
     Returns:
         int64 ``[T, k]`` entry indices of each token's request, −1 padded (fixed width: graph-safe).
     Raises:
-        ValueError: a plan made for another k, key format or head count.
+        ValueError: a plan made for another k or key format (``index_scores``: for another head count).
     """
     storage = layer.schema.index_storage
     if isinstance(q_idx, Tensor):

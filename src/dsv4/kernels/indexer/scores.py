@@ -268,6 +268,8 @@ def _check(plan: ScoresPlan, q: Tensor, out: Tensor) -> None:
     if plan.interpreted != interpreting():
         raise ValueError(f"index_scores: a plan for {'the interpreter' if plan.interpreted else 'a GPU'} cannot run "
                          f"{'in the interpreter' if interpreting() else 'on a GPU'}")
+    if plan.inline_ptx and plan.interpreted:
+        raise ValueError("index_scores: the interpreter runs no inline PTX (plan with inline_ptx and interpreted)")
     if q.shape[2] != plan.head_pad:
         raise ValueError(f"index_scores: the queries have {q.shape[2]} padded heads, the plan {plan.head_pad}")
     if out.shape[1] < plan.entries:
