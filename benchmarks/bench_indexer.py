@@ -9,11 +9,13 @@ Roofline per row: ``max(bytes / copy bandwidth, FLOPs / FP8 matmul rate)``, both
 queries; FLOPs = the FP8 MMA work ``2 · Σ_t visible_t · 64 · 128``. Top-k: bytes = scores read once + indices
 written; no FLOPs.
 
-``--quick`` also times every top-k variant (``dsv4.kernels.topk.VARIANTS`` and a few launch shapes,
-``TOPK_LAUNCHES``) at B=8 / 64 / 128 × 128K decode and B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each
-checked against torch.topk (``check`` in the JSON rows); ``--topk-only`` / ``--topk-prefill`` time only those
-variants, on decode steps (8K–128K) / on 4K-token prefill chunks (one request at 8K / 32K / 64K / 128K, eight at
-32K), each on the index scores the scores kernel computed for that step.
+Each launch runs the plan the engine would build for the step (``dsv4.kernels.indexer.plan``). ``--quick`` also times
+every top-k algorithm (``TOPK_LAUNCHES``: the plan with its algorithm replaced) at B=8 / 64 / 128 × 128K decode and
+B=8 × 32K 4K-prefill, eagerly and as CUDA-graph replays, each checked against torch.topk (``check`` in the JSON
+rows); ``--topk-only`` / ``--topk-prefill`` time only those, on decode steps (8K–128K) / on 4K-token prefill chunks
+(one request at 8K / 32K / 64K / 128K, eight at 32K), each on the index scores the scores kernel computed for that
+step. At the acceptance shape ``--quick`` also times the scores' plan variants ``SCORES_VARIANTS`` (``--no-sweep``:
+not; ``ab_scores.py`` times plan variants at more shapes).
 
 Usage: ``python benchmarks/bench_indexer.py [--quick] [--no-sweep] [--topk-only | --topk-prefill] [--json out.json]``.
 """
@@ -25,10 +27,16 @@ import json
 import signal
 import sys
 
+import dataclasses
+
 import torch
 
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
-from dsv4.kernels.topk import VARIANTS
+from dsv4.kernels import device
+from dsv4.kernels.indexer.scores import index_scores
+from dsv4.kernels.indexer.scores_plan import MAX_TILES_PER_SPLIT, ScoresPlan, head_pad, plan_scores
+from dsv4.kernels.indexer.topk import radix_topk
+from dsv4.kernels.indexer.topk_plan import TopkPlan, plan_topk
 
 H, C, K_TOP, M, BLOCK = 64, 128, 512, 4, 256
 CEILINGS: dict[str, float] = {}  # measured copy bandwidth and FP8 matmul rate of this run
@@ -37,9 +45,6 @@ EPP = BLOCK // M  # entries per page
 
 def _setup(batch: int, context: int, tokens: int, fmt: str, seed: int = 0):
     """Random pool + step metadata for ``batch`` requests each at ``context`` tokens after a step of ``tokens``."""
-    from dsv4.kernels.indexer import FMT_FP8, FMT_MXFP4
-    from dsv4.ops.triton_indexer import head_pad
-
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     entries = context // M
@@ -65,16 +70,34 @@ def _setup(batch: int, context: int, tokens: int, fmt: str, seed: int = 0):
     w = torch.randn(T, hp, device=dev, generator=g) * 1e-3
     scores = torch.empty((T, entries), dtype=torch.bfloat16, device=dev)
     return dict(pages=pages, block_tables=block_tables, cu=cu, visible=visible, q=q, w=w, scores=scores,
-                entries=entries, T=T, fmt=FMT_MXFP4 if fmt == "mxfp4" else FMT_FP8, entry_bytes=entry_bytes)
+                entries=entries, T=T, fmt=fmt, entry_bytes=entry_bytes)
 
 
-def _scores_fn(s, batch: int, tokens: int, config: dict | None = None):
-    from dsv4.kernels.indexer import index_scores
+def _device_facts(sm90: bool | None = None) -> dict:
+    dev = torch.device("cuda")
+    return dict(sm_count=device.sm_count(dev), sm90=device.is_sm90(dev) if sm90 is None else sm90)
+
+
+def scores_plan(s, batch: int, tokens: int, sm90: bool | None = None) -> ScoresPlan:
+    """The scores' plan of the step ``s`` (``_setup``) on this GPU (``sm90=False``: the Triton kernel's)."""
+    return plan_scores(key_format=s["fmt"], heads=H, requests=batch, max_new=tokens, entries=s["entries"], ratio=M,
+                       block_size=BLOCK, entries_per_page=EPP, **_device_facts(sm90))
+
+
+def scaled_tiles(plan: ScoresPlan, factor: float) -> ScoresPlan:
+    """``plan`` with its key tiles per program scaled by ``factor`` (at least 1; at most ``MAX_TILES_PER_SPLIT``
+    where the Triton kernel holds a split's pages in registers)."""
+    per_split = max(1, round(plan.tiles_per_split * factor))
+    if plan.kernel == "triton" and plan.page_vector:
+        per_split = min(per_split, MAX_TILES_PER_SPLIT)
+    return dataclasses.replace(plan, tiles_per_split=per_split)
+
+
+def _scores_fn(s, batch: int, tokens: int, plan: ScoresPlan | None = None):
+    plan = plan or scores_plan(s, batch, tokens)
 
     def fn():
-        index_scores(s["pages"], s["block_tables"], s["cu"], s["visible"], s["q"], s["w"], s["scores"],
-                     fmt=s["fmt"], m=M, block_size=BLOCK, entries_per_page=EPP, num_requests=batch,
-                     max_new=tokens, max_entries=s["entries"], config=config)
+        index_scores(s["pages"], s["block_tables"], s["cu"], s["visible"], s["q"], s["w"], s["scores"], plan)
     return fn
 
 
@@ -87,33 +110,43 @@ def _measure(name, fn, bytes_, flops, bw, rate, iters, graph: bool = False, **ex
     return row
 
 
-#: top-k launches timed in --quick at every shape: (label, radix_topk keyword arguments); the named variants with
-#: their defaults, then a few launch shapes of the filter variant
-TOPK_LAUNCHES = [
-    *((name, dict(opts)) for name, opts in VARIANTS.items()),
-    ("filter4 tl.store", dict(algorithm="filter", radix_bits=4, inline_ptx=False)),
-    ("filter4 w=32", dict(algorithm="filter", radix_bits=4, num_warps=32)),
-    ("bisect w=8", dict(algorithm="bisect", num_warps=8)),
+#: the scores' plan variants timed at the acceptance shape by --quick (without --no-sweep): (label, the plan from
+#: the default one)
+SCORES_VARIANTS = [
+    ("triton", lambda plan, s, batch, tokens: scores_plan(s, batch, tokens, sm90=False)),
+    ("tiles/program x2", lambda plan, *_: scaled_tiles(plan, 2)),
+    ("tiles/program /2", lambda plan, *_: scaled_tiles(plan, 0.5)),
 ]
+
+#: top-k launches timed in --quick at every shape: (label, algorithm, the Gluon "bisect" allowed); the labels are
+#: those of earlier trees' rows ("split8": 8-bit radix passes, "filter4": 4-bit passes in its rare blocked path)
+TOPK_LAUNCHES = [("split8", "split", False), ("filter4", "filter", False), ("bisect", "bisect", True),
+                 ("bisect_triton", "bisect", False)]
+
+
+def topk_plan(scores: torch.Tensor, algorithm: str | None = None, gluon: bool = True) -> TopkPlan:
+    """The top-k plan of ``scores`` on this GPU (``algorithm``: instead of the rule's; ``gluon=False``: no Gluon)."""
+    facts = _device_facts()
+    return plan_topk(scores.shape[0], scores.shape[1], K_TOP, scores.dtype, sm_count=facts["sm_count"],
+                     sm90=facts["sm90"] and gluon, algorithm=algorithm)
 
 
 def _topk_variants(s, tag, tk_bytes, bw, rate, iters, common) -> list[dict]:
     """Every ``TOPK_LAUNCHES`` entry on the scores of ``s``: checked against torch.topk (values, once), then timed
     eagerly and as a CUDA-graph replay."""
-    from dsv4.kernels.topk import filter_header_shape, radix_topk, topk_workspace_shape
-
     sc, vis = s["scores"], s["visible"]
-    ws = torch.empty(topk_workspace_shape(sc.shape[0], sc.dtype), dtype=torch.int32, device=sc.device)
-    scratch = dict(header=torch.zeros(filter_header_shape(sc.shape[0]), dtype=torch.int32, device=sc.device),
-                   candidates=torch.empty(sc.shape, dtype=torch.int32, device=sc.device))
     out = torch.empty((sc.shape[0], K_TOP), dtype=torch.int64, device=sc.device)
     ke = vis.clamp(max=K_TOP)
     ref = None
     rows = []
-    for label, kw in TOPK_LAUNCHES:
-        def fn(kw=kw):
-            extra = scratch if kw.get("algorithm") == "filter" else {}
-            radix_topk(sc, vis, K_TOP, out=out, workspace=ws, **extra, **kw)
+    for label, algorithm, gluon in TOPK_LAUNCHES:
+        plan = topk_plan(sc, algorithm, gluon)
+        scratch = {name: torch.zeros(shape, dtype=torch.int32, device=sc.device)
+                   for name, (shape, _) in plan.scratch().items()}
+
+        def fn(plan=plan, scratch=scratch):
+            radix_topk(sc, vis, plan, out=out, **scratch)
+        kw = plan.describe()
         try:
             fn()
             # check: same multiset of values as torch.topk over each row's visible prefix (rows of equal length)
@@ -146,8 +179,6 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
     64K / 128K context (``contexts``: these instead), nothing else; ``topk_prefill``: the same on 4K-token prefill
     chunks (one request at 8K / 32K / 64K / 128K, eight at 32K), each on the index scores the scores kernel computed
     for that chunk."""
-    from dsv4.kernels.topk import radix_topk
-
     bw = measure_copy_bandwidth()
     rate = measure_matmul_rate(dtype=torch.float8_e4m3fn)
     rows = [] if rows is None else rows  # a caller's list keeps the rows measured so far if the run is cut short
@@ -190,9 +221,10 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
         rows.append(_measure(f"scores mxfp4 {tag}{' graph' if graph else ''}", _scores_fn(s, batch, tokens), sc_bytes,
                              flops, bw, rate, iters, graph=graph, op="scores", fmt="mxfp4", **common))
         tk_bytes = vis_sum * 2 + T * K_TOP * 8
+        plan = topk_plan(s["scores"])  # the step's plan; its scratch allocated per call, as in earlier trees' rows
         rows.append(_measure(f"topk k=512 {tag}{' graph' if graph else ''}",
-                             lambda: radix_topk(s["scores"], s["visible"], K_TOP), tk_bytes, 0, bw, rate, iters,
-                             graph=graph, op="topk", **common))
+                             lambda plan=plan: radix_topk(s["scores"], s["visible"], plan), tk_bytes, 0, bw, rate,
+                             iters, graph=graph, op="topk", plan=plan.describe(), **common))
         if quick and batch > 1:
             rows += _topk_variants(s, tag, tk_bytes, bw, rate, max(iters, 20), common)
         if quick and tokens == 1 and batch == 64:
@@ -201,13 +233,13 @@ def run(quick: bool = False, sweep: bool | None = None, rows: list[dict] | None 
                                  bw, rate, iters, graph=True, op="scores", fmt="mxfp4", **common))
             do_sweep = True if sweep is None else sweep
             if do_sweep:
-                for cfg in ({"BLOCK_N": 128}, {"PROGRAMS_PER_SM": 4}, {"PROGRAMS_PER_SM": 64}, {"num_warps": 8},
-                            {"NUM_STAGES": 3}, {"USE_ASM": False}):
-                    label = ",".join(f"{k}={v}" for k, v in cfg.items())
+                default = scores_plan(s, batch, tokens)
+                for label, make in SCORES_VARIANTS:
+                    plan = make(default, s, batch, tokens)
                     try:
-                        rows.append(_measure(f"scores mxfp4 {tag} [{label}]", _scores_fn(s, batch, tokens, cfg),
+                        rows.append(_measure(f"scores mxfp4 {tag} [{label}]", _scores_fn(s, batch, tokens, plan),
                                              sc_bytes, flops, bw, rate, iters, op="scores-variant", fmt="mxfp4",
-                                             **common))
+                                             plan=plan.describe(), **common))
                     except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
                         print(f"variant {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             sc = s["scores"]

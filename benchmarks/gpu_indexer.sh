@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session for the lightning indexer: its GPU tests (scores + every top-k variant), the --quick benchmark
-# (top-k variants eager and as graph replays) and an ncu profile (per-SASS stall samples) of the "filter" top-k at
+# One GPU session for the lightning indexer: its GPU tests (scores + every top-k algorithm), the --quick benchmark
+# (top-k algorithms eager and as graph replays) and an ncu profile (per-SASS stall samples) of the "filter" top-k at
 # 64 rows × 32K (gpu_profile.sh's "topk" target; only with PROFILE=1).
 # Usage (repo root, GPU machine): bash benchmarks/gpu_indexer.sh — outputs under $OUT (default ./out).
 # TESTS_K: a pytest -k expression selecting the GPU tests (default: all of them).

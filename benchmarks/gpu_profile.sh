@@ -36,7 +36,7 @@ for target in ${TARGETS:-write_hca attn_csa attn_gluon}; do
     csa_entries) prof csa_entries '_csa_entries' python3 benchmarks/bench_write.py \
       --only "v4-flash csa prefill 8K" --profile-calls 4 ;;
     scores) prof scores '_scores' python3 benchmarks/ab_scores.py --profile-calls 4 ;;
-    topk) prof topk '_filter_topk' python3 benchmarks/profile_topk.py --variant filter4 --calls 4 ;;
+    topk) prof topk '_filter_topk' python3 benchmarks/profile_topk.py --algorithm filter --calls 4 ;;
     attn_csa) prof attn_csa '_sparse_attention_kernel' python3 benchmarks/profile_attention.py --shape flash_csa \
       --batch ${BATCH:-64} --calls 4 ;;
     attn_gluon) prof attn_gluon "${KERNELS:-_sparse_attention_sm90_kernel}" python3 benchmarks/profile_attention.py \

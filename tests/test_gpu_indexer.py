@@ -3,17 +3,16 @@ the torch backend.
 
 GPU tests are marked ``gpu``. The CPU tests run the same kernels in the Triton interpreter (``TRITON_INTERPRET=1``,
 small shapes; the MXFP4 key conversion takes its plain-integer path there) and skip when triton is absent. The
-interpreter must be chosen before any kernel is decorated, so on a CPU-only machine
-``test_interpreter_tests_in_subprocess`` reruns this file's interpreter tests in a fresh process with
-``TRITON_INTERPRET=1`` (in the main process they skip; setting the variable here would leak into other modules).
+interpreter must be chosen before any kernel is decorated, so ``tests/test_interpreted_indexer.py`` reruns this
+file's CPU tests in a fresh process with ``TRITON_INTERPRET=1`` (in the main process they skip; setting the variable
+here would leak into other modules). Tests that need a specific kernel or launch construct its plan
+(``dsv4.kernels.indexer.plan``) or ``dataclasses.replace`` the step's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,26 +26,17 @@ from dsv4.cache import HybridCache  # noqa: E402
 from dsv4.numerics import Numerics  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.ops import triton_indexer as ti  # noqa: E402
-from dsv4.kernels import topk as topk_mod  # noqa: E402
-from dsv4.kernels.topk import VARIANTS, filter_header_shape, radix_topk  # noqa: E402
+from dsv4.kernels import device  # noqa: E402
+from dsv4.kernels.indexer.scores import index_scores  # noqa: E402
+from dsv4.kernels.indexer.scores_plan import ScoresPlan, plan_scores, sm90_register_cap  # noqa: E402
+from dsv4.kernels.indexer.topk import radix_topk  # noqa: E402
+from dsv4.kernels.indexer.topk_plan import bisect_plan, filter_plan, plan_topk, split_plan  # noqa: E402
 from dsv4.reference.indexer import index_scores as ref_scores  # noqa: E402
 
 TINY = dsv4.ModelConfig.preset("tiny")
 LAYER = 1  # a CSA layer of the tiny preset
 M = 4
 ON_GPU = torch.cuda.is_available()
-
-
-def test_interpreter_tests_in_subprocess() -> None:
-    """Run this file's ``interpreter`` tests under ``TRITON_INTERPRET=1`` in a fresh process (CPU-only machines)."""
-    if ON_GPU or INTERPRETED:
-        pytest.skip("runs the interpreter tests in a subprocess on CPU-only machines")
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreter", __file__],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def _numerics(fmt: str) -> Numerics:
@@ -165,19 +155,46 @@ def _check(layer, batch, q, w, k, score_dtype, got_idx, scores_buf):
     return worst
 
 
+def _device_facts() -> dict:
+    """The facts of the device the kernels run on, as ``plan_*`` take them."""
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    return dict(sm_count=device.sm_count(dev), sm90=device.is_sm90(dev), interpreted=device.interpreting())
+
+
+def _step_plan(layer, batch, k: int, score_dtype: torch.dtype, heads: int, *, topk: str | None = None,
+               triton_scores: bool = False):
+    """The step's indexer plan (``indexer_plan``), its top-k forced to algorithm ``topk`` (``"bisect_triton"``: the
+    Triton "bisect" where the Gluon one would run) and its scores to the Triton kernel if ``triton_scores``."""
+    plan = ti.indexer_plan(layer, batch, M, k, heads, score_dtype)
+    facts = _device_facts()
+    if topk is not None:
+        t = plan.topk
+        gluon = facts.pop("sm90") and topk != "bisect_triton"
+        plan = dataclasses.replace(plan, topk=plan_topk(t.rows, t.columns, k, score_dtype, sm90=gluon,
+                                                        algorithm=topk.removesuffix("_triton"), **facts))
+    if triton_scores:
+        s = plan.scores
+        plan = dataclasses.replace(plan, scores=plan_scores(
+            key_format=s.key_format, heads=heads, requests=s.requests, max_new=s.max_new, entries=s.entries,
+            ratio=s.ratio, block_size=s.block_size, entries_per_page=s.entries_per_page,
+            sm_count=_device_facts()["sm_count"], sm90=False, interpreted=device.interpreting()))
+    return plan
+
+
 STEPS_SMALL = [{"a": 90, "b": 13, "c": 3}, {"a": 3, "b": 1, "c": 40, "d": 7}]
 
 
-@pytest.mark.parametrize("fmt,variant", [("mxfp4", "row"), ("fp8", "row"), ("fp32", "row"),
-                                         *((f, v) for v in VARIANTS if v != "row" for f in ("mxfp4", "fp32"))])
-def test_interpreter_scores_and_topk(fmt: str, variant: str, monkeypatch) -> None:
+@pytest.mark.parametrize("fmt,algorithm", [("fp8", None), *((f, a) for a in ("split", "filter", "bisect")
+                                                               for f in ("mxfp4", "fp32"))])
+def test_interpreter_scores_and_topk(fmt: str, algorithm: str | None) -> None:
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
-    monkeypatch.setattr(topk_mod, "DEFAULT_VARIANT", variant)
     cfg, cache, layer, batch = _scenario("cpu", fmt, heads=4, k=8, steps=STEPS_SMALL)
     q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
     nm = _numerics(fmt)
-    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype)
+    plan = _step_plan(layer, batch, 8, nm.score_dtype, 4, topk=algorithm)
+    assert plan.topk.algorithm == (algorithm or plan.topk.algorithm)
+    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype, plan=plan)
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)  # the matrix indexer_topk wrote
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
 
@@ -186,21 +203,20 @@ STEPS_PAGED = [{"a": 600, "b": 300}, {"a": 1, "b": 1, "c": 5}]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-def test_interpreter_scores_page_tiles(fmt: str, monkeypatch) -> None:
-    """Pages of 64 entries (block size 256): the decode step's key tiles each lie in one page (one block-table
-    load per tile, taken a tile ahead) and cross pages from tile to tile within one program (one program per
-    request and query chunk); MXFP4 keys whose four block exponents differ by up to 10 binades (every block shift
-    of the conversion tables)."""
+def test_interpreter_scores_page_tiles(fmt: str) -> None:
+    """Pages of 64 entries (block size 256): the decode step's key tiles each lie in one page (the split's pages
+    held in registers, the scales taken a tile ahead) and cross pages from tile to tile within one program (one
+    program per request and query chunk); MXFP4 keys whose four block exponents differ by up to 10 binades (every
+    block shift of the conversion tables)."""
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
-    from dsv4.kernels import indexer as kidx
-
-    pick = kidx.pick_scores_config
-    monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "PROGRAMS_PER_SM": 1})
     cfg, cache, layer, batch = _scenario("cpu", fmt, heads=4, k=8, steps=STEPS_PAGED, block_size=256, block_spread=5)
     q, w = _queries(cfg, fmt, batch.num_tokens, "cpu")
     nm = _numerics(fmt)
-    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype)
+    plan = _step_plan(layer, batch, 8, nm.score_dtype, 4)
+    plan = dataclasses.replace(plan, scores=dataclasses.replace(plan.scores, tiles_per_split=plan.scores.tiles))
+    assert plan.scores.page_vector and plan.scores.splits == 1 and plan.scores.tiles == 3
+    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype, plan=plan)
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     assert int(batch.visible_entries[M].max()) > 128  # three tiles of 64, over three pages
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
@@ -233,58 +249,64 @@ def _topk_rows(g: torch.Generator, dt: torch.dtype, n: int = 700) -> tuple[torch
     return s, counts
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_interpreter_radix_topk(variant: str) -> None:
+def _topk_plans(algorithm: str, rows: int, columns: int, k: int, bits: int, small: bool = True) -> list:
+    """Launches of ``algorithm`` in the interpreter: with small register blocks (looped paths, several programs per
+    row, the filter's candidates selected in blocks) and with the default ones."""
+    facts = dict(sm_count=device.INTERPRETER_SMS, interpreted=True)
+    if algorithm == "bisect":
+        return [bisect_plan(rows, columns, k, bits, gluon=False, interpreted=True)]
+    if algorithm == "filter":
+        return ([filter_plan(rows, columns, k, bits, max_block=64, candidate_block=16, **facts)] if small else []) + [
+            filter_plan(rows, columns, k, bits, max_block=1024, **facts)]
+    return ([split_plan(rows, columns, k, bits, block=64, **facts)] if small else []) + [
+        split_plan(rows, columns, k, bits, block=1024, **facts)]
+
+
+@pytest.mark.parametrize("algorithm", ["split", "filter", "bisect"])
+def test_interpreter_radix_topk(algorithm: str) -> None:
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
     g = torch.Generator().manual_seed(3)
-    opts = VARIANTS[variant]
-    for dt in (torch.bfloat16, torch.float32):
+    for dt, bits in ((torch.bfloat16, 16), (torch.float32, 32)):
         s, counts = _topk_rows(g, dt)
-        if opts["algorithm"] == "row":
-            launches = [dict(block=256, num_warps=4), dict(block=512)]
-        elif opts["algorithm"] == "filter":  # the interpreter runs one program per row (no barriers)
-            # blocks looped / columns in registers; candidates selected in blocks (cblock=16) / in registers
-            launches = [dict(block=64, num_warps=2, cblock=16), dict(block=1024)]
-        else:  # several programs per row (small blocks), and one program per row
-            launches = [dict(block=64, num_warps=2), dict(block=1024, programs_per_sm=1)]
-        for kw in launches:
-            _check_topk(s, counts, 64, radix_topk(s, counts, 64, **opts, **kw))
+        rows, columns = s.shape
+        plans = _topk_plans(algorithm, rows, columns, 64, bits)
+        if algorithm == "split":
+            assert plans[0].programs_per_row > 1 and plans[1].programs_per_row == 1
+        if algorithm == "filter":
+            assert plans[0].chunk > plans[0].block  # the looped path
+        for plan in plans:
+            _check_topk(s, counts, 64, radix_topk(s, counts, plan))
         # k larger than every row; a reused workspace with garbage in it
         ws = torch.full((16384,), 12345, dtype=torch.int32)
-        _check_topk(s, counts, 1000, radix_topk(s, counts, 1000, **opts, block=128, workspace=ws))
-        if opts["algorithm"] in ("filter", "bisect"):  # the bound over groups of 64 columns (k=2: enough groups)
-            _check_topk(s, counts, 2, radix_topk(s, counts, 2, **opts, block=256))
-        if opts["algorithm"] == "filter":  # the header is zero again after each call; candidates are scratch
-            header = torch.zeros(filter_header_shape(s.shape[0]), dtype=torch.int32)
+        for plan in _topk_plans(algorithm, rows, columns, 1000, bits):
+            _check_topk(s, counts, 1000, radix_topk(s, counts, plan, workspace=ws))
+        if algorithm in ("filter", "bisect"):  # the bound over groups of 64 columns (k=2: enough groups)
+            for plan in _topk_plans(algorithm, rows, columns, 2, bits, small=False):
+                assert plan.group == 64
+                _check_topk(s, counts, 2, radix_topk(s, counts, plan))
+        if algorithm == "filter":  # the header is zero again after each call; candidates are scratch
+            plan = _topk_plans(algorithm, rows, columns, 64, bits)[0]
+            header = torch.zeros(plan.scratch()["header"][0], dtype=torch.int32)
             cand = torch.full((s.numel(),), 777, dtype=torch.int32)
             for _ in range(2):
-                _check_topk(s, counts, 64, radix_topk(s, counts, 64, **opts, block=64, header=header, candidates=cand))
+                _check_topk(s, counts, 64, radix_topk(s, counts, plan, header=header, candidates=cand))
                 assert not header.any()
 
 
-def test_topk_default_variant_by_shape() -> None:
-    """Decode-sized row counts: "bisect" on short rows, "filter4" on long ones; "split8" for few rows; prefill-sized
-    row counts: "bisect" up to 32,768 columns, "split8" beyond; and the scratch each default needs (none for
-    "bisect")."""
-    from dsv4.kernels import topk as tk
-
-    assert tk.default_variant(64, 132, 8192) == "bisect" and tk.default_variant(128, 132, 2048) == "bisect"
-    assert tk.default_variant(64, 132, 32768) == "filter4" and tk.default_variant(132, 132, 8193) == "filter4"
-    assert tk.default_variant(8, 132, 8192) == "split8"
-    assert tk.default_variant(4096, 132, 2048) == "bisect" and tk.default_variant(133, 132, 32768) == "bisect"
-    assert tk.default_variant(4096, 132, 32769) == "split8"
-    # where "bisect" runs the Gluon kernel (Hopper, BF16), decode rows up to 16,384 columns take it
-    assert tk.default_variant(64, 132, 16384) == "filter4"
-    assert tk.default_variant(64, 132, 16384, gluon=True) == "bisect"
-    assert tk.default_variant(64, 132, 16385, gluon=True) == "filter4"
-    assert tk.scratch_shapes(64, 16384, torch.bfloat16, 132, gluon=True) == {}
-    assert set(tk.scratch_shapes(64, 16384, torch.bfloat16, 132)) == {"header", "candidates"}
-    assert not tk.bisect_runs_gluon(torch.zeros(64, 16384, dtype=torch.bfloat16))  # never on the CPU
-    assert tk.scratch_shapes(64, 8192, torch.bfloat16, 132) == {}
-    assert set(tk.scratch_shapes(64, 32768, torch.bfloat16, 132)) == {"header", "candidates"}
-    assert tk.scratch_shapes(4096, 2048, torch.bfloat16, 132) == {}
-    assert set(tk.scratch_shapes(4096, 65536, torch.bfloat16, 132)) == {"workspace"}
+def test_plans_must_match_their_inputs() -> None:
+    """A plan for other scores, another device or another score dtype raises instead of launching."""
+    s = torch.zeros(8, 700, dtype=torch.bfloat16)
+    counts = torch.full((8,), 700)
+    gpu_plan = plan_topk(8, 700, 64, torch.bfloat16, sm_count=132, sm90=False)
+    cpu_plan = plan_topk(8, 700, 64, torch.bfloat16, sm_count=4, sm90=False, interpreted=True)
+    if not INTERPRETED:
+        with pytest.raises(ValueError, match="plan for the interpreter"):
+            radix_topk(s.cuda() if ON_GPU else s, counts, cpu_plan)
+    with pytest.raises(ValueError, match="plan is for"):
+        radix_topk(s[:, :600], counts, gpu_plan if not INTERPRETED else cpu_plan)
+    with pytest.raises(ValueError, match="16-bit keys"):
+        radix_topk(s.float(), counts, gpu_plan if not INTERPRETED else cpu_plan)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -309,21 +331,28 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
 
 
-def _mxfp4_score_bits(layer, batch, q, w, num_sms=None, config=None, dtype=torch.bfloat16) -> torch.Tensor:
-    """The scores kernel's BF16 scores (as int16 bits; unwritten elements stay NaN) of MXFP4 queries ``q`` with head
-    weights ``w`` over ``layer``'s pool (block size 256), called directly with ``num_sms`` / ``config``; with
-    ``dtype`` float32 the FP32 scores themselves."""
-    from dsv4.kernels.indexer import FMT_MXFP4, index_scores
+def _mxfp4_plan(batch, heads: int, *, sm90: bool | None = None, **fields) -> ScoresPlan:
+    """The scores plan of MXFP4 keys in pages of 64 entries (block size 256) for ``batch`` on the GPU (``sm90``:
+    the Gluon kernel where it applies; default: where the device runs it), with ``fields`` replaced."""
+    dev = torch.device("cuda")
+    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
+    plan = plan_scores(key_format="mxfp4", heads=heads, requests=batch.num_requests, max_new=batch.max_new,
+                       entries=n_max, ratio=M, block_size=256, entries_per_page=64, sm_count=device.sm_count(dev),
+                       sm90=device.is_sm90(dev) if sm90 is None else sm90)
+    return dataclasses.replace(plan, **fields)
 
+
+def _mxfp4_score_bits(layer, batch, q, w, plan: ScoresPlan, dtype=torch.bfloat16) -> torch.Tensor:
+    """The scores kernel's BF16 scores (as int16 bits; unwritten elements stay NaN) of MXFP4 queries ``q`` with head
+    weights ``w`` over ``layer``'s pool (block size 256), launched by ``plan`` (``_mxfp4_plan``); with ``dtype``
+    float32 the FP32 scores themselves."""
     qq = ti.queries_from_float(q, "mxfp4")
     wq = torch.zeros_like(qq.scale)
     wq[:, : w.shape[1]] = w
     wq *= qq.scale
-    n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
-    out = torch.full((batch.num_tokens, n_max), float("nan"), dtype=dtype, device="cuda")
+    out = torch.full((batch.num_tokens, plan.entries), float("nan"), dtype=dtype, device="cuda")
     index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, batch.visible_entries[M], qq.q, wq, out,
-                 fmt=FMT_MXFP4, m=M, block_size=256, entries_per_page=64, num_requests=batch.num_requests,
-                 max_new=batch.max_new, max_entries=n_max, num_sms=num_sms, config=config)
+                 plan)
     return out.view(torch.int16) if dtype == torch.bfloat16 else out
 
 
@@ -339,38 +368,39 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
     """Decode steps whose key tiles lie in one page each (``PAGE_VECTOR``: block-table entries held in registers,
     MXFP4 scales a tile ahead, tiles copied two ahead); MXFP4 keys with block exponents up to 10 binades apart.
     Scores and top-k vs the reference; then, one program per request (tiles cross pages within a program), the PTX
-    conversion and its integer twin, and the per-row block-table gather, all bitwise equal."""
-    from dsv4.kernels import indexer as kidx
-
+    conversion and its integer twin, and the per-row block-table gather, all bitwise equal (the Triton kernel: the
+    step's own plan runs the Gluon one on Hopper)."""
     cfg, cache, layer, batch = _scenario("cuda", fmt, heads=64, k=512, steps=DECODE_STEPS, block_size=256,
                                          block_spread=5 if fmt == "mxfp4" else 0)
-    assert kidx.pick_scores_config(kidx.FMT_MXFP4, 64, batch.max_new)["BLOCK_N"] == 64
     q, w = _queries(cfg, fmt, batch.num_tokens, "cuda")
     nm = _numerics(fmt)
+    plan = _step_plan(layer, batch, 512, nm.score_dtype, 64, triton_scores=True)
+    assert plan.scores.kernel == "triton" and plan.scores.block_n == 64 and plan.scores.page_vector
     ti.score_buffer(layer, batch, M, nm.score_dtype).fill_(float("nan"))
-    got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype)
+    got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype, plan=plan)
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)
     if fmt != "mxfp4":
         return
-    # one program per request (num_sms=1): its tiles cross pages; vs the per-row block-table gather, bitwise
-    outs = [_mxfp4_score_bits(layer, batch, q, w, num_sms=sms, config=cfg_over)
-            for sms, cfg_over in ((1, {"USE_ASM": True, "PROGRAMS_PER_SM": 1}),
-                                  (1, {"USE_ASM": False, "PROGRAMS_PER_SM": 1}),
-                                  (None, {"USE_ASM": True, "PAGE_VECTOR": False}))]
+    # one program per request: its tiles cross pages; the integer twin; the per-row block-table gather — bitwise
+    triton = _mxfp4_plan(batch, 64, sm90=False)
+    one = dataclasses.replace(triton, tiles_per_split=triton.tiles)
+    assert one.splits == 1 and triton.splits > 1
+    outs = [_mxfp4_score_bits(layer, batch, q, w, p)
+            for p in (one, dataclasses.replace(one, inline_ptx=False), dataclasses.replace(triton, page_vector=False))]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def _recorded_gluon_launches(monkeypatch) -> list[dict]:
-    """Skip without an sm_90 device; else record the keyword arguments of every ``indexer_sm90.launch`` (the list
-    returned, filled as the test runs)."""
-    from dsv4.kernels import indexer_sm90
+def _recorded_gluon_launches(monkeypatch) -> list[ScoresPlan]:
+    """Skip without an sm_90 device; else record the plan of every ``scores_sm90.launch`` (the list returned, filled
+    as the test runs)."""
+    from dsv4.kernels.indexer import scores_sm90
 
-    if not indexer_sm90.available(torch.device("cuda")):
+    if not device.is_sm90(torch.device("cuda")):
         pytest.skip("the Gluon kernel needs an sm_90 device")
     calls = []
-    launch = indexer_sm90.launch
-    monkeypatch.setattr(indexer_sm90, "launch", lambda *a, **kw: (calls.append(kw), launch(*a, **kw)))
+    launch = scores_sm90.launch
+    monkeypatch.setattr(scores_sm90, "launch", lambda *a: (calls.append(a[-1]), launch(*a)))
     return calls
 
 
@@ -383,12 +413,10 @@ GLUON_STEPS = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,k,spread", [(64, 512, 5), (64, 512, 0), (4, 8, 5)])
 def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -> None:
-    """The Gluon scores kernel (``indexer_sm90``: single-token decode over MXFP4 keys) against the reference:
+    """The Gluon scores kernel (``scores_sm90``: single-token decode over MXFP4 keys) against the reference:
     requests of 1 to 750 keys (partial tiles, tiles over several pages, odd and even tile counts per program),
     keys whose block exponents differ by up to 10 binades, 64 and 4 heads; the poisoned buffer must be written
     wherever a key is visible. Then with one program per request, and the Triton kernel on the same step."""
-    from dsv4.kernels import indexer as kidx
-
     calls = _recorded_gluon_launches(monkeypatch)
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=heads, k=k, steps=GLUON_STEPS, block_size=256,
                                          block_spread=spread, seed=spread)
@@ -402,31 +430,29 @@ def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     # tiles per program 12, 6, 4, 3 (odd and even counts through the two-tile loop): the same bits
     ref_bits = buf.view(torch.int16).clone()
-    for sms in (1, 12, 18, 30):
-        bits = _mxfp4_score_bits(layer, batch, q, w, num_sms=sms,
-                                 config={"PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1})
+    gluon = _mxfp4_plan(batch, heads)
+    assert gluon.kernel == "sm90" and gluon.tiles == 12
+    for per_split in (12, 6, 4, 3):
+        bits = _mxfp4_score_bits(layer, batch, q, w, dataclasses.replace(gluon, tiles_per_split=per_split))
         live = ~torch.isnan(bits.view(torch.bfloat16))
         visible = torch.arange(bits.shape[1], device="cuda")[None, :] < batch.visible_entries[M][:, None]
-        assert torch.equal(live, visible), sms  # every visible score written, nothing else
-        assert torch.equal(bits[live], ref_bits[:, : bits.shape[1]][live]), sms
+        assert torch.equal(live, visible), per_split  # every visible score written, nothing else
+        assert torch.equal(bits[live], ref_bits[:, : bits.shape[1]][live]), per_split
     # without the register cap (ptxas's own allocation): the same bits
-    bits = _mxfp4_score_bits(layer, batch, q, w, num_sms=12,
-                             config={"maxnreg": 0, "PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1})
+    bits = _mxfp4_score_bits(layer, batch, q, w, dataclasses.replace(gluon, tiles_per_split=6, max_registers=0))
     live = ~torch.isnan(bits.view(torch.bfloat16))
     assert torch.equal(bits[live], ref_bits[:, : bits.shape[1]][live])
     # FP32 scores: written at the same places, each the sum that rounds to the BF16 score
-    f32 = _mxfp4_score_bits(layer, batch, q, w, num_sms=12, config={"PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1},
-                            dtype=torch.float32)
+    f32 = _mxfp4_score_bits(layer, batch, q, w, dataclasses.replace(gluon, tiles_per_split=6), dtype=torch.float32)
     live = ~torch.isnan(f32)
     assert torch.equal(live, visible)
     assert torch.equal(f32[live].to(torch.bfloat16).view(torch.int16), ref_bits[:, : f32.shape[1]][live])
     # the Triton kernel on the same step
-    pick = kidx.pick_scores_config
-    monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "GLUON": False})
     buf.fill_(float("nan"))
-    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    plan = _step_plan(layer, batch, k, nm.score_dtype, heads, triton_scores=True)
+    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype, plan=plan)
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
-    assert len(calls) == 7  # the default launch, four splits, one uncapped, FP32; GLUON=False took the Triton kernel
+    assert len(calls) == 7  # the default launch, four splits, one uncapped, FP32; the Triton plan took no Gluon
 
 
 CHUNK_STEPS = [
@@ -445,8 +471,6 @@ def test_gpu_scores_gluon_chunks(heads: int, k: int, spread: int, monkeypatch) -
     order agrees, else within one BF16 step: a warning says which); then the Triton kernel on the same step."""
     import warnings
 
-    from dsv4.kernels import indexer as kidx
-
     calls = _recorded_gluon_launches(monkeypatch)
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=heads, k=k, steps=CHUNK_STEPS, block_size=256,
                                          block_spread=spread, seed=spread + 1)
@@ -456,13 +480,15 @@ def test_gpu_scores_gluon_chunks(heads: int, k: int, spread: int, monkeypatch) -
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     buf.fill_(float("nan"))
     got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
-    assert [c["queries"] for c in calls] == [4]
+    assert [c.queries_per_program for c in calls] == [4]
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     ref = buf.clone()
     visible = torch.arange(buf.shape[1], device="cuda")[None, :] < batch.visible_entries[M][:, None]
-    for sms, over in ((None, {"GLUON_QT": 1}), (None, {"GLUON_QT": 2}),
-                      (1, {"PROGRAMS_PER_SM": 1, "MIN_TILES_PER_PROGRAM": 1})):
-        got_bf16 = _mxfp4_score_bits(layer, batch, q, w, num_sms=sms, config=over).view(torch.bfloat16)
+    gluon = _mxfp4_plan(batch, heads)
+    for over in (dict(queries_per_program=1, max_registers=sm90_register_cap(1)),
+                 dict(queries_per_program=2, max_registers=sm90_register_cap(2)),
+                 dict(tiles_per_split=gluon.tiles)):  # one program per request and query group
+        got_bf16 = _mxfp4_score_bits(layer, batch, q, w, dataclasses.replace(gluon, **over)).view(torch.bfloat16)
         live = ~torch.isnan(got_bf16)
         assert torch.equal(live, visible[:, : live.shape[1]]), over  # every visible score written, nothing else
         a, b = got_bf16[live].double(), ref[:, : live.shape[1]][live].double()
@@ -470,24 +496,24 @@ def test_gpu_scores_gluon_chunks(heads: int, k: int, spread: int, monkeypatch) -
             warnings.warn(f"Gluon scores {over} differ from QT=4 by reduction order: max "
                           f"{((a - b).abs() / _ulp(b, torch.bfloat16)).max().item():.2f} BF16 steps")
             assert ((a - b).abs() <= _ulp(b, torch.bfloat16) * 1.0001).all(), over
-    assert [c["queries"] for c in calls] == [4, 1, 2, 4]
+    assert [c.queries_per_program for c in calls] == [4, 1, 2, 4]
     # the Triton kernel on the same step
-    pick = kidx.pick_scores_config
-    monkeypatch.setattr(kidx, "pick_scores_config", lambda *a: {**pick(*a), "GLUON": False})
     buf.fill_(float("nan"))
-    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    plan = _step_plan(layer, batch, k, nm.score_dtype, heads, triton_scores=True)
+    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype, plan=plan)
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     assert len(calls) == 4
 
 
 @pytest.mark.gpu
 def test_gpu_scores_exact_per_block_vs_asm() -> None:
-    """The inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores (bitwise), on keys
-    whose block exponents differ by up to 10 binades (every table shift)."""
+    """The Triton kernel's inline-PTX E2M1→E4M3 conversion and its plain-integer twin give identical scores
+    (bitwise), on keys whose block exponents differ by up to 10 binades (every table shift)."""
     cfg, cache, layer, batch = _scenario("cuda", "mxfp4", heads=64, k=512, steps=FLASH_STEPS, block_size=256,
                                          block_spread=5)
     q, w = _queries(cfg, "mxfp4", batch.num_tokens, "cuda")
-    outs = [_mxfp4_score_bits(layer, batch, q, w, config={"USE_ASM": use_asm}) for use_asm in (True, False)]
+    plan = _mxfp4_plan(batch, 64, sm90=False)
+    outs = [_mxfp4_score_bits(layer, batch, q, w, dataclasses.replace(plan, inline_ptx=ptx)) for ptx in (True, False)]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -524,7 +550,7 @@ def test_interpreter_mxfp4_queries() -> None:
     """The fused query kernel (interpreter) equals RoPE → Hadamard → MXFP4 QDQ of the reference (bitwise values)."""
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
-    from dsv4.kernels.indexer import mxfp4_queries
+    from dsv4.kernels.indexer.queries import mxfp4_queries
     from dsv4.reference.rope import apply_rope, rope_inv_freq
 
     g = torch.Generator().manual_seed(4)
@@ -540,57 +566,62 @@ def test_interpreter_mxfp4_queries() -> None:
 
 @pytest.mark.gpu
 def test_gpu_topk_default_decode_16k() -> None:
-    """Decode rows of 16,384 BF16 columns (64K context): on Hopper the default is the Gluon "bisect" (no scratch),
-    elsewhere "filter4" (its scratch); either way torch.topk's selection up to ties."""
-    from dsv4.kernels import topk as tk
-    from dsv4.kernels import topk_sm90
-
+    """Decode rows of 16,384 BF16 columns (64K context): on Hopper the plan is the Gluon "bisect" (no scratch),
+    elsewhere "filter" (its scratch); either way torch.topk's selection up to ties."""
     g = torch.Generator(device="cuda").manual_seed(16)
     T, n = 64, 16384
     s = torch.randn(T, n, generator=g, device="cuda").bfloat16()
     s[2, : n // 2] = 0.5  # ties across the row
     counts = torch.randint(1, n + 1, (T,), generator=g, device="cuda")
     counts[0], counts[1] = n, 300
-    gluon = tk.bisect_runs_gluon(s)
-    assert gluon == topk_sm90.available(s.device)
-    shapes = tk.scratch_shapes(T, n, s.dtype, tk.sm_count(s), gluon)
-    assert (shapes == {}) == gluon
-    scratch = {name: torch.zeros(shape, dtype=torch.int32, device="cuda") for name, (shape, _) in shapes.items()}
-    _check_topk(s, counts, 512, tk.radix_topk(s, counts, 512, **scratch))
+    facts = _device_facts()
+    if facts["sm_count"] < T:
+        pytest.skip(f"{T} decode rows need at least {T} SMs")
+    plan = plan_topk(T, n, 512, s.dtype, **facts)
+    assert plan.gluon == device.is_sm90(s.device)
+    assert plan.algorithm == ("bisect" if plan.gluon else "filter") and (plan.scratch() == {}) == plan.gluon
+    scratch = {name: torch.zeros(shape, dtype=torch.int32, device="cuda")
+               for name, (shape, _) in plan.scratch().items()}
+    _check_topk(s, counts, 512, radix_topk(s, counts, plan, **scratch))
+
+
+#: the top-k launches the GPU tests run: (label, algorithm asked, Gluon "bisect" allowed)
+TOPK_LAUNCHES = [("split", "split", False), ("filter", "filter", False), ("bisect", "bisect", True),
+                 ("bisect_triton", "bisect", False)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("label,algorithm,gluon", TOPK_LAUNCHES)
 @pytest.mark.parametrize("n", [2048, 32768, 262144])
-def test_gpu_radix_topk_large(n: int, variant: str) -> None:
+def test_gpu_radix_topk_large(n: int, label: str, algorithm: str, gluon: bool) -> None:
     g = torch.Generator(device="cuda").manual_seed(n)
     T = 10
+    facts = _device_facts()
+    sm90 = facts.pop("sm90") and gluon
     for dt in (torch.bfloat16, torch.float32):
         s = torch.randn(T, n, generator=g, device="cuda").to(dt)
         s[0, : n // 2] = 1.0
         s[8] = 0.25  # all equal
         s[9, :] = s[9, :1024].repeat(n // 1024)  # every value repeated: ties spread over all programs
         counts = torch.tensor([n, n - 1, n // 3, 7, 0, 512, 513, n, n, n], device="cuda")
-        scratch = {}
-        if VARIANTS[variant]["algorithm"] == "filter":  # reused: the header must be left zero by every call
-            scratch = dict(header=torch.zeros(filter_header_shape(T), dtype=torch.int32, device="cuda"),
-                           candidates=torch.full((T * n,), 99, dtype=torch.int32, device="cuda"))
+        plan = plan_topk(T, n, 512, dt, sm90=sm90, algorithm=algorithm, **facts)
+        # reused: the header must be left zero by every call
+        scratch = {name: torch.full(shape, 0 if zero else 99, dtype=torch.int32, device="cuda")
+                   for name, (shape, zero) in plan.scratch().items()}
         for _ in range(3):  # the atomics' order varies between runs; each run must be right
             out = torch.full((T, 512), -7, dtype=torch.int64, device="cuda")
-            _check_topk(s, counts, 512, radix_topk(s, counts, 512, out=out, **VARIANTS[variant], **scratch))
-            assert not scratch or not scratch["header"].any()
+            _check_topk(s, counts, 512, radix_topk(s, counts, plan, out=out, **scratch))
+            assert "header" not in scratch or not scratch["header"].any()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1024, 2048, 8192, 16384, 32768])
+@pytest.mark.parametrize("n", [1024, 2048, 8192, 16384])
 def test_gpu_bisect_gluon_same_bits_as_triton(n: int) -> None:
-    """The Gluon "bisect" kernel (``topk_sm90``, Hopper) against the Triton one on the same rows: the same slots —
-    both scan in column order — on rows with ties at the threshold, all equal, ≤ k / k + 1 candidates, counts not
-    a multiple of 8 (a partly read vector), a huge spread of values, −inf / +inf, and scores with the NaN bits
+    """The Gluon "bisect" kernel (``topk_bisect_sm90``, Hopper) against the Triton one on the same rows: the same
+    slots — both scan in column order — on rows with ties at the threshold, all equal, ≤ k / k + 1 candidates, counts
+    not a multiple of 8 (a partly read vector), a huge spread of values, −inf / +inf, and scores with the NaN bits
     0xFFFF (key 0, like the columns past a row's count) needed to fill the selection."""
-    from dsv4.kernels import topk_sm90
-
-    if not topk_sm90.available(torch.device("cuda")):
+    if not device.is_sm90(torch.device("cuda")):
         pytest.skip("needs sm_90 and Gluon")
     g = torch.Generator(device="cuda").manual_seed(n)
     T = 12
@@ -605,9 +636,9 @@ def test_gpu_bisect_gluon_same_bits_as_triton(n: int) -> None:
     counts = torch.tensor([n, n - 1, n - 5, n // 3 + 3, n, 512, 513, 7, 0, n - 8, n // 2 + 1, 1000],
                           device="cuda").clamp(max=n)
     outs = []
-    for use_gluon in (True, False):
+    for gluon in (True, False):
         out = torch.full((T, 512), -7, dtype=torch.int64, device="cuda")
-        outs.append(radix_topk(s, counts, 512, out=out, algorithm="bisect", gluon=use_gluon))
+        outs.append(radix_topk(s, counts, bisect_plan(T, n, 512, 16, gluon=gluon, interpreted=False), out=out))
     finite = torch.arange(T, device="cuda") != 11  # torch.topk orders NaN first: row 11 checked by hand
     _check_topk(s[finite], counts[finite], 512, outs[0][finite])
     nan_row = outs[0][11].cpu()
@@ -617,18 +648,19 @@ def test_gpu_bisect_gluon_same_bits_as_triton(n: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpu_indexer_topk_variants(variant: str, monkeypatch) -> None:
-    """The indexer's top-k through each variant (Flash shapes, MXFP4 and exact FP32 scores)."""
-    monkeypatch.setattr(topk_mod, "DEFAULT_VARIANT", variant)
+@pytest.mark.parametrize("label", [t[0] for t in TOPK_LAUNCHES])
+def test_gpu_indexer_topk_variants(label: str) -> None:
+    """The indexer's top-k through each algorithm (Flash shapes, MXFP4 and exact FP32 scores; "filter" falls back to
+    "split" on the prefill step's rows)."""
     for fmt in ("mxfp4", "fp32"):
         cfg, cache, layer, batch = _scenario("cuda", fmt, heads=64, k=512, steps=FLASH_STEPS, block_size=256, seed=7)
         q, w = _queries(cfg, fmt, batch.num_tokens, "cuda", seed=8)
         nm = _numerics(fmt)
+        plan = _step_plan(layer, batch, 512, nm.score_dtype, 64, topk=label)
         n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
         layer.workspace.get("indexer_topk.workspace", (4096,), torch.int32).fill_(999)  # garbage from an earlier step
         for _ in range(2):  # the second call reuses the workspace the first one left (filter: a zero header)
-            got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype)
+            got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype, plan=plan)
             buf = ti.score_buffer(layer, batch, M, nm.score_dtype)  # the matrix indexer_topk wrote
             assert buf.shape[1] >= n_max
             _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)

@@ -1,8 +1,8 @@
 """The indexer's inline PTX, executed on the CPU by a small interpreter of the instructions it uses.
 
-``dsv4.kernels.ptx.UNPACK_KEYS`` (the PTX of ``dsv4.kernels.indexer._unpack_keys_asm``) turns four packed E2M1
-bytes into eight E4M3 bytes on the GPU; the Triton interpreter cannot run PTX, so the CPU tests of the scores kernel
-take its plain-integer twin. Here the PTX text itself runs, instruction by instruction (no triton needed), on every
+``dsv4.kernels.ptx.UNPACK_KEYS`` (the PTX of ``dsv4.kernels.indexer.fp8_operands.unpack_keys_asm``) turns four
+packed E2M1 bytes into eight E4M3 bytes on the GPU; the Triton interpreter cannot run PTX, so the CPU tests of the
+scores kernel take its plain-integer twin. Here the PTX text itself runs, instruction by instruction (no triton needed), on every
 byte value and every block shift, against E4M3 bytes formed by torch's own float8 cast of the exact values
 ``±e2m1 · 2**(d − 5)``.
 """

@@ -86,32 +86,34 @@ KERNELS = {
         "emit_req_ptr": "*i32", "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "eps": "fp32", "kv_ptr": "*bf16",
         "pos_ptr": "*i64", "kv_out_ptr": "*bf16"},
         dict(BT=4, num_warps=1, enable_fp_fusion=False), {"mpage_bytes", "xpage_bytes"}),
-    "scores": ("dsv4.kernels.indexer:_scores_kernel", {
+    "scores": ("dsv4.kernels.indexer.scores:_scores_kernel", {
         "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",
         "out_ptr": "*bf16"},
         dict(M_RATIO=4, BLOCK_SIZE=256, ENTRIES=64, HP=64, QT=1, BLOCK_N=64, FORMAT=0, USE_ASM=True, NUM_STAGES=3,
              PAGE_VECTOR=True, MAX_TPS=32, HOST_BOUND=False, TPS_HINT=0, num_warps=4),
         {"bt_stride", "out_stride", "PAGE_BYTES"}),
-    "scores_sm90": ("dsv4.kernels.indexer_sm90:_scores_sm90_kernel", {
+    "scores_sm90": ("dsv4.kernels.indexer.scores_sm90:_scores_sm90_kernel", {
         "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",
         "out_ptr": "*bf16"},
         dict(ENTRIES=64, HP=64, QT=1, num_warps=4, maxnreg=128), {"bt_stride", "out_stride", "PAGE_BYTES"}),
-    "topk_hist": ("dsv4.kernels.topk:_split_hist_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "ws_ptr": "*i32"},
+    "topk_hist": ("dsv4.kernels.indexer.topk_split:_split_hist_kernel",
+        {"s_ptr": "*i16", "n_ptr": "*i64", "ws_ptr": "*i32"},
         dict(K=512, KEY_BITS=16, RADIX=8, PASS=1, BLOCK=1024, HOST_BOUND=False, CHUNK_HINT=0, num_warps=4),
         {"s_stride", "ws_stride", "chunk"}),
-    "topk_select": ("dsv4.kernels.topk:_split_select_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "ws_ptr": "*i32",
-                                                               "out_ptr": "*i64"},
+    "topk_select": ("dsv4.kernels.indexer.topk_split:_split_select_kernel",
+        {"s_ptr": "*i16", "n_ptr": "*i64", "ws_ptr": "*i32", "out_ptr": "*i64"},
         dict(K=512, KEY_BITS=16, RADIX=8, BLOCK=1024, FILL=512, HOST_BOUND=False, CHUNK_HINT=0, num_warps=4),
         {"s_stride", "ws_stride", "out_stride", "chunk"}),
-    "topk_filter": ("dsv4.kernels.topk:_filter_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "hdr_ptr": "*i32",
-                                                              "cand_ptr": "*i32", "out_ptr": "*i64"},
+    "topk_filter": ("dsv4.kernels.indexer.topk_filter:_filter_topk_kernel",
+        {"s_ptr": "*i16", "n_ptr": "*i64", "hdr_ptr": "*i32", "cand_ptr": "*i32", "out_ptr": "*i64"},
         dict(K=512, KEY_BITS=16, RADIX=4, BLOCK=16384, C=64, CBLOCK=8192, CC=64, FILL=512, SPLIT=True, PTX=True,
              HOST_BOUND=False, CHUNK_HINT=0, num_warps=16),
         {"s_stride", "hdr_stride", "cand_stride", "out_stride", "chunk"}),
-    "topk_bisect": ("dsv4.kernels.topk:_bisect_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},
+    "topk_bisect": ("dsv4.kernels.indexer.topk_bisect:_bisect_topk_kernel",
+        {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},
         dict(K=512, KEY_BITS=16, BLOCK=32768, C=64, FILL=512, PTX=True, num_warps=16), {"s_stride", "out_stride"}),
-    "topk_bisect_sm90": ("dsv4.kernels.topk_sm90:_bisect_topk_sm90_kernel", {"s_ptr": "*i16", "n_ptr": "*i64",
-                                                                             "out_ptr": "*i64"},
+    "topk_bisect_sm90": ("dsv4.kernels.indexer.topk_bisect_sm90:_bisect_topk_sm90_kernel",
+        {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},
         dict(K=512, BLOCK=32768, C=64, FILL=512, NW=16, num_warps=16), {"s_stride", "out_stride"}),
     "rms_norm_512": ("dsv4.kernels.project.rms_norm:_rms_norm_512_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32",
                                                                     "out_ptr": "*bf16", "eps": "fp32"},
@@ -131,12 +133,9 @@ KERNELS = {
         "start_pos_ptr": "*i64", "token_slots_ptr": "*i64", "out_ptr": "*bf16"},
         dict(WINDOW=128, RATIO=4, BLOCK_SIZE=256, PAGE_ENTRIES=64, ROWS=16, num_warps=4),
         {"stride_ring", "stride_page", "stride_bt", "stride_ob"}),
-    "mxfp4_queries": ("dsv4.kernels.indexer:_mxfp4_queries_kernel", {
+    "mxfp4_queries": ("dsv4.kernels.indexer.queries:_mxfp4_queries_kernel", {
         "q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q8_ptr": "*u8", "qs_ptr": "*fp32"},
         dict(HB=16, ROUND_BF16=True, num_warps=4, enable_fp_fusion=False), {"q_stride"}),
-    "topk_row": ("dsv4.kernels.topk:_radix_topk_kernel", {"s_ptr": "*i16", "n_ptr": "*i64", "out_ptr": "*i64"},
-        dict(K=512, KEY_BITS=16, BLOCK=4096, FILL=512, HOST_BOUND=False, N_HINT=0, num_warps=16),
-        {"s_stride", "out_stride"}),
 }
 
 

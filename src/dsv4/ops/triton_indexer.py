@@ -1,11 +1,10 @@
 """Triton glue of the lightning indexer: ``indexer_queries`` and ``indexer_topk`` (see ``dsv4.ops.torch_ops``).
 
 ``indexer_queries`` returns an ``IndexerQueries`` (only this module's ``indexer_topk`` consumes it): the query
-operand of the scores kernel plus one fp32 scale per (token, head). ``indexer_topk`` runs the scores kernel
-(``dsv4.kernels.indexer``) into the workspace buffer ``"indexer_scores"``, then the top-k (``dsv4.kernels.topk``,
-its default variant for the step's rows: ``"filter4"`` for decode steps, with the zero-kept header
-``"indexer_topk.header"`` and the scratch ``"indexer_topk.candidates"``; ``"split8"`` for prefill, scratch
-``"indexer_topk.workspace"``), and returns a fixed-width ``[T, k]`` (−1 padded), which keeps the step graph-safe.
+operand of the scores kernel plus one fp32 scale per (token, head). ``indexer_topk`` runs the launches of the step's
+``IndexerPlan`` (``dsv4.kernels.indexer.plan``; built here from the batch when none is given, ``indexer_plan``): the
+scores kernel into the workspace buffer ``"indexer_scores"``, then the top-k with its scratch in the workspace
+buffers ``"indexer_topk.<name>"``, and returns a fixed-width ``[T, k]`` (−1 padded), which keeps the step graph-safe.
 
 Key formats: ``mxfp4`` (official, 68 B), ``fp8`` (vLLM 132 B) and ``fp32`` (exact) run on the kernels. ``nvfp4``
 (the prototype's format) falls back to the torch backend's scores (then the same radix top-k): not graph-safe.
@@ -22,8 +21,12 @@ from .. import formats
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
 from ..config import ModelConfig
-from ..kernels.indexer import FMT_FP8, FMT_FP32, FMT_MXFP4, index_scores, mxfp4_queries
-from ..kernels import topk
+from ..kernels import device
+from ..kernels.indexer.plan import IndexerPlan, head_pad, plan_indexer
+from ..kernels.indexer.queries import mxfp4_queries
+from ..kernels.indexer.scores import index_scores
+from ..kernels.indexer.topk import radix_topk
+from ..kernels.indexer.topk_plan import TopkPlan
 from ..numerics import Numerics
 from ..reference.indexer import index_scores as _reference_scores
 from ..reference.primitives import linear
@@ -31,10 +34,8 @@ from ..reference.rope import apply_rope
 from ..weights import IndexerWeights
 from . import torch_ops
 
-__all__ = ["IndexerQueries", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad", "score_buffer",
-           "mxfp4_operand_channels"]
-
-_FORMATS = {"mxfp4": FMT_MXFP4, "fp8": FMT_FP8, "fp32": FMT_FP32}
+__all__ = ["IndexerQueries", "indexer_plan", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad",
+           "score_buffer", "mxfp4_operand_channels"]
 
 
 @dataclass
@@ -60,11 +61,6 @@ class IndexerQueries:
     @property
     def num_tokens(self) -> int:
         return self.q.shape[0]
-
-
-def head_pad(num_heads: int) -> int:
-    """MMA width of the heads: the next power of two, at least 16."""
-    return max(16, 1 << (max(num_heads, 1) - 1).bit_length())
 
 
 def mxfp4_operand_channels(device: torch.device | str | None = None) -> Tensor:
@@ -147,9 +143,23 @@ def score_buffer(layer: LayerCache, batch: StepBatch, m: int, score_dtype: torch
     return layer.workspace.get("indexer_scores", (batch.num_tokens, max(batch.addressable_entries(m), 1)), score_dtype)
 
 
+def indexer_plan(layer: LayerCache, batch: StepBatch, m: int, k: int, heads: int, score_dtype: torch.dtype
+                 ) -> IndexerPlan:
+    """The indexer's launches for ``batch`` on ``layer`` (``plan_indexer`` from the batch's shapes, the layer's key
+    format and pool geometry, and the facts of the pool's device)."""
+    storage = layer.schema.index_storage
+    dev = layer.index_pages.device
+    return plan_indexer(
+        tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
+        entries=batch.addressable_entries(m), k=k, heads=heads,
+        key_format=storage.name if storage.dim == device.INDEXER_KEY_DIM else None, score_dtype=score_dtype, ratio=m,
+        block_size=batch.block_size, entries_per_page=layer.schema.entries_per_block,
+        sm_count=device.sm_count(dev), sm90=device.is_sm90(dev), interpreted=device.interpreting())
+
+
 def indexer_topk(
     layer: LayerCache, batch: StepBatch, m: int, q_idx: IndexerQueries | Tensor, head_weights: Tensor, k: int,
-    score_dtype: torch.dtype,
+    score_dtype: torch.dtype, *, plan: IndexerPlan | None = None,
 ) -> Tensor:
     """Index scores over each request's keys in the paged pool, then causal top-k (SPEC §5–6).
 
@@ -157,36 +167,39 @@ def indexer_topk(
         q_idx: this module's ``IndexerQueries`` (a float ``[T, H_I, c_I]`` tensor on the format's grid is converted).
         head_weights: float32 ``[T, H_I]``.
         k: ``index_topk``; score_dtype: BF16 (official) or FP32.
+        plan: the step's indexer plan (``indexer_plan``); built here from the batch when omitted.
     Returns:
         int64 ``[T, k]`` entry indices of each token's request, −1 padded (fixed width: graph-safe).
+    Raises:
+        ValueError: a plan made for another k or key format (``index_scores``: for another head count).
     """
     storage = layer.schema.index_storage
     if isinstance(q_idx, Tensor):
         q_idx = queries_from_float(q_idx, storage.name)
-    n_max = batch.addressable_entries(m)
+    if plan is None:
+        plan = indexer_plan(layer, batch, m, k, q_idx.num_heads, score_dtype)
+    if plan.topk.k != k or (plan.scores is None) != (q_idx.values is not None) or (
+            plan.scores is not None and plan.scores.key_format != q_idx.fmt):
+        raise ValueError(f"indexer_topk: the plan (k={plan.topk.k}, scores "
+                         f"{plan.scores.key_format if plan.scores else 'by torch'}) does not fit this call (k={k}, "
+                         f"{q_idx.fmt} queries)")
     visible = batch.visible_entries[m]
     scores = score_buffer(layer, batch, m, score_dtype)
-    if storage.name in _FORMATS and storage.dim == 128:
+    if plan.scores is not None:
         w = torch.zeros_like(q_idx.scale)
         w[:, : q_idx.num_heads] = head_weights.float()
         w.mul_(q_idx.scale)
-        index_scores(
-            layer.index_pages, batch.block_tables, batch.cu_seqlens, visible, q_idx.q, w, scores,
-            fmt=_FORMATS[storage.name], m=m, block_size=batch.block_size,
-            entries_per_page=layer.schema.entries_per_block, num_requests=batch.num_requests,
-            max_new=batch.max_new, max_entries=n_max,
-        )
+        index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, visible, q_idx.q, w, scores,
+                     plan.scores)
     else:  # nvfp4: the torch backend's scores (host loop), then the same top-k
         values = q_idx.values
         for rows, keys in torch_ops.request_index_keys(layer, batch, m):
             scores[rows, : keys.shape[0]] = _reference_scores(values[rows], head_weights[rows], keys, score_dtype)
-    return topk.radix_topk(scores, visible, k, **topk_scratch(layer, scores))
+    return radix_topk(scores, visible, plan.topk, **topk_scratch(layer, plan.topk))
 
 
-def topk_scratch(layer: LayerCache, scores: Tensor) -> dict[str, Tensor]:
-    """The workspace buffers ``"indexer_topk.<name>"`` of the default top-k for this score matrix, as keyword
-    arguments of ``radix_topk`` (``topk.scratch_shapes``)."""
-    shapes = topk.scratch_shapes(scores.shape[0], scores.shape[1], scores.dtype, topk.sm_count(scores),
-                                 topk.bisect_runs_gluon(scores))
+def topk_scratch(layer: LayerCache, plan: TopkPlan) -> dict[str, Tensor]:
+    """The workspace buffers ``"indexer_topk.<name>"`` of the top-k's ``plan`` (``TopkPlan.scratch``), as keyword
+    arguments of ``radix_topk``."""
     return {name: layer.workspace.get(f"indexer_topk.{name}", shape, torch.int32, zero=zero_kept)
-            for name, (shape, zero_kept) in shapes.items()}
+            for name, (shape, zero_kept) in plan.scratch().items()}

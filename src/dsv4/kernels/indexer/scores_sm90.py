@@ -1,141 +1,57 @@
 """Index scores over paged MXFP4 keys, written in Gluon for Hopper (sm_90): decode steps and prefill chunks.
 
-Same semantics and arguments as ``indexer._scores_kernel`` for MXFP4 keys in pages holding a multiple of 64 entries
-(block size 256 with ratio 4) — read its docstring for the
-numerics (E2M1 → E4M3 exactly in registers, each block's power-of-two scale folded into its bytes relative to the
-key's largest block, the key scale applied after the head sum). What differs is the data path. The Triton kernel
-stages each tile's packed codes in shared memory (a barrier per tile), exchanges the per-block lookup tables
-through shared memory (another), moves the scores through shared memory to store them (two more) and waits for
-every MMA right after issuing it. Here nothing passes through shared memory but the query operand, loaded once:
+Same semantics and arguments as ``scores._scores_kernel`` for MXFP4 keys in pages holding a multiple of 64 entries
+(block size 256 with ratio 4), and the same numerics (``fp8_operands``: E2M1 → E4M3 exactly in registers, each
+block's power-of-two scale folded into its bytes relative to the key's largest block, the key scale applied after
+the head sum). What differs is the data path: nothing passes through shared memory but the query operand, loaded
+once.
 
 * A thread's share of a key tile is exactly its registers of the FP8 ``wgmma`` A operand. Lane ``4g + j`` of warp
   ``w`` handles keys ``16w + g`` and ``16w + g + 8`` and, of each, packed bytes ``16j … 16j + 15`` — block ``j``,
-  one 16-byte load per key. The MMA's reduction order over channels is free, so its K index is defined to be where
-  the conversion leaves each channel (``κ = 32s + 16·half + 4j + r`` ↔ channel ``32j + 8s + 4·half + r``; the
-  query operand is laid out to match), and the converted bytes *are* the operand: no layout change.
+  one 16-byte load per key, both keys from one address. The MMA's reduction order over channels is free, so its K
+  index is defined to be where the conversion leaves each channel (``κ = 32s + 16·half + 4j + r`` ↔ channel
+  ``32j + 8s + 4·half + r``; the query operand is laid out to match), and the converted bytes *are* the operand: no
+  layout change.
 * Each thread needs one block's lookup tables per key (its own ``j``) and the key's largest block exponent, from
   the key's 4-byte scale word, loaded by the thread itself.
-* Software pipeline, all in registers, unrolled by two: tile ``i`` is converted and its MMA started
-  (asynchronous ``wgmma``); tile ``i + 2``'s codes are requested into the registers tile ``i``'s leave; while the
-  MMA runs, tile ``i − 1``'s head sum (relu as ``x + |x|`` on the FMA pipe, see ``indexer._head_sum``) reduces
-  within each quad of lanes and its scores are stored straight from the accumulator's layout. Codes are carried
-  as int32 words and converted operands used in the iteration that makes them: byte-typed tensors carried across
-  iterations are split into one register per byte (measured: ~110 extra ``prmt`` per tile).
+* Codes are carried as int32 words and each converted operand is used in the iteration that makes it: byte-typed
+  tensors carried across iterations would be split into one register per byte.
 
-Queries per program (``QT``, ``queries_per_program``). Single-token decode runs one query against 64 heads
-(``N = 64``) with the pipeline above (``_decode_tiles``). Multi-token steps — prefill chunks, 2-4-token decodes —
-score ``QT`` = 4 queries of a request per program (``N = 256`` for 64 heads; the key tile converted once for all
-four, the head sums per query from the accumulator's column groups, each query's scores stored below its own
-visible count): there one accumulator is live (two would not fit), each tile's MMA awaited before its head sum
-(``_chunk_tiles``), and two programs per SM (254 registers) overlap each other's MMA and head sums. H200, 4K-token
-chunk of one request: 585 µs at 32K context, 2,435 at 128K (the Triton kernel: 979 / 3,997; ``QT`` = 2 at 3
-programs per SM: 681 / 2,952), about 65% of the FP8 roofline.
+Queries per program (``QT``, ``scores_plan.sm90_queries_per_program``). Single-token decode runs one query against
+its heads (``N = HP``) in a software pipeline, all in registers, unrolled by two (``_decode_tiles``): tile ``i`` is
+converted and its MMA started (asynchronous ``wgmma``); tile ``i + 2``'s codes are requested into the registers tile
+``i``'s leave; while the MMA runs, tile ``i − 1``'s head sum (relu as ``x + |x|`` on the FMA pipe) reduces within
+each quad of lanes and its scores are stored straight from the accumulator's layout. Multi-token steps — prefill
+chunks, 2-4-token decodes — score ``QT`` queries of a request per program (``N = QT · HP``; the key tile converted
+once for all, the head sums per query from the accumulator's column groups, each query's scores stored below its own
+visible count): there one accumulator is live, each tile's MMA awaited before its head sum (``_chunk_tiles``), and
+two programs per SM overlap each other's MMA and head sums. The register cap per ``QT`` is the plan's
+(``scores_plan.sm90_register_cap``).
 
-Registers (decode): ptxas takes 136-162 per thread unasked (3 programs of 4 warps per SM); the launch caps them at
-``MAXNREG`` = 128 (4 programs per SM, 8 bytes of spills).
-
-Measured (Flash 64 heads, 128K decode, B=64): 64.4-64.6 µs on an H200 (52% of its copy bandwidth; B=128
-123.8-124.6, 1M B=8 64.2-64.8) since each thread's two keys are loaded and their scores stored from one address,
-unmasked (a split's pipeline requests past its end read its last tile again), with a 32-bit wide page multiply and
-the key scale by a max and a shift: the loop went from 520 to 459 instructions per two tiles; 67.9 / 131.4 / 68.4
-µs before, same run. Before that (2026-11-26), 67.3-67.4 µs on an H200, 68.6-68.9 on an H100 — with each tile's
-page looked up two tiles before its codes are requested; with the lookup right before the request, 70.2-70.7 /
-70.9-71.5 µs in the same runs. The Triton kernel takes 82-85 µs. The same time on both devices: the kernel is
-bound by instruction issue and latency, not bytes — probes (wrong scores, H200): every tile read from page 0
-(the compiler then saw one address and hoisted the code loads, and part of their conversion, out of the loop: no
-key bytes, no block tables) 53.7 µs; the key conversion replaced by two moves 57.8. The loop issued ~265
-instructions per tile and warp before the change above (conversion 72, head sum ~72, block tables ~36; now ~230);
-at 4 programs per SM about half the issue slots are used (ncu, H100, before the change: issue slots 53%; stall
-samples: issuing 20%, global-load waits 20%, not selected 13%, fixed-latency waits 12%). ptxas schedules the
-two-tile loop its own way: both tiles' conversions first, then the first MMA awaited at once and the second
-overlapped with a head sum — so a tile's codes are consumed about one tile after their request, and the first
-conversion waits on them (14% of the stall samples).
-Tried and slower: waiting for each tile's MMA only after the next one is issued (``wgmma.wait_group 1``;
-ptxas then keeps two accumulators live: 188 registers, 2 programs per SM, 96.7 µs; 167 with the head weights read
-from shared memory, 3 per SM, 78.3); key tiles copied by the TMA into 2-8 shared-memory stages (mbarriers, 106-117
-registers: 76-85 µs — Triton adds a CTA barrier around every mbarrier / TMA operation, ~4 per tile, and the
-loop grows to ~295 instructions per tile); copies through shared memory in 3-8 ``cp.async`` stages (Gluon adds two
-barriers per tile and 4-byte copies: 79-89 µs); one bulk L2 prefetch per tile of the program's split at its start
-(86 µs); no overlap (synchronous MMA, one accumulator: 108 registers; 80.8 µs, 77.5 with 5 programs per SM at
-``maxnreg`` 96; this kernel at ``maxnreg`` 96 spills 152 bytes). 2026-11-26 (A/B against this kernel in one run):
-each tile's MMA in two halves of the heads, each overlapping the other half's head sums (32 accumulator registers
-instead of 64: H100 73.7 µs at 4 programs per SM, 121.4 at ``maxnreg`` 96 / 5 per SM with 200 bytes of spills vs
-68.6); each tile brought into L2 by one bulk prefetch a tile before its register loads (H200 68.2-68.5 vs
-67.3-67.4); a data dependency (on the previous tile's scores, through a run-time zero) keeping each conversion
-behind the previous head sum (H100 72.5-72.6 vs 68.9); 4 / 8 / 32 / 64 programs per SM instead of 16 (H100
-81.9 / 77.3 / 72.0 / 81.9 vs 68.6 µs); the page lookup two tiles ahead uncapped (136 registers, 3 programs per SM:
-76.8).
-
-Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``indexer.index_scores`` picks this kernel
-where it applies and falls back to the Triton kernel elsewhere.
+The kernel is bound by instruction issue and latency rather than bytes (see benchmarks/RESULTS.md, "Indexer scores:
+each tile's page looked up two tiles ahead; what ptxas does with the loop").
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import hopper, ptx
+from .. import ptx
+from ..device import has_gluon
+from .scores_plan import SM90_BLOCK_N, ScoresPlan
 
-try:  # Gluon ships with Triton >= 3.4
+__all__ = ["launch"]
+
+if has_gluon():  # Gluon ships with Triton >= 3.4; the plan picks this kernel only where it runs (``device.is_sm90``)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    _HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAVE_GLUON = False
-
-__all__ = ["available", "applies", "queries_per_program", "register_cap", "launch"]
-
-BLOCK_N = 64  # keys per tile: the wgmma M of one warpgroup
-NUM_WARPS = 4
-#: register cap per thread: 4 programs of 4 warps per SM (ptxas would take 136: 3 per SM; H100, B=64 × 128K:
-#: 71.2 µs capped vs 74.7 uncapped, same run)
-MAXNREG = 128
-#: queries per program of prefill chunks (and 2-4-token decode steps): a key tile is converted once for all of them
-CHUNK_QUERIES = 4
-#: fewest key tiles per program when ``indexer.index_scores`` splits a request's tiles (else ~16 programs per SM):
-#: short programs spend their time filling the pipeline (H100, 128K decode B=8: 16.1 µs with 8 tiles per program,
-#: 19.3 with 2)
-MIN_TILES_PER_PROGRAM = 8
-
-
-def available(device: torch.device) -> bool:
-    """Whether the Gluon scores kernel can run on ``device`` (compute capability 9.x, Gluon present)."""
-    return _HAVE_GLUON and hopper.is_sm90(device)
-
-
-def applies(head_pad: int, entries_per_page: int) -> bool:
-    """Whether a layer's shape is one this kernel serves: ``head_pad`` ≤ 256 heads (the wgmma N), pages of a
-    multiple of ``BLOCK_N`` entries (a key tile lies in one page)."""
-    return 16 <= head_pad <= 256 and entries_per_page % BLOCK_N == 0
-
-
-def queries_per_program(max_new: int, head_pad: int, chunk: int | None = None) -> int:
-    """``QT``, the queries one program scores together (the MMA's ``N = QT · head_pad`` ≤ 256): 1 for single-token
-    decode, else ``chunk`` (default ``CHUNK_QUERIES``) capped by the step's longest request and by N; 1 for more
-    than 64 heads (N = 256 with 128 heads spills)."""
-    if max_new == 1 or head_pad > 64:
-        return 1
-    qt = 1
-    while qt < min(max_new, chunk or CHUNK_QUERIES) and 2 * qt * head_pad <= 256:
-        qt *= 2
-    return qt
-
-
-def register_cap(qt: int) -> int:
-    """``maxnreg`` of a launch with ``qt`` queries per program: 4 programs per SM for decode (``MAXNREG``), 3 for
-    ``QT = 2`` (ptxas takes 174 unasked: 2 per SM), none for ``QT = 4`` (254, no spill: 2 per SM)."""
-    return {1: MAXNREG, 2: 168}.get(qt, 0)
-
-
-if _HAVE_GLUON:
-    BN = gl.constexpr(BLOCK_N)
+    BN = gl.constexpr(SM90_BLOCK_N)
     # A thread's codes of its two keys (16 contiguous, aligned bytes each, the second key 8 rows = 512 bytes after
     # the first) as two vector loads from one address (``gl.load`` does not vectorise over this layout, and one
     # address per key costs a 64-bit add each). Read-only path (the pool does not change in a step), not kept in
-    # L1: each code is read once (H100, B=64 × 128K: 77.5 → 73.5 µs; an L2 256-B sector hint alone changed
-    # nothing). Unpredicated: every tile lies in an allocated page (``_request_tile_in``).
+    # L1: each code is read once. Unpredicated: every tile lies in an allocated page (``_request_tile_in``).
     LOAD_KEY_PAIR_PTX = gl.constexpr("""
         ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$8];
         ld.global.nc.L1::no_allocate.v4.b32 {$4, $5, $6, $7}, [$8+512];""")
@@ -214,7 +130,7 @@ if _HAVE_GLUON:
     @gluon.jit
     def _store_scores(acc, ks, w_half, out_row, out_stride, vis_q, first_key, QT: gl.constexpr, HP: gl.constexpr):
         """Scores of one tile for ``QT`` queries: ``Σ_h w_h · relu(acc[:, (q, h)]) · ks`` (relu as ``x + |x|`` with
-        ``w_half = w / 2``, see ``indexer._head_sum``), rounded to the output dtype and stored at ``out_row`` (the
+        ``w_half = w / 2``, see ``scores._head_sum``), rounded to the output dtype and stored at ``out_row`` (the
         first query's row) ``+ q · out_stride + first_key + i`` for keys below the query's visible count
         (``vis_q``: an int32 scalar for ``QT = 1``, else ``[QT]`` in the query slice of the scores' layout)."""
         p = (acc + gl.abs(acc)) * gl.expand_dims(w_half, 0)
@@ -374,7 +290,7 @@ if _HAVE_GLUON:
         bt_ptr, bt_stride,          # int32 [B, max_blocks]: block tables
         cu_ptr,                     # int32 [B + 1]: token offsets of each request
         vis_ptr,                    # int64 [T]: entries visible to each token
-        q_ptr,                      # uint8 [T, 2, HP, 64]: query operand (indexer.mxfp4_queries)
+        q_ptr,                      # uint8 [T, 2, HP, 64]: query operand (queries.mxfp4_queries)
         w_ptr,                      # fp32 [T, HP]: head weight · query scale (0 for padded heads)
         out_ptr, out_stride,        # [T, out_stride] scores; only s < visible[t] written
         PAGE_BYTES, TILES_PER_SPLIT,
@@ -423,15 +339,10 @@ if _HAVE_GLUON:
 
 
 def launch(pages: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor, visible: torch.Tensor,
-           q: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, entries_per_page: int, num_requests: int,
-           queries: int, chunks: int, tiles_per_split: int, splits: int, maxnreg: int | None = None) -> None:
-    """Launch the kernel (arguments as ``indexer.index_scores``; the caller checked ``available`` and ``applies``
-    and chose ``queries`` per program (``queries_per_program``; ``chunks`` of them per request) and the split of
-    each request's tiles; ``maxnreg``: the register cap per thread, default ``register_cap(queries)``, 0 for
-    none)."""
-    HP = q.shape[2]
-    cap = register_cap(queries) if maxnreg is None else maxnreg
-    _scores_sm90_kernel[(splits, chunks, num_requests)](
+           q: torch.Tensor, w: torch.Tensor, out: torch.Tensor, plan: ScoresPlan) -> None:
+    """Launch the kernel on the grid of ``plan`` (arguments as ``scores.index_scores``, which checked the plan)."""
+    _scores_sm90_kernel[plan.grid](
         pages, block_tables, block_tables.stride(0), cu_seqlens, visible, q, w, out, out.stride(0),
-        pages.stride(0), tiles_per_split, ENTRIES=entries_per_page, HP=HP, QT=queries, num_warps=NUM_WARPS,
-        **({"maxnreg": cap} if cap else {}))
+        pages.stride(0), plan.tiles_per_split, ENTRIES=plan.entries_per_page, HP=plan.head_pad,
+        QT=plan.queries_per_program, num_warps=plan.num_warps,
+        **({"maxnreg": plan.max_registers} if plan.max_registers else {}))

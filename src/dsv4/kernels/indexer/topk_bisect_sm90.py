@@ -1,81 +1,42 @@
-"""Top-k by bisection in Gluon for Hopper (sm_90): ``topk``'s ``"bisect"`` algorithm with an explicit register layout.
+"""Top-k by bisection in Gluon for Hopper (sm_90): ``"bisect"`` (``topk_bisect``) with an explicit register layout.
 
-Same semantics, arguments and outputs as ``topk._bisect_topk_kernel`` over BF16 scores — read its docstring and the
-``topk`` module's: one program per row holding the whole row, a lower bound of the threshold (the smallest maximum of
-groups of ``C`` columns), the threshold found bit by bit, then one scan that places the selection. The slots are the
-same (the scan runs in column order), so the outputs are that kernel's bits (GPU test).
+Same semantics, arguments and outputs as ``topk_bisect._bisect_topk_kernel`` over BF16 scores: one program per row
+holding the whole row, a lower bound of the threshold (the smallest maximum of groups of ``C`` columns), the threshold
+found bit by bit, then one scan that places the selection. The slots are the same (the scan runs in column order), so
+the outputs are that kernel's bits (GPU test).
 
 What differs is the layout. Triton gives the Triton kernel's ``[rows, C]`` register block (C ≤ 64 columns per row)
-eight contiguous columns per thread, so every row-wise reduction and scan crosses lanes: each bisection step's
-count took ~280 instructions per warp with 30 shuffles, the final scan ~2,750, and 128 registers spilled 576 bytes
-(ncu, H100, a 4K-token prefill chunk at 128K context: 4,096 rows × 32,768 columns, 1.41 ms, 145 K warp instructions
-per row). Here each thread holds ``BLOCK / threads`` contiguous columns (8 to 32: ``applies``): a group's maximum,
-a count and the scan are in-thread work plus one warp-level and one block-level step; a count is two instructions
-per key (``_count_below``); the row is read in 16-byte loads (masked by whole 8-column vectors, so rows must be
-multiples of 8 columns wide).
+eight contiguous columns per thread, so every row-wise reduction and scan crosses lanes. Here each thread holds
+``BLOCK / threads`` contiguous columns (8 to 32: ``topk_plan.bisect_sm90_fits``; at 64 it spills): a group's maximum,
+a count and the scan are in-thread work plus one warp-level and one block-level step; a count is two instructions per
+key (``_count_below``); the row is read in 16-byte loads (masked by whole 8-column vectors, so rows and their stride
+must be multiples of 8 columns).
 
-Measured (H100, 2026-11-26, k = 512, the index scores of the scores kernel; against the Triton kernel in the same
-run, ``bench_indexer.py --topk-prefill`` / ``--topk-only``), µs: 4K-token prefill chunks — one request at 8K
-context (2,048 columns) 59.8 vs 73.6, at 32K (8,192) 266–276 vs 396, at 64K (16,384) 424 vs 637, eight at 32K
-2,049–2,126 vs 3,058; decode (CUDA graphs) at 32K context, B = 8 / 64 / 128: 12.2–12.6 / 12.2–18.5 / 15.5–16.4
-vs 15.8–16.1 / 15.3–18.1 / 17.6–17.9; at 64K 18.8 / 19.3 / 18.3 vs 24.7 / 25.0 / 25.4 (where ``"filter4"``, the
-default there, takes 20.1 / 21.1 / 24.1); at 8K context the same times.
+Differs from the Triton kernel in one place that does not change the outputs: columns past the row's count are told
+from real scores by their key 0 alone, and a real score whose key is 0 (the NaN bits 0xFFFF) is found by a count where
+the lower bound needs it (GPU test: a row whose selection needs 507 such scores).
 
-Differs from the Triton kernel in one place that does not change the outputs: columns past the row's count are
-told from real scores by their key 0 alone, and a real score whose key is 0 (the NaN bits 0xFFFF) is found by a
-count where the lower bound needs it (GPU test: a row whose selection needs 507 such scores).
-
-Needs a CUDA device of compute capability 9.x and Gluon (``available``); ``topk.radix_topk`` picks this kernel for
-``"bisect"`` over BF16 scores where ``applies`` (and ``gluon`` is not False) and keeps the Triton kernel elsewhere
-(FP32 scores, short rows, the interpreter).
+Why it exists: see benchmarks/RESULTS.md, "Top-k "bisect" in Gluon for BF16 rows of 1K–16K columns".
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import hopper
+from ..device import has_gluon
+from .topk_plan import BISECT_SM90_VECTOR, TopkPlan
 
-try:  # Gluon ships with Triton >= 3.4
+__all__ = ["launch"]
+
+if has_gluon():  # Gluon ships with Triton >= 3.4; the plan picks this kernel only where it runs (``device.is_sm90``)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    _HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAVE_GLUON = False
-
-__all__ = ["available", "applies", "launch"]
-
-#: the fewest and the most contiguous columns per thread this kernel takes (shorter and longer rows: the Triton
-#: kernel). At 64 per thread (32,768 columns, 16 warps) it spills (392 bytes; a first version spilled 672 and was no
-#: faster than the Triton kernel: H100, a 4K-token chunk at 128K context, 1,462 vs 1,419 µs); at 32 it holds 127
-#: registers without spilling, at 16 85.
-MIN_COLUMNS_PER_THREAD = 8
-MAX_COLUMNS_PER_THREAD = 32
-#: the row width must be a multiple of this (the loads read whole 8-column vectors)
-VECTOR = 8
-
-
-def available(device: torch.device) -> bool:
-    """Whether the Gluon top-k can run on ``device`` (compute capability 9.x, Gluon present)."""
-    return _HAVE_GLUON and hopper.is_sm90(device)
-
-
-def applies(key_bits: int, columns: int, row_stride: int, block: int, num_warps: int) -> bool:
-    """Whether a launch shape is one this kernel serves: BF16 scores (16-bit keys), rows of a multiple of
-    ``VECTOR`` columns and stride, and ``MIN_COLUMNS_PER_THREAD`` to ``MAX_COLUMNS_PER_THREAD`` columns of the
-    ``block`` per thread."""
-    per_thread = block // (32 * num_warps)
-    return (key_bits == 16 and columns % VECTOR == 0 and row_stride % VECTOR == 0
-            and MIN_COLUMNS_PER_THREAD <= per_thread <= MAX_COLUMNS_PER_THREAD)
-
-
-if _HAVE_GLUON:
-    VEC = gl.constexpr(VECTOR)
+    VEC = gl.constexpr(BISECT_SM90_VECTOR)
 
     @gluon.jit
     def _sortable_key16(bits):
-        """Order-preserving unsigned key of BF16 bits (int32 holding 16 bits), as ``topk._sortable_key``."""
+        """Order-preserving unsigned key of BF16 bits (int32 holding 16 bits), as ``topk_common.sortable_key``."""
         u = bits & 0xFFFF
         return gl.where(u >= 0x8000, u ^ 0xFFFF, u | 0x8000)
 
@@ -100,7 +61,7 @@ if _HAVE_GLUON:
         FILL: gl.constexpr,         # slots written per step of the −1 fill
         NW: gl.constexpr,           # warps
     ):
-        """One program per row (``topk._bisect_topk_kernel``'s steps), thread ``i`` holding columns
+        """One program per row (``topk_bisect._bisect_topk_kernel``'s steps), thread ``i`` holding columns
         ``i · PER … i · PER + PER − 1``."""
         PER: gl.constexpr = BLOCK // (32 * NW)
         L: gl.constexpr = gl.BlockedLayout([PER], [32], [NW], [0])
@@ -158,12 +119,9 @@ if _HAVE_GLUON:
             gl.store(out_row + slot, cols.to(gl.int64), mask=slot >= 0)
 
 
-def launch(bits: torch.Tensor, counts: torch.Tensor, k: int, out: torch.Tensor, *, block: int, group: int,
-           fill: int, num_warps: int) -> torch.Tensor:
-    """Launch the kernel over ``bits`` (int16 ``[T, N]``, BF16 score bits; the caller checked ``available`` and
-    ``applies``): ``block`` columns held per row, ``group`` columns per group of the lower bound, ``fill`` slots per
-    step of the −1 fill, ``num_warps`` warps. Returns ``out`` (int64 ``[T, k]``)."""
-    T = bits.shape[0]
-    _bisect_topk_sm90_kernel[(T,)](bits, bits.stride(0), counts, out, out.stride(0), K=k, BLOCK=block, C=group,
-                                   FILL=fill, NW=num_warps, num_warps=num_warps)
+def launch(bits: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, plan: TopkPlan) -> torch.Tensor:
+    """Launch the kernel over ``bits`` (int16 ``[rows, columns]``, BF16 score bits) as ``plan`` says (a ``"bisect"``
+    plan with ``gluon``; ``topk.radix_topk`` checked it). Returns ``out`` (int64 ``[rows, k]``)."""
+    _bisect_topk_sm90_kernel[(plan.rows,)](bits, bits.stride(0), counts, out, out.stride(0), K=plan.k, BLOCK=plan.block,
+                                           C=plan.group, FILL=plan.fill, NW=plan.num_warps, num_warps=plan.num_warps)
     return out
