@@ -25,6 +25,8 @@ import dsv4  # noqa: E402
 from dsv4.cache import HybridCache  # noqa: E402
 from dsv4.numerics import Numerics  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
+from dsv4.reference.indexer import indexer_queries as reference_indexer_queries  # noqa: E402
+from dsv4.reference.primitives import linear  # noqa: E402
 from dsv4.ops import triton_indexer as ti  # noqa: E402
 from dsv4.kernels import device  # noqa: E402
 from dsv4.kernels.indexer.scores import index_scores  # noqa: E402
@@ -194,7 +196,7 @@ def test_interpreter_scores_and_topk(fmt: str, algorithm: str | None) -> None:
     nm = _numerics(fmt)
     plan = _step_plan(layer, batch, 8, nm.score_dtype, 4, topk=algorithm)
     assert plan.topk.algorithm == (algorithm or plan.topk.algorithm)
-    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype, plan=plan)
+    got = ti.topk_layer(layer, batch, M, q, w, 8, nm.score_dtype, plan=plan)
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)  # the matrix indexer_topk wrote
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
 
@@ -216,7 +218,7 @@ def test_interpreter_scores_page_tiles(fmt: str) -> None:
     plan = _step_plan(layer, batch, 8, nm.score_dtype, 4)
     plan = dataclasses.replace(plan, scores=dataclasses.replace(plan.scores, tiles_per_split=plan.scores.tiles))
     assert plan.scores.page_vector and plan.scores.splits == 1 and plan.scores.tiles == 3
-    got = ti.indexer_topk(layer, batch, M, q, w, 8, nm.score_dtype, plan=plan)
+    got = ti.topk_layer(layer, batch, M, q, w, 8, nm.score_dtype, plan=plan)
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     assert int(batch.visible_entries[M].max()) > 128  # three tiles of 64, over three pages
     _check(layer, batch, q, w, 8, nm.score_dtype, got, buf)
@@ -325,7 +327,7 @@ def test_gpu_scores_and_topk(fmt: str, heads: int, k: int) -> None:
     nm = _numerics(fmt)
     # poison the score buffer: every visible element must be written
     ti.score_buffer(layer, batch, M, nm.score_dtype).fill_(float("nan"))
-    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    got = ti.topk_layer(layer, batch, M, q, w, k, nm.score_dtype)
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     worst = _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     print(f"{fmt} H={heads} k={k}: worst score error {worst:.3f} ulp")
@@ -377,7 +379,7 @@ def test_gpu_scores_page_vector(fmt: str) -> None:
     plan = _step_plan(layer, batch, 512, nm.score_dtype, 64, triton_scores=True)
     assert plan.scores.kernel == "triton" and plan.scores.block_n == 64 and plan.scores.page_vector
     ti.score_buffer(layer, batch, M, nm.score_dtype).fill_(float("nan"))
-    got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype, plan=plan)
+    got = ti.topk_layer(layer, batch, M, q, w, 512, nm.score_dtype, plan=plan)
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)
     if fmt != "mxfp4":
@@ -425,7 +427,7 @@ def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -
     nm = _numerics("mxfp4")
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     buf.fill_(float("nan"))
-    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    got = ti.topk_layer(layer, batch, M, q, w, k, nm.score_dtype)
     assert len(calls) == 1
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     # tiles per program 12, 6, 4, 3 (odd and even counts through the two-tile loop): the same bits
@@ -450,7 +452,7 @@ def test_gpu_scores_gluon_decode(heads: int, k: int, spread: int, monkeypatch) -
     # the Triton kernel on the same step
     buf.fill_(float("nan"))
     plan = _step_plan(layer, batch, k, nm.score_dtype, heads, triton_scores=True)
-    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype, plan=plan)
+    got = ti.topk_layer(layer, batch, M, q, w, k, nm.score_dtype, plan=plan)
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     assert len(calls) == 7  # the default launch, four splits, one uncapped, FP32; the Triton plan took no Gluon
 
@@ -479,7 +481,7 @@ def test_gpu_scores_gluon_chunks(heads: int, k: int, spread: int, monkeypatch) -
     nm = _numerics("mxfp4")
     buf = ti.score_buffer(layer, batch, M, nm.score_dtype)
     buf.fill_(float("nan"))
-    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype)
+    got = ti.topk_layer(layer, batch, M, q, w, k, nm.score_dtype)
     assert [c.queries_per_program for c in calls] == [4]
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     ref = buf.clone()
@@ -500,7 +502,7 @@ def test_gpu_scores_gluon_chunks(heads: int, k: int, spread: int, monkeypatch) -
     # the Triton kernel on the same step
     buf.fill_(float("nan"))
     plan = _step_plan(layer, batch, k, nm.score_dtype, heads, triton_scores=True)
-    got = ti.indexer_topk(layer, batch, M, q, w, k, nm.score_dtype, plan=plan)
+    got = ti.topk_layer(layer, batch, M, q, w, k, nm.score_dtype, plan=plan)
     _check(layer, batch, q, w, k, nm.score_dtype, got, buf)
     assert len(calls) == 4
 
@@ -531,9 +533,9 @@ def test_gpu_mxfp4_queries_match_reference() -> None:
     from dsv4.reference.rope import rope_inv_freq
 
     inv_freq = rope_inv_freq(cfg, dsv4.config.LayerKind.CSA, "cuda")
-    got = ti.indexer_queries(q_lat, iw, pos, inv_freq, cfg, nm)
+    got = ti.queries_from_projection(linear(q_lat, wq_b, nm.act_dtype), pos, inv_freq, cfg, nm)
     assert isinstance(got, ti.IndexerQueries) and got.q.dtype == torch.uint8
-    ref = torch_ops.indexer_queries(q_lat, iw, pos, inv_freq, cfg, nm)
+    ref = reference_indexer_queries(q_lat, iw, pos, inv_freq, cfg, nm)
     assert torch.equal(_decode_mxfp4_queries(got).cpu(), ref.cpu())
 
 
@@ -660,7 +662,7 @@ def test_gpu_indexer_topk_variants(label: str) -> None:
         n_max = max((s + n) // M for s, n in zip(batch.start_positions, batch.num_new))
         layer.workspace.get("indexer_topk.workspace", (4096,), torch.int32).fill_(999)  # garbage from an earlier step
         for _ in range(2):  # the second call reuses the workspace the first one left (filter: a zero header)
-            got = ti.indexer_topk(layer, batch, M, q, w, 512, nm.score_dtype, plan=plan)
+            got = ti.topk_layer(layer, batch, M, q, w, 512, nm.score_dtype, plan=plan)
             buf = ti.score_buffer(layer, batch, M, nm.score_dtype)  # the matrix indexer_topk wrote
             assert buf.shape[1] >= n_max
             _check(layer, batch, q, w, 512, nm.score_dtype, got, buf)

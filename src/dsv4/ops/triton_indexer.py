@@ -29,13 +29,12 @@ from ..kernels.indexer.topk import radix_topk
 from ..kernels.indexer.topk_plan import TopkPlan
 from ..numerics import Numerics
 from ..reference.indexer import index_scores as _reference_scores
-from ..reference.primitives import linear
 from ..reference.rope import apply_rope
-from ..weights import IndexerWeights
-from . import torch_ops
+from . import projections, torch_ops
+from .step import LayerStep
 
-__all__ = ["IndexerQueries", "indexer_plan", "indexer_queries", "indexer_topk", "queries_from_float", "head_pad",
-           "score_buffer", "mxfp4_operand_channels"]
+__all__ = ["IndexerQueries", "head_pad", "indexer_plan", "indexer_queries", "indexer_topk", "mxfp4_operand_channels",
+           "queries_from_float", "queries_from_projection", "score_buffer", "topk_layer"]
 
 
 @dataclass
@@ -120,13 +119,18 @@ def queries_from_float(values: Tensor, fmt: str) -> IndexerQueries:
     return IndexerQueries(fmt, v.new_zeros((T, 2, hp, 64)), v.new_zeros((T, hp)), H, values=v)
 
 
-def indexer_queries(
-    q_latent: Tensor, iw: IndexerWeights, positions: Tensor, inv_freq: Tensor, cfg: ModelConfig, numerics: Numerics
+def indexer_queries(step: LayerStep, q_latent: Tensor) -> IndexerQueries:
+    """See ``backend.AttentionBackend.indexer_queries``."""
+    q = projections.indexer_query_projection(step, q_latent)
+    return queries_from_projection(q, step.positions, step.inv_freq, step.cfg, step.numerics)
+
+
+def queries_from_projection(
+    q: Tensor, positions: Tensor, inv_freq: Tensor, cfg: ModelConfig, numerics: Numerics
 ) -> IndexerQueries:
     """Indexer queries (SPEC §5): ``W_Iq c^Q`` (torch GEMM), then for MXFP4 one fused kernel (RoPE → Hadamard →
     MXFP4 → operand bytes); other formats round in torch (``numerics.qdq_index``)."""
     H, c = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(q_latent, iw.wq_b, numerics.act_dtype)  # [T, H * c]
     fmt = numerics.index_format
     if fmt == "mxfp4" and c == 128 and inv_freq.numel() == 32 and q.is_cuda:
         hp = head_pad(H)
@@ -143,25 +147,31 @@ def score_buffer(layer: LayerCache, batch: StepBatch, m: int, score_dtype: torch
     return layer.workspace.get("indexer_scores", (batch.num_tokens, max(batch.addressable_entries(m), 1)), score_dtype)
 
 
-def indexer_plan(layer: LayerCache, batch: StepBatch, m: int, k: int, heads: int, score_dtype: torch.dtype
-                 ) -> IndexerPlan:
+def indexer_plan(layer: LayerCache, batch: StepBatch, m: int, k: int, heads: int, score_dtype: torch.dtype,
+                 facts: device.DeviceFacts | None = None) -> IndexerPlan:
     """The indexer's launches for ``batch`` on ``layer`` (``plan_indexer`` from the batch's shapes, the layer's key
-    format and pool geometry, and the facts of the pool's device)."""
+    format and pool geometry, and ``facts`` — default: those of the pool's device)."""
     storage = layer.schema.index_storage
-    dev = layer.index_pages.device
+    dev = facts if facts is not None else device.facts(layer.index_pages.device)
     return plan_indexer(
         tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
         entries=batch.addressable_entries(m), k=k, heads=heads,
         key_format=storage.name if storage.dim == device.INDEXER_KEY_DIM else None, score_dtype=score_dtype, ratio=m,
         block_size=batch.block_size, entries_per_page=layer.schema.entries_per_block,
-        sm_count=device.sm_count(dev), sm90=device.is_sm90(dev), interpreted=device.interpreting())
+        sm_count=dev.sm_count, sm90=dev.sm90, interpreted=device.interpreting())
 
 
-def indexer_topk(
+def indexer_topk(step: LayerStep, q_idx: IndexerQueries, head_weights: Tensor) -> Tensor:
+    """See ``backend.AttentionBackend.indexer_topk``: as ``step.plan.indexer`` says (fixed width ``[T, k]``)."""
+    return topk_layer(step.cache, step.batch, step.ratio, q_idx, head_weights, step.cfg.index_topk,
+                      step.numerics.score_dtype, plan=step.plan.indexer)
+
+
+def topk_layer(
     layer: LayerCache, batch: StepBatch, m: int, q_idx: IndexerQueries | Tensor, head_weights: Tensor, k: int,
     score_dtype: torch.dtype, *, plan: IndexerPlan | None = None,
 ) -> Tensor:
-    """Index scores over each request's keys in the paged pool, then causal top-k (SPEC §5–6).
+    """``indexer_topk`` on explicit tensors: index scores over each request's keys in the paged pool, then causal top-k (SPEC §5–6).
 
     Args:
         q_idx: this module's ``IndexerQueries`` (a float ``[T, H_I, c_I]`` tensor on the format's grid is converted).

@@ -23,6 +23,7 @@ from ..kernels.device import DeviceFacts, facts
 from ..kernels.write.plan import plan_write
 from . import projections, triton_attention, triton_indexer
 from .triton_attention import attend
+from .triton_indexer import indexer_queries, indexer_topk
 from .plan import LayerPlan, StepPlan
 from .step import LayerStep
 from .triton_write import append_swa, kernels_handle, new_entries, queries, query_latent, window_kv
@@ -51,7 +52,7 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
         kind, m = schema.kind, schema.ratio
         if kind in layers:
             continue
-        write = attention = None
+        write = attention = indexer = None
         if formats:
             write = plan_write(ratio=m, overlap=kind is LayerKind.CSA, has_index=kind is LayerKind.CSA,
                                tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
@@ -59,26 +60,17 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
         if kernels:
             attention = triton_attention.plan_layer(batch, cache.layer(schema.layer_idx), cfg.num_heads, m,
                                                     cfg.index_topk, nm, dev)
-        layers[kind] = LayerPlan(kind, kernels=kernels, write=write, attention=attention)
+        if dev.kernels and kind is LayerKind.CSA:
+            indexer = triton_indexer.indexer_plan(cache.layer(schema.layer_idx), batch, m, cfg.index_topk,
+                                                  cfg.index_n_heads, nm.score_dtype, dev)
+        layers[kind] = LayerPlan(kind, kernels=kernels, write=write, indexer=indexer, attention=attention)
     summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"
     return StepPlan(NAME, layers, summary, batch.shape_key())
-
-
-def indexer_queries(step: LayerStep, q_latent: Tensor):
-    """See ``backend.AttentionBackend.indexer_queries`` (``triton_indexer.IndexerQueries``)."""
-    return triton_indexer.indexer_queries(q_latent, step.weights.indexer, step.positions, step.inv_freq, step.cfg,
-                                          step.numerics)
 
 
 def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
     """See ``backend.AttentionBackend.indexer_weights``."""
     return projections.indexer_weights(step, x)
-
-
-def indexer_topk(step: LayerStep, q_idx, head_weights: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.indexer_topk``: fixed width ``[T, k]``, −1 padded (graph-safe)."""
-    return triton_indexer.indexer_topk(step.cache, step.batch, step.ratio, q_idx, head_weights, step.cfg.index_topk,
-                                       step.numerics.score_dtype)
 
 
 def visible_entries(step: LayerStep) -> Tensor:
