@@ -314,13 +314,13 @@ def test_checkpoint_row(tmp_path: Path, row_id: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ NaN policy
 def test_nan_without_check_stays_inside_its_request(weights) -> None:
-    """``check_inputs=False`` (e.g. inside CUDA graphs): a NaN in one request's hidden states reaches that
+    """``check_inputs=False, nan_policy="off"``: a NaN in one request's hidden states reaches that
     request's outputs and cache only. The other request's outputs and cache bytes equal a run without the NaN, and
     after the poisoned request is released, a new request reusing its slot and blocks sees no trace of it."""
     T_a, T_b = 37, 21
     xa, xb = torch.randn(T_a, TINY.hidden_size), torch.randn(T_b, TINY.hidden_size)
     for li in LAYERS:
-        layer = Attention(weights[li], TINY, li, check_inputs=False)
+        layer = Attention(weights[li], TINY, li, check_inputs=False, nan_policy="off")
         runs = {}
         for poison in (False, True):
             cache = HybridCache(TINY, layers=[li], max_requests=2, num_blocks=8, block_size=16)

@@ -83,7 +83,9 @@ class EngineConfig:
         weights: ``"random"`` (distinct random weights per layer), ``"shared"`` (one random set per layer kind,
             shared by every layer of that kind: less memory, faster start) or a checkpoint directory.
         seed: weights and hidden states.
-        check_finite: check every step's output for NaN/Inf (a device sync per step; on by default on the CPU).
+        check_finite: check every step's output for NaN/Inf (a device sync per step; on by default on the CPU), and
+            what the layers leave in the cache (their ``nan_policy``: ``"raise"`` on the CPU — a step that would
+            leave NaN/Inf is rolled back —, ``"flag"`` on CUDA — checked at the end of the step).
     """
 
     backend: str = "auto"
@@ -318,8 +320,12 @@ class Engine:
         self.check_finite = config.check_finite if config.check_finite is not None else self.device.type == "cpu"
         t0 = time.perf_counter()
         self.weights = self._build_weights(weights, progress)
+        # NaN policy of the layers: with check_finite, a CPU step that would leave NaN/Inf is rolled back and raises;
+        # on CUDA the layers only flag the requests (no sync, graph-safe) and the step's end checks the flags.
+        self.nan_policy = "off" if not self.check_finite else ("flag" if self.device.type == "cuda" else "raise")
         self.layers = [
-            Attention(self.weights[li], cfg, li, backend=config.backend, check_inputs=False) for li in self.layer_ids
+            Attention(self.weights[li], cfg, li, backend=config.backend, check_inputs=False, nan_policy=self.nan_policy)
+            for li in self.layer_ids
         ]
         self.setup_s = time.perf_counter() - t0
         self.cache: HybridCache | None = None
@@ -531,6 +537,10 @@ class Engine:
             torch.cuda.synchronize(self.device)
         if self.check_finite and bool(self._nonfinite):
             raise FloatingPointError(f"step {plan.step}: the stack produced NaN/Inf")
+        if self.nan_policy == "flag":
+            poisoned = [rid for rid in self.cache.nonfinite_requests() if rid != self.PAD_REQUEST]
+            if poisoned:
+                raise FloatingPointError(f"step {plan.step}: NaN/Inf reached the cache of requests {poisoned}")
         t1 = time.perf_counter()
         tokens_cached = sum(self.cache.num_tokens(rid) for rid in sched.running)
         in_use = self.cache.memory_in_use()
