@@ -99,7 +99,8 @@ def require_instance(name: str, value: object, cls: type | tuple[type, ...], hin
     """``value`` if it is an instance of ``cls``; ``TypeError`` naming ``name`` otherwise (``hint`` appended)."""
     if not isinstance(value, cls):
         names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
-        raise TypeError(f"{name} must be a {names}, got {describe(value)}" + (f"; {hint}" if hint else ""))
+        article = "an" if names[0].lower() in "aeiou" else "a"
+        raise TypeError(f"{name} must be {article} {names}, got {describe(value)}" + (f"; {hint}" if hint else ""))
     return value
 
 

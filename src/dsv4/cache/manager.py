@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..numerics import Numerics, NumericsLike, resolve_numerics
+from ..validate import require_device, require_instance
 from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch
 from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
@@ -33,11 +34,9 @@ from .workspace import Workspace
 __all__ = ["HybridCache", "LayerCache", "CacheSnapshot", "RequestRecord"]
 
 def resolve_device(device: torch.device | str) -> torch.device:
-    """A device with its index filled in (``"cuda"`` → ``cuda:<current>``), so tensors' ``.device`` compare equal."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    """A device with its index filled in (``"cuda"`` → ``cuda:<current>``), so tensors' ``.device`` compare equal.
+    ``TypeError`` / ``ValueError`` naming ``device`` when it is not a device or does not exist here."""
+    return require_device("device", device)
 
 
 Plan = Mapping[str, int] | Sequence[tuple[str, int]]
@@ -144,6 +143,7 @@ class HybridCache:
         numerics: NumericsLike = "official",
         max_step_tokens: int | None = None,
     ) -> None:
+        require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
         if (num_blocks is None) == (memory_bytes is None):
             raise InvalidPlanError("give exactly one of num_blocks / memory_bytes")
         _check_int("block_size", block_size, 1)
@@ -260,6 +260,8 @@ class HybridCache:
         """
         self.steps.check_mutation("prepare_forward")
         items = self._normalise_plan(plan)
+        if max_blocks is not None:
+            _check_int("max_blocks", max_blocks, 0)
         seen: set[str] = set()
         needs: list[int] = []
         for rid, n in items:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,11 +34,13 @@ import torch
 from torch import Tensor
 
 from ..cache import HybridCache, blocks_for_tokens, layer_schemas
+from ..cache.schema import resolve_layers
 from ..cache.batch import StepBatch
 from ..config import LayerKind, ModelConfig
 from ..layer import Attention
 from ..numerics import Numerics, resolve_numerics
 from ..reference.primitives import rms_norm
+from ..validate import require_bool, require_choice, require_device, require_instance, require_int
 from ..weights import AttentionWeights
 from .hidden import HashHidden
 from .jit_clock import JitClock
@@ -45,20 +49,20 @@ from .scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace"]
 
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
 #: A dense BF16 cache keeps every token's 512-dim KV entry (K ≡ V, one KV head) in every layer: 1024 B.
 DENSE_BF16_BYTES_PER_TOKEN_LAYER = 512 * 2
 
 
 def pick_device(name: str | torch.device | None) -> torch.device:
-    """``"auto"`` / ``None`` → CUDA when available, else CPU; CUDA without a GPU is an error."""
+    """``"auto"`` / ``None`` → CUDA when available, else CPU. ``ValueError`` for a device that is not ``cpu`` /
+    ``cuda[:N]`` or does not exist here (CUDA without a GPU)."""
     if name is None or name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device cuda requested but no CUDA device is available")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+    dev = require_device("device", name)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} cannot run the engine; use auto, cpu, cuda or cuda:N")
     return dev
 
 
@@ -104,10 +108,31 @@ class EngineConfig:
     check_finite: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs must be auto / on / off, got {self.cuda_graphs!r}")
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        """Validate every field: ``TypeError`` / ``ValueError`` naming it (nothing is truncated or defaulted)."""
+        require_choice("backend", self.backend, ("auto", "torch", "triton"))
+        if not isinstance(self.device, (str, torch.device)) or not _DEVICE_RE.fullmatch(str(self.device)):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.numerics, Numerics):
+            require_choice("numerics", self.numerics, ("official", "exact"))
+        require_int("block_size", self.block_size, 1)
+        require_int("max_running", self.max_running, 1)
+        require_int("max_batched_tokens", self.max_batched_tokens, 1)
+        if self.max_prefill_chunk is not None:
+            require_int("max_prefill_chunk", self.max_prefill_chunk, 1)
+        require_int("decode_tokens", self.decode_tokens, 1, 4)
+        if self.cache_memory is not None:
+            require_int("cache_memory", self.cache_memory, 0)
+        require_choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
+        if self.graph_batch_sizes is not None:
+            if isinstance(self.graph_batch_sizes, (str, bytes)) or not isinstance(self.graph_batch_sizes, Iterable):
+                raise TypeError(f"graph_batch_sizes must be a sequence of ints, got {self.graph_batch_sizes!r}")
+            sizes = tuple(require_int("graph_batch_sizes entry", b, 1) for b in self.graph_batch_sizes)
+            object.__setattr__(self, "graph_batch_sizes", sizes)
+        if not isinstance(self.weights, (str, os.PathLike)) or not str(self.weights):
+            raise TypeError(f"weights must be 'random', 'shared' or a checkpoint directory, got {self.weights!r}")
+        require_int("seed", self.seed, 0)
+        if self.check_finite is not None:
+            require_bool("check_finite", self.check_finite)
 
 
 @dataclass
@@ -300,17 +325,21 @@ class Engine:
         hidden: Callable[[Tensor, Tensor], Tensor] | None = None,
         progress: bool = False,
     ) -> None:
+        require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+        if config is not None:
+            require_instance("config", config, EngineConfig)
+        if weights is not None and not (isinstance(weights, Mapping) or callable(weights)):
+            raise TypeError(f"weights must be a mapping layer -> AttentionWeights or a callable, got {type(weights).__name__}")
+        if hidden is not None and not callable(hidden):
+            raise TypeError(f"hidden must be a callable (request_numbers, positions) -> [T, d], got {type(hidden).__name__}")
+        require_bool("progress", progress)
         self.cfg = cfg
         self.config = config = config or EngineConfig()
         self.device = pick_device(config.device)
         self.numerics: Numerics = resolve_numerics(config.numerics)
-        self.layer_ids: list[int] = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
+        self.layer_ids: list[int] = resolve_layers(cfg, layers)
         if not self.layer_ids:
             raise ValueError("the engine needs at least one layer")
-        for li in self.layer_ids:
-            cfg.layer_kind(li)
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ValueError(f"layers contains duplicates: {self.layer_ids}")
         if config.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown backend {config.backend!r}; choose auto, torch or triton")
         if config.backend == "triton" and self.device.type != "cuda":
