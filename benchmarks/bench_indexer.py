@@ -30,6 +30,8 @@ import torch
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
 from dsv4.kernels.topk import VARIANTS
 
+REQUIRES_CUDA = True  # dsv4 bench skips this script on other devices (dsv4.bench.suite)
+
 H, C, K_TOP, M, BLOCK = 64, 128, 512, 4, 256
 CEILINGS: dict[str, float] = {}  # measured copy bandwidth and FP8 matmul rate of this run
 EPP = BLOCK // M  # entries per page

@@ -259,6 +259,10 @@ class ModelConfig:
             if not isinstance(d, Mapping):
                 raise InvalidConfigError(f"config file {path!r} must hold a JSON object, got {type(d).__name__}")
             name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf"
+            try:
+                return cls._from_dict(d, name)
+            except (TypeError, InvalidConfigError) as e:
+                raise type(e)(f"config file {path}: {e}") from None
         elif isinstance(config, Mapping):
             d = dict(config)
         elif hasattr(config, "to_dict"):

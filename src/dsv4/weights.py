@@ -226,9 +226,10 @@ class AttentionWeights:
                 every tensor's shape is checked against it.
             dtype, device: where the weights go (default FP32 on the host, like ``random``).
         Raises:
-            dsv4.checkpoint.CheckpointError: missing files, tensors or scales; ``ValueError`` for wrong shapes.
+            dsv4.checkpoint.CheckpointError: missing, truncated or malformed files, missing tensors or scales,
+                tensors of the wrong dtype, shape or with non-finite values (the message names the file and tensor).
         """
-        from .checkpoint import CheckpointIndex, config_from_checkpoint, read_attention_tensors
+        from .checkpoint import CheckpointError, CheckpointIndex, config_from_checkpoint, read_attention_tensors
 
         if not isinstance(path, (str, os.PathLike, CheckpointIndex)):
             raise TypeError(f"path must be a checkpoint directory, a .safetensors file or a CheckpointIndex, got {describe(path)}")
@@ -241,7 +242,10 @@ class AttentionWeights:
         cfg = cfg if cfg is not None else config_from_checkpoint(index)
         tensors = read_attention_tensors(index, layer_idx, cfg)
         w = cls.from_named(tensors, cfg.layer_kind(layer_idx))
-        w.check(cfg, layer_idx)
+        try:
+            w.check(cfg, layer_idx)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {index.path}: {e}") from None
         return w.to(device, dtype) if (dtype != torch.float32 or torch.device(device).type != "cpu") else w
 
     # ------------------------------------------------------------------ utilities

@@ -55,14 +55,14 @@ _DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 DENSE_BF16_BYTES_PER_TOKEN_LAYER = 512 * 2
 
 
-def pick_device(name: str | torch.device | None) -> torch.device:
-    """``"auto"`` / ``None`` → CUDA when available, else CPU. ``ValueError`` for a device that is not ``cpu`` /
-    ``cuda[:N]`` or does not exist here (CUDA without a GPU)."""
+def pick_device(name: str | torch.device | None, arg: str = "device") -> torch.device:
+    """``"auto"`` / ``None`` → CUDA when available, else CPU. ``ValueError`` naming ``arg`` for a device that is
+    not ``cpu`` / ``cuda[:N]`` or does not exist here (CUDA without a GPU)."""
     if name is None or name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = require_device("device", name)
+    dev = require_device(arg, name)
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {name!r} cannot run the engine; use auto, cpu, cuda or cuda:N")
+        raise ValueError(f"{arg} {name!r} cannot run the engine; use auto, cpu, cuda or cuda:N")
     return dev
 
 
