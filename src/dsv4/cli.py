@@ -239,6 +239,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     max_running = args.max_running if args.max_running is not None else min(d["max_running"], n_req)
     budget = args.max_batched_tokens if args.max_batched_tokens is not None else d["max_batched_tokens"]
     block_size = args.block_size if args.block_size is not None else (256 if cfg.window >= 128 else 64)
+    try:
+        from .cache import layer_schemas
+
+        layer_schemas(cfg, layers, args.numerics, block_size)  # block size vs the ratios, before any output
+    except ValueError as e:
+        raise SystemExit(f"error: --block-size {block_size}: {e}") from None
     weights_mode = args.checkpoint or args.weights
     cache_memory = args.cache_memory
     json_only = args.json == "-"

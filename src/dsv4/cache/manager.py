@@ -209,12 +209,15 @@ class HybridCache:
 
     def release(self, request_id: str) -> None:
         """Free the request's blocks (decref) and its state slot (reset). Unknown id → ``UnknownRequestError``."""
+        self._release(request_id, f"release({request_id!r})")
+
+    def _release(self, request_id: str, action: str) -> None:
         rec = self._record(request_id)
         self.allocator.decref(rec.blocks)
         self.state.free_slot(rec.slot)
         self.nonfinite[rec.slot] = 0
         del self._requests[request_id]
-        self.steps.commit_mutation(f"release({request_id!r})", self._requests)
+        self.steps.commit_mutation(action, self._requests)
 
     # ================================================================ preemption (see dsv4.cache.preempt)
     def save_request(self, request_id: str) -> RequestSnapshot:
@@ -238,7 +241,7 @@ class HybridCache:
         self._record(request_id)
         self.steps.check_mutation("preempt", request_id)
         snapshot = save_request(self, request_id)
-        self.release(request_id)
+        self._release(request_id, f"preempt_request({request_id!r})")
         return snapshot
 
     def prepare_forward(self, plan: Plan, *, max_blocks: int | None = None) -> StepBatch:

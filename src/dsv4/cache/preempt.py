@@ -198,7 +198,7 @@ def check_snapshot(cache: HybridCache, snapshot: RequestSnapshot) -> None:
         elif tuple(t.shape) != shape or t.dtype != dtype:
             problems.append(f"{k[0]} {k[1:]} is {list(t.shape)} {t.dtype}, want {list(shape)} {dtype}")
         elif t.device not in devices:
-            problems.append(f"{k[0]} {k[1:]} is on {t.device}, want cpu or {cache.device}")
+            problems.append(f"{k[0]} {k[1:]} is on {t.device}, want " + " or ".join(sorted({"cpu", str(cache.device)})))
     if problems:
         raise IncompatibleSnapshotError(f"snapshot of {rid!r} does not fit this cache: " + "; ".join(sorted(problems)))
     digest = snapshot_digest(rid, snapshot.num_tokens, snapshot.num_blocks, snapshot.missing, snapshot.geometry,
