@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from .validate import describe
 
-__all__ = ["InvalidConfigError", "LayerKind", "ModelConfig"]
+__all__ = ["InvalidConfigError", "LayerKind", "ModelConfig", "require_config"]
 
 
 class InvalidConfigError(ValueError):
@@ -434,3 +434,11 @@ def _tiny() -> ModelConfig:
 
 
 _PRESETS = {"v4-flash": _flash, "v4-pro": _pro, "tiny": _tiny}
+
+
+def require_config(cfg: object, name: str = "cfg") -> ModelConfig:
+    """``cfg`` if it is a ``ModelConfig``; ``TypeError`` naming the argument otherwise (e.g. a dict)."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"{name} must be a ModelConfig, got {describe(cfg)}; use ModelConfig.preset(name) or "
+                        f"ModelConfig.from_hf(dict)")
+    return cfg

@@ -20,7 +20,7 @@ from .cache.batch import StepBatch
 from .cache.errors import NonFiniteError
 from .cache.guard import nonfinite_requests, restore_rows, save_rows
 from .cache.manager import HybridCache
-from .config import LayerKind, ModelConfig
+from .config import LayerKind, ModelConfig, require_config
 from .ops import backend_ops, triton_available
 from .reference.indexer import indexer_head_weights
 from .reference.layer import grouped_output, query_projection
@@ -82,7 +82,7 @@ class Attention:
     ) -> None:
         require_instance("weights", weights, AttentionWeights, "build them with AttentionWeights.random / "
                          "from_checkpoint / from_hf_module")
-        require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+        require_config(cfg)
         require_int("layer_idx", layer_idx)
         if not isinstance(backend, str) or backend not in (*BACKENDS, "auto"):
             raise ValueError(f"unknown backend {backend!r}; available: {BACKENDS} or 'auto'")

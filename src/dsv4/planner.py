@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 from .cache import InvalidPlanError, blocks_for_tokens, layer_schemas, plan_capacity
 from .cache.schema import resolve_layers
-from .config import LayerKind, ModelConfig
+from .config import LayerKind, ModelConfig, require_config
 from .engine.runner import DENSE_BF16_BYTES_PER_TOKEN_LAYER
 from .numerics import Numerics
-from .validate import require_instance, require_int
+from .validate import require_int
 
 __all__ = ["DEFAULT_FORMATS", "FORMATS", "FormatPlan", "KindRow", "plan_formats", "request_bytes"]
 
@@ -114,7 +114,7 @@ def request_bytes(
     cfg: ModelConfig, context_len: int, fmt: str, layers: Iterable[int] | None = None, block_size: int = 256
 ) -> int:
     """Cache bytes of one request of ``context_len`` tokens in format ``fmt`` (block rounding included)."""
-    require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+    require_config(cfg)
     require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
     require_int("block_size", block_size, 1, error=InvalidPlanError)
     if fmt not in FORMATS:
@@ -142,7 +142,7 @@ def plan_formats(
 
     Raises ``TypeError`` / ``ValueError`` (``InvalidPlanError``) naming the argument: ``cfg`` not a
     ``ModelConfig``, ``context_len`` / ``memory_bytes`` / ``block_size`` not an int in range, an unknown format."""
-    require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+    require_config(cfg)
     require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
     require_int("memory_bytes", memory_bytes, 0, error=InvalidPlanError)
     require_int("block_size", block_size, 1, error=InvalidPlanError)

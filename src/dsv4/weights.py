@@ -33,17 +33,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from .config import LayerKind, ModelConfig
-from .validate import describe, require_device, require_float_dtype, require_instance, require_int
+from .config import LayerKind, ModelConfig, require_config
+from .validate import describe, require_device, require_float_dtype, require_int
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointIndex
 
 __all__ = ["AttentionWeights", "CompressorWeights", "IndexerWeights"]
-
-
-def _check_config(cfg: object) -> None:
-    require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
 
 
 @dataclass
@@ -97,7 +93,7 @@ class AttentionWeights:
         Raises ``TypeError`` / ``ValueError`` naming the argument (``cfg`` not a ``ModelConfig``, ``layer_idx`` /
         ``seed`` not an int, ``dtype`` not a floating dtype, a device that does not exist), ``IndexError`` for a
         layer the config does not have."""
-        _check_config(cfg)
+        require_config(cfg)
         layer_idx = require_int("layer_idx", layer_idx)
         seed = require_int("seed", seed, 0, 2**62)
         require_float_dtype("dtype", dtype)
@@ -235,7 +231,7 @@ class AttentionWeights:
             raise TypeError(f"path must be a checkpoint directory, a .safetensors file or a CheckpointIndex, got {describe(path)}")
         layer_idx = require_int("layer_idx", layer_idx)
         if cfg is not None:
-            _check_config(cfg)
+            require_config(cfg)
         require_float_dtype("dtype", dtype)
         require_device("device", device)
         index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
@@ -300,7 +296,7 @@ class AttentionWeights:
 
     def check(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Raise ``ValueError`` naming every tensor whose shape does not fit ``cfg``'s layer ``layer_idx``."""
-        _check_config(cfg)
+        require_config(cfg)
         if self.compressor is not None and not isinstance(self.compressor, CompressorWeights):
             raise TypeError(f"compressor must be a CompressorWeights or None, got {describe(self.compressor)}")
         if self.indexer is not None and not isinstance(self.indexer, IndexerWeights):

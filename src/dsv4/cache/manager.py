@@ -18,9 +18,9 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig
+from ..config import ModelConfig, require_config
 from ..numerics import Numerics, NumericsLike, resolve_numerics
-from ..validate import require_device, require_instance
+from ..validate import require_device
 from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch
 from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
@@ -143,7 +143,7 @@ class HybridCache:
         numerics: NumericsLike = "official",
         max_step_tokens: int | None = None,
     ) -> None:
-        require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+        require_config(cfg)
         if (num_blocks is None) == (memory_bytes is None):
             raise InvalidPlanError("give exactly one of num_blocks / memory_bytes")
         _check_int("block_size", block_size, 1)

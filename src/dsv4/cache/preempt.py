@@ -12,7 +12,12 @@ addressed through the block table, ring slots by position), so moving pages to o
 the layers compute. ``HybridCache.preempt_request`` is ``save_request`` followed by ``release``.
 
 Save between steps: after ``prepare_forward`` the token count already includes the prepared step, but its data
-is written only when the layers run it, so a request saved in between would be restored without that data.
+is written only when the layers run it. ``save_request`` refuses a request whose step some but not all layers have
+run (``StepOrderError``); one saved before any layer ran its step records that in ``RequestSnapshot.missing``, and
+the restored request is refused by the layers (``dsv4.cache.steps``).
+
+Integrity: ``save_request`` stores a checksum of the snapshot; ``restore_request`` validates every field, tensor,
+the checksum and the values before it writes a byte (``check_snapshot``, ``dsv4.cache.integrity``).
 
 Pages are copied whole (the part of the last block that holds no entry yet is copied too, so a restored block is
 byte-for-byte the saved one). Blocks shared with other requests (reference count > 1) are saved as copies and

@@ -26,9 +26,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..config import LayerKind, ModelConfig
+from ..config import LayerKind, ModelConfig, require_config
 from ..numerics import NumericsLike, resolve_numerics
-from ..validate import require_instance, require_int
+from ..validate import require_int
 from .errors import InvalidPlanError
 from .storage import EntryStorage, index_storage, kv_storage
 
@@ -308,7 +308,7 @@ def plan_capacity(
 ) -> CapacityPlan:
     """Capacity of a ``memory_bytes`` cache for requests of ``context_len`` tokens (block rounding and page padding
     included, exactly as ``HybridCache`` allocates)."""
-    require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+    require_config(cfg)
     require_int("memory_bytes", memory_bytes, 0, error=InvalidPlanError)
     require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
     require_int("block_size", block_size, 1, error=InvalidPlanError)

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..cache import HybridCache, blocks_for_tokens, layer_schemas
 from ..cache.schema import resolve_layers
 from ..cache.batch import StepBatch
-from ..config import LayerKind, ModelConfig
+from ..config import LayerKind, ModelConfig, require_config
 from ..layer import Attention
 from ..numerics import Numerics, resolve_numerics
 from ..reference.primitives import rms_norm
@@ -325,7 +325,7 @@ class Engine:
         hidden: Callable[[Tensor, Tensor], Tensor] | None = None,
         progress: bool = False,
     ) -> None:
-        require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+        require_config(cfg)
         if config is not None:
             require_instance("config", config, EngineConfig)
         if weights is not None and not (isinstance(weights, Mapping) or callable(weights)):

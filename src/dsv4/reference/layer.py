@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import LayerKind, ModelConfig
+from ..config import LayerKind, ModelConfig, require_config
 from ..numerics import Numerics, NumericsLike, resolve_numerics
 from ..validate import require_instance, require_int
 from ..weights import AttentionWeights
@@ -137,7 +137,7 @@ def forward(
         x: ``[S, d]`` attention input (the output of ``attn_norm``), any float dtype; cast to the act dtype.
     """
     require_instance("w", w, AttentionWeights, "build them with AttentionWeights.random / from_checkpoint")
-    require_instance("cfg", cfg, ModelConfig, "use ModelConfig.preset(name) or ModelConfig.from_hf(dict)")
+    require_config(cfg)
     require_int("layer_idx", layer_idx)
     nm = resolve_numerics(numerics)
     w.check(cfg, layer_idx)
