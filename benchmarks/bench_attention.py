@@ -41,6 +41,8 @@ import torch
 
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
 
+REQUIRES_CUDA = True  # dsv4 bench skips this script on other devices (dsv4.bench.suite)
+
 ENTRY = 584
 WINDOW = 128
 # FlashMLA SM90 sparse kernels on an H200, same shapes and pages (the reference points), in µs.

@@ -38,6 +38,8 @@ from dsv4.kernels.indexer.scores_plan import MAX_TILES_PER_SPLIT, ScoresPlan, he
 from dsv4.kernels.indexer.topk import radix_topk
 from dsv4.kernels.indexer.topk_plan import TopkPlan, plan_topk
 
+REQUIRES_CUDA = True  # dsv4 bench skips this script on other devices (dsv4.bench.suite)
+
 H, C, K_TOP, M, BLOCK = 64, 128, 512, 4, 256
 CEILINGS: dict[str, float] = {}  # measured copy bandwidth and FP8 matmul rate of this run
 EPP = BLOCK // M  # entries per page

@@ -26,6 +26,8 @@ from dsv4.kernels.attention.bf16_keys import bf16_keys  # noqa: E402
 from dsv4.kernels.attention.launch import sparse_attention_fwd  # noqa: E402
 from dsv4.kernels.device import sm_count  # noqa: E402
 
+REQUIRES_CUDA = True  # dsv4 bench skips this script on other devices (dsv4.bench.suite)
+
 #: (heads, top-k, tokens before the chunk)
 SHAPES = [(64, 64, 8192), (64, 256, 8192), (64, 512, 8192), (64, 1024, 8192), (64, 2048, 16384),
           (128, 64, 8192), (128, 1024, 8192)]

@@ -27,6 +27,8 @@ from dsv4.cache import HybridCache
 from dsv4.layer import Attention
 from dsv4.ops import torch_ops, triton_ops
 
+REQUIRES_CUDA = True  # dsv4 bench skips this script on other devices (dsv4.bench.suite)
+
 LAYERS = {"v4-flash": {"swa": 0, "csa": 2, "hca": 3}, "v4-pro": {"csa": 2, "hca": 3}}
 
 

@@ -40,7 +40,8 @@ def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, backe
     for r in range(batch):
         cache.add_request(f"r{r}")
     if context:
-        cache.prepare_forward({f"r{r}": context for r in range(batch)})  # positions only
+        # positions only: claim_step records the step as run (its data stays empty), so the layer accepts the requests
+        cache.claim_step(cache.prepare_forward({f"r{r}": context for r in range(batch)}))
     new = max(prefill, 1)
     x = torch.randn(batch * new, cfg.hidden_size, device="cuda").bfloat16()
     for _ in range(2):  # compile and warm up

@@ -11,6 +11,7 @@ import torch
 
 import dsv4
 from dsv4.cache import HybridCache
+from dsv4.cache.integrity import canonical_ring_positions
 
 
 @pytest.fixture
@@ -38,6 +39,25 @@ def bytes_per_block(cache: HybridCache) -> int:
 def bytes_per_slot(cache: HybridCache) -> int:
     """State bytes of one slot over all layers, from the tensors themselves."""
     return sum(math.prod(t.shape[1:]) * t.element_size() for d in cache.state.tensors.values() for t in d.values())
+
+
+def plausible_random_row(
+    cache: HybridCache, layer: int, name: str, like: torch.Tensor, num_tokens: int, g: torch.Generator
+) -> torch.Tensor:
+    """Random contents for one row of cache tensor ``name`` of ``layer`` (shaped like ``like``) that a cache of
+    ``num_tokens`` tokens can hold, so ``restore_request``'s value checks accept a snapshot of it: ring positions as
+    after ``num_tokens`` tokens, ring and pool pages full of random entries encoded in the layer's storage format
+    (never NaN), float state standard normal."""
+    if name == "ring_positions":
+        return canonical_ring_positions(num_tokens, like.shape[0]).to(like.dtype)
+    if like.dtype == torch.uint8:
+        schema = cache.schemas[layer]
+        storage = schema.index_storage if name == "index_pages" else schema.kv_storage
+        n = storage.entries_per_page(like.shape[0])
+        page = torch.zeros(1, like.shape[0], dtype=torch.uint8)
+        storage.write(page, torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.randn(n, storage.dim, generator=g))
+        return page[0]
+    return torch.randn(like.shape, generator=g).to(like.dtype)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

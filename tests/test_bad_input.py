@@ -12,7 +12,9 @@ retrying a step after a rejected input.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -24,14 +26,24 @@ from cache_oracle import one_thread  # noqa: F401
 import dsv4
 from dsv4.cache import (
     CacheFullError,
+    CorruptSnapshotError,
     DuplicateRequestError,
     HybridCache,
     IncompatibleSnapshotError,
     InvalidPlanError,
+    NonFiniteError,
     RequestSnapshot,
+    StaleBatchError,
+    StepOrderError,
     UnknownRequestError,
+    plan_capacity,
 )
+from dsv4.cache.integrity import snapshot_digest
+from dsv4.config import InvalidConfigError
+from dsv4.engine import Engine, EngineConfig
+from dsv4.engine.graphs import pad_step_batch
 from dsv4.layer import Attention
+from dsv4.planner import parse_bytes, plan_formats
 
 TINY = dsv4.ModelConfig.preset("tiny")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +53,8 @@ ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e
     for e in (
         CacheFullError, DuplicateRequestError, IncompatibleSnapshotError, InvalidPlanError, UnknownRequestError,
-        ValueError, TypeError, KeyError, IndexError,
+        CorruptSnapshotError, StaleBatchError, StepOrderError, NonFiniteError, InvalidConfigError,
+        ValueError, TypeError, KeyError, IndexError, SystemExit,
     )
 }
 try:  # checkpoint loading (dsv4.checkpoint) may not exist yet in every checkout
@@ -90,6 +103,7 @@ class Env:
     layers: dict[int, Attention]
     batch: dsv4.StepBatch
     snap: RequestSnapshot  # a snapshot of request "a" taken before the step
+    tmp: Path = Path(".")  # a scratch folder (files some cases write)
 
     def x(self, **kw) -> torch.Tensor:
         return torch.randn(self.batch.num_tokens, TINY.hidden_size, **kw)
@@ -101,8 +115,10 @@ def weights() -> dict[int, dsv4.AttentionWeights]:
 
 
 @pytest.fixture
-def env(weights) -> Env:
-    return make_env(weights)
+def env(weights, tmp_path) -> Env:
+    e = make_env(weights)
+    e.tmp = tmp_path
+    return e
 
 
 def make_env(weights: dict[int, dsv4.AttentionWeights]) -> Env:
@@ -170,6 +186,114 @@ def nan_weights() -> dsv4.AttentionWeights:
     w = dsv4.AttentionWeights.random(TINY, 2, seed=0)
     w.compressor.ape[0, 3] = float("nan")
     return w
+
+
+def cfg_with(**changes) -> Callable[[], object]:
+    return lambda: TINY.replace(**changes)
+
+
+def hf_dict(**changes) -> dict:
+    d = TINY.to_hf_dict()
+    d.update(changes)
+    return d
+
+
+def bad_json_config(env: Env) -> Callable[[], object]:
+    path = env.tmp / "config.json"
+    path.write_text('{"hidden_size": 128,,}')
+    return lambda: dsv4.ModelConfig.from_hf(path)
+
+
+def layer_calls(env: Env, batch: object = None, x: Callable[[Env], torch.Tensor] | None = None) -> list[Callable[[], object]]:
+    """``layer(x, batch, cache)`` for every layer kind (``batch`` default: the env's current one)."""
+    return forward_each_layer(env, x or (lambda e: e.x()), batch)
+
+
+def stale_after(env: Env, change: Callable[[Env], object]) -> list[Callable[[], object]]:
+    """Keep the env's batch, make a mutating call, then run every layer on the old batch."""
+    old = env.batch
+    change(env)
+    return layer_calls(env, old)
+
+
+def partly_run(env: Env) -> None:
+    """Layer 0 runs the env's current step; layers 1 and 2 have not."""
+    env.layers[0](env.x(), env.batch, env.cache)
+
+
+def other_cache_batch(env: Env) -> dsv4.StepBatch:
+    other = HybridCache(TINY, layers=LAYERS, max_requests=3, num_blocks=4, block_size=16, max_step_tokens=64)
+    for rid in "ab":
+        other.add_request(rid)
+    return other.prepare_forward({"a": 3, "b": 1})
+
+
+def missing_data_calls(env: Env) -> list[Callable[[], object]]:
+    """The env's step is never run; the next step of the same requests is refused by every layer."""
+    batch = env.cache.prepare_forward({"a": 1, "b": 1})
+    return [lambda li=li: env.layers[li](torch.randn(2, TINY.hidden_size), batch, env.cache) for li in LAYERS]
+
+
+def restored_mid_step_calls(env: Env) -> list[Callable[[], object]]:
+    """``b`` is saved between prepare_forward and the layers (its snapshot lacks the step's data), restored as ``b2``."""
+    snap = env.cache.save_request("b")
+    env.cache.release("c")
+    env.cache.restore_request("b2", snap)
+    batch = env.cache.prepare_forward({"b2": 1})
+    return [lambda li=li: env.layers[li](torch.randn(1, TINY.hidden_size), batch, env.cache) for li in LAYERS]
+
+
+def fresh_layer(env: Env, li: int, **kw) -> Attention:
+    return Attention(copy.deepcopy(env.layers[li].weights), TINY, li, backend="torch", **kw)
+
+
+def nan_weights_after_build(env: Env) -> list[Callable[[], object]]:
+    calls = []
+    for li in LAYERS:
+        layer = fresh_layer(env, li)
+        layer.weights.wkv[3, 5] = float("nan")  # after construction (which checked the weights)
+        calls.append(lambda layer=layer: layer(env.x(), env.batch, env.cache))
+    return calls
+
+
+def overflowing_x(env: Env) -> torch.Tensor:
+    return env.x().sign() * 3e38  # finite float32, but the projections overflow
+
+
+def nan_x_unchecked(env: Env) -> list[Callable[[], object]]:
+    return [lambda li=li: fresh_layer(env, li, check_inputs=False)(with_nan(env), env.batch, env.cache) for li in LAYERS]
+
+
+def forged(snap: RequestSnapshot, **changes) -> RequestSnapshot:
+    """A snapshot with ``changes`` and a freshly computed checksum (what a forger, or a bug, could produce)."""
+    s = dataclasses.replace(snap, **changes)
+    return dataclasses.replace(s, checksum=snapshot_digest(s.request_id, s.num_tokens, s.num_blocks, s.missing,
+                                                            s.geometry, s.state, s.pages))
+
+
+def with_tensor(snap: RequestSnapshot, group: str, key: tuple, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    d = dict(getattr(snap, group))
+    d[key] = fn(d[key].clone())
+    return d
+
+
+def set_(t: torch.Tensor, index: tuple, value: float) -> torch.Tensor:
+    t[index] = value
+    return t
+
+
+def flipped_bit_snapshot(env: Env) -> RequestSnapshot:
+    pages = with_tensor(env.snap, "pages", (1, "kv_pages"), lambda t: t.bitwise_xor_(set_(torch.zeros_like(t), (0, 5), 1)))
+    return dataclasses.replace(env.snap, pages=pages)
+
+
+def nan_page_snapshot(env: Env) -> RequestSnapshot:
+    return forged(env.snap, pages=with_tensor(env.snap, "pages", (1, "kv_pages"), lambda t: set_(t, (0, 0), 0x7F)))
+
+
+def restore_calls(env: Env, snap_fn: Callable[[Env], object]) -> list[Callable[[], object]]:
+    free_one_slot(env)
+    return [lambda: env.cache.restore_request("a2", snap_fn(env))]
 
 
 # Each case: env -> list of zero-argument calls, every one of which must raise the row's error.
@@ -242,6 +366,101 @@ CASES: dict[str, Callable[[Env], list[Callable[[], object]]]] = {
     "S6": lambda e: (free_one_slot(e), [lambda: e.cache.restore_request("a2", misshapen_snapshot(e))])[1],
     "S7": lambda e: (free_one_slot(e), [lambda: e.cache.restore_request("a2", missing_tensor_snapshot(e))])[1],
     "S8": lambda e: (free_one_slot(e), [lambda: e.cache.restore_request("a2", {"num_tokens": 3})])[1],
+    # ---- ModelConfig
+    "G1": lambda e: [cfg_with(num_heads=-4), cfg_with(num_heads=0)],
+    "G2": lambda e: [cfg_with(num_heads=4.0)],
+    "G3": lambda e: [cfg_with(hidden_size=True)],
+    "G4": lambda e: [cfg_with(index_topk="8")],
+    "G5": lambda e: [cfg_with(index_topk=0)],
+    "G6": lambda e: [cfg_with(o_groups=3)],
+    "G7": lambda e: [cfg_with(rope_theta=v) for v in (1.0, 0.5, float("nan"), float("inf"))],
+    "G8": lambda e: [cfg_with(norm_eps=v) for v in (0.0, -1e-6, 2.0)],
+    "G9": lambda e: [cfg_with(compress_ratios=(0, 4, 8, 4, 0))],
+    "G10": lambda e: [cfg_with(hca_ratio=4)],
+    "G11": lambda e: [cfg_with(window=0)],
+    "G12": lambda e: [cfg_with(rope_dim=63), cfg_with(rope_dim=512)],
+    "G13": lambda e: [cfg_with(yarn_beta_fast=0.5)],
+    "G14": lambda e: [cfg_with(max_position=2**31)],
+    "G15": lambda e: [cfg_with(compress_ratios=(0, 4, 16, 4))],
+    "G16": lambda e: [lambda: dsv4.ModelConfig.from_hf(hf_dict(num_attention_heads=4.5))],
+    "G17": lambda e: [bad_json_config(e)],
+    "G18": lambda e: [lambda: dsv4.ModelConfig.preset(["tiny"])],
+    "G19": lambda e: [lambda: TINY.layer_kind(True), lambda: TINY.ratio(1.0)],
+    # ---- argument types at the API boundary
+    "T1": lambda e: [lambda: dsv4.AttentionWeights.random(TINY.to_hf_dict(), 0)],
+    "T2": lambda e: [lambda: dsv4.AttentionWeights.random(TINY, True), lambda: dsv4.AttentionWeights.random(TINY, 1.0)],
+    "T3": lambda e: [lambda: dsv4.AttentionWeights.random(TINY, 0, seed=1.5)],
+    "T4": lambda e: [lambda: dsv4.AttentionWeights.random(TINY, 0, device="tpu")],
+    "T5": lambda e: [lambda: dsv4.AttentionWeights.random(TINY, 0, device="cuda:99")],
+    "T6": lambda e: [lambda: dsv4.AttentionWeights.random(TINY, 0, dtype=torch.int32)],
+    "T7": lambda e: [lambda: dsv4.AttentionWeights.from_hf_module(None), lambda: dsv4.AttentionWeights.from_hf_module(torch.nn.Linear(2, 2))],
+    "T8": lambda e: [lambda: dsv4.AttentionWeights.from_checkpoint(3, 0, cfg=TINY)],
+    "T9": lambda e: [lambda: Attention(None, TINY, 0)],
+    "T10": lambda e: [lambda: Attention(e.layers[0].weights, TINY.to_hf_dict(), 0)],
+    "T11": lambda e: [lambda: Attention(e.layers[1].weights, TINY, 1.0)],
+    "T12": lambda e: [lambda: Attention(e.layers[0].weights, TINY, 0, nan_policy="warn")],
+    "T13": lambda e: [lambda: Attention(e.layers[0].weights, TINY, 0, check_inputs="yes")],
+    "T14": lambda e: [lambda: Attention(dataclasses.replace(weights_with(1), compressor=dataclasses.replace(
+        weights_with(1).compressor, wkv=None)), TINY, 1)],
+    "T15": lambda e: [lambda: HybridCache(TINY.to_hf_dict(), num_blocks=4)],
+    "T16": lambda e: [lambda: HybridCache(TINY, layers=[1.0], num_blocks=4), lambda: HybridCache(TINY, layers=[True], num_blocks=4)],
+    "T17": lambda e: [lambda: HybridCache(TINY, num_blocks=4, device="tpu")],
+    "T18": lambda e: [lambda: HybridCache(TINY, num_blocks=4, numerics=3)],
+    "T19": lambda e: [lambda: HybridCache(TINY, num_blocks=4, block_size=True)],
+    "T20": lambda e: [lambda: e.cache.prepare_forward({"c": 1}, max_blocks=2.5)],
+    "T21": lambda e: [lambda li=li: e.layers[li](e.x(), e.batch, {"cache": 1}) for li in LAYERS],
+    "T22": lambda e: [lambda: EngineConfig(max_running=0)],
+    "T23": lambda e: [lambda: EngineConfig(block_size=64.0)],
+    "T24": lambda e: [lambda: EngineConfig(decode_tokens=5)],
+    "T25": lambda e: [lambda: EngineConfig(device="tpu")],
+    "T26": lambda e: [lambda: EngineConfig(check_finite=1)],
+    "T27": lambda e: [lambda: EngineConfig(max_batched_tokens=0)],
+    "T28": lambda e: [lambda: Engine(TINY.to_hf_dict())],
+    "T29": lambda e: [lambda: Engine(TINY, config={"device": "cpu"})],
+    "T30": lambda e: [lambda: Engine(TINY, layers=[True, False], config=EngineConfig(device="cpu"))],
+    "T31": lambda e: [lambda: dsv4.reference.attention(None, TINY, 0, e.x())],
+    "T32": lambda e: [lambda: dsv4.reference.attention(e.layers[0].weights, TINY, 0, e.x().tolist())],
+    "T33": lambda e: [lambda: dsv4.reference.attention(e.layers[0].weights, TINY, 0.0, e.x())],
+    "T34": lambda e: [lambda: plan_formats(TINY, 4096.0, 1 << 30)],
+    "T35": lambda e: [lambda: plan_capacity(TINY, -1, 4096)],
+    "T36": lambda e: [lambda: plan_formats(TINY.to_hf_dict(), 4096, 1 << 30)],
+    "T37": lambda e: [lambda: parse_bytes("lots")],
+    # ---- a batch bound to its cache step
+    "B1": lambda e: stale_after(e, lambda e: e.cache.release("c")),
+    "B2": lambda e: stale_after(e, lambda e: e.cache.prepare_forward({"c": 1})),
+    "B3": lambda e: stale_after(e, lambda e: (e.cache.release("c"), e.cache.add_request("d"))),
+    "B4": lambda e: stale_after(e, lambda e: (e.cache.release("b"), e.cache.restore_request("a2", e.snap))),
+    "B5": lambda e: stale_after(e, lambda e: e.cache.preempt_request("c")),
+    "B6": lambda e: layer_calls(e, other_cache_batch(e)),
+    "B7": lambda e: layer_calls(e, dataclasses.replace(e.batch, ticket=None)),
+    "B8": lambda e: (partly_run(e), [lambda: e.layers[0](e.x(), e.batch, e.cache)])[1],
+    "B9": lambda e: (partly_run(e), [lambda: e.cache.prepare_forward({"c": 1})])[1],
+    "B10": lambda e: (partly_run(e), [lambda: e.cache.add_request("d")])[1],
+    "B11": lambda e: (partly_run(e), [lambda: e.cache.save_request("a"), lambda: e.cache.preempt_request("b")])[1],
+    "B12": lambda e: (partly_run(e), [lambda: e.cache.restore_request("a2", e.snap)])[1],
+    "B13": missing_data_calls,
+    "B14": restored_mid_step_calls,
+    "B15": lambda e: (lambda old: (e.cache.release("c"), [lambda: e.cache.claim_step(old)])[1])(e.batch),
+    "B16": lambda e: (partly_run(e), [lambda: e.cache.claim_step(e.batch, [0])])[1],
+    "B17": lambda e: [lambda: e.cache.claim_step(e.batch, [1.0])],
+    "B18": lambda e: [lambda: pad_step_batch(e.cache, ["c"], [1], 2, 1, 4, 0, 0)],
+    # ---- NaN / Inf produced inside a layer step (nan_policy="raise": rolled back)
+    "N1": nan_weights_after_build,
+    "N2": lambda e: forward_each_layer(e, overflowing_x),
+    "N3": nan_x_unchecked,
+    # ---- snapshots: checksum, values, devices, dtypes, fields
+    "S9": lambda e: restore_calls(e, flipped_bit_snapshot),
+    "S10": lambda e: restore_calls(e, lambda e: dataclasses.replace(e.snap, num_tokens=31)),
+    "S11": lambda e: restore_calls(e, lambda e: forged(e.snap, state=with_tensor(
+        e.snap, "state", (1, "tail_kv"), lambda t: set_(t, (0, 0), float("nan"))))),
+    "S12": lambda e: restore_calls(e, lambda e: forged(e.snap, state=with_tensor(
+        e.snap, "state", (0, "ring_positions"), lambda t: set_(t, (0,), 999)))),
+    "S13": lambda e: restore_calls(e, nan_page_snapshot),
+    "S14": lambda e: restore_calls(e, lambda e: dataclasses.replace(e.snap, state=with_tensor(
+        e.snap, "state", (2, "tail_kv"), lambda t: t.to("meta")))),
+    "S15": lambda e: restore_calls(e, lambda e: forged(e.snap, state=with_tensor(
+        e.snap, "state", (1, "tail_kv"), lambda t: t.double()))),
+    "S16": lambda e: restore_calls(e, lambda e: dataclasses.replace(e.snap, num_tokens="30")),
 }
 
 
@@ -249,9 +468,11 @@ ROWS = doc_rows()
 
 
 def test_table_and_cases_match() -> None:
-    """Every row of docs/errors.md has a case and every case a row (checkpoint cases are defined further down)."""
-    cases = set(CASES) | set(CHECKPOINT_CASES)
-    assert len(ROWS) >= 20
+    """Every row of docs/errors.md has a case and every case a row (checkpoint and CLI cases are defined further
+    down)."""
+    cases = set(CASES) | set(CHECKPOINT_CASES) | set(CLI_CASES)
+    assert not set(CASES) & set(CHECKPOINT_CASES) and not set(CASES) & set(CLI_CASES)
+    assert len(ROWS) >= 90
     assert not sorted(set(ROWS) - cases), f"rows of docs/errors.md without a test case: {sorted(set(ROWS) - cases)}"
     assert not sorted(cases - set(ROWS)), f"test cases without a row in docs/errors.md: {sorted(cases - set(ROWS))}"
     for row in ROWS.values():
@@ -272,32 +493,131 @@ def test_row(env: Env, row_id: str) -> None:
         assert row.message in str(info.value), f"row {row_id}: message {str(info.value)!r} lacks {row.message!r}"
         env.cache.assert_same(before)
     env.cache.check_invariants()
+    assert_usable(env)
+
+
+def assert_usable(env: Env) -> None:
+    """After failing calls the cache still works: with its requests released, a new request computes exactly as
+    in a fresh cache (outputs bit for bit, every layer kind)."""
+    cache = env.cache
+    for rid in cache.active_requests:
+        cache.release(rid)
+    fresh = HybridCache(TINY, layers=LAYERS, max_requests=3, num_blocks=4, block_size=16, max_step_tokens=64)
+    x = torch.randn(21, TINY.hidden_size, generator=torch.Generator().manual_seed(3))
+    batches = []
+    for c in (cache, fresh):
+        c.add_request("u")
+        batches.append(c.prepare_forward({"u": 21}))
+    for li in LAYERS:
+        got = env.layers[li](x, batches[0], cache)
+        want = env.layers[li](x, batches[1], fresh)
+        assert torch.isfinite(got).all() and torch.equal(got, want), f"layer {li} computes differently after the errors"
+    cache.check_invariants()
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-def _checkpoint_case(kind: str) -> Callable[[Path], list[Callable[[], object]]]:
-    """A one-file checkpoint of tiny layer 1 (CSA) under the official names with one tensor removed or cut."""
+CK_LAYER = 1  # tiny layer 1 (CSA): every kind of tensor
+
+
+def _ck_key(name: str) -> str:
+    from dsv4.checkpoint import OFFICIAL_NAMES
+
+    return f"layers.{CK_LAYER}.attn.{OFFICIAL_NAMES[name][0]}"
+
+
+def _ck_tensors() -> dict[str, torch.Tensor]:
+    """Tiny layer 1's weights under the official checkpoint names."""
+    w = dsv4.AttentionWeights.random(TINY, CK_LAYER, seed=0)
+    return {_ck_key(name): t.contiguous() for name, t in w.named_tensors()}
+
+
+def _ck_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+
+
+def _load(path: Path, cfg: dsv4.ModelConfig | None = TINY) -> Callable[[], object]:
+    return lambda: dsv4.AttentionWeights.from_checkpoint(path, CK_LAYER, cfg=cfg)
+
+
+def _checkpoint_case(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], list[Callable[[], object]]]:
+    """A one-file checkpoint of tiny layer 1 with ``change`` applied to its tensors."""
 
     def case(tmp_path: Path) -> list[Callable[[], object]]:
-        from safetensors.torch import save_file
-
-        from dsv4.checkpoint import OFFICIAL_NAMES
-
-        li = 1
-        w = dsv4.AttentionWeights.random(TINY, li, seed=0)
-        tensors = {f"layers.{li}.attn.{OFFICIAL_NAMES[name][0]}": t.contiguous() for name, t in w.named_tensors()}
-        if kind == "missing":
-            del tensors[f"layers.{li}.attn.compressor.wgate.weight"]
-        else:
-            key = f"layers.{li}.attn.wkv.weight"
-            tensors[key] = tensors[key][:, :-1].contiguous()
-        save_file(tensors, str(tmp_path / "model.safetensors"))
-        return [lambda: dsv4.AttentionWeights.from_checkpoint(tmp_path, li, cfg=TINY)]
+        tensors = _ck_tensors()
+        change(tensors)
+        _ck_save(tensors, tmp_path / "model.safetensors")
+        return [_load(tmp_path)]
 
     return case
 
 
-CHECKPOINT_CASES = {"K1": _checkpoint_case("missing"), "K2": _checkpoint_case("misshapen")}
+def _truncated(tmp_path: Path) -> list[Callable[[], object]]:
+    f = tmp_path / "model.safetensors"
+    _ck_save(_ck_tensors(), f)
+    data = f.read_bytes()
+    calls = []
+    for keep in (len(data) // 2, 8):  # the data cut, and the header cut
+        d = tmp_path / f"cut{keep}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(data[:keep])
+        calls.append(_load(d))
+    return calls
+
+
+def _two_shards(tmp_path: Path, index: dict | str | None, wkv_in_both: bool = False) -> list[Callable[[], object]]:
+    """Shard 1: every tensor but wkv; shard 2: wkv (and ``wkv_in_both``: shard 1 too); ``index``: the index JSON."""
+    tensors = _ck_tensors()
+    wkv = {_ck_key("wkv"): tensors.pop(_ck_key("wkv"))}
+    _ck_save({**tensors, **(wkv if wkv_in_both else {})}, tmp_path / "model-1.safetensors")
+    _ck_save(wkv, tmp_path / "model-2.safetensors")
+    if index is not None:
+        text = index if isinstance(index, str) else json.dumps(index)
+        (tmp_path / "model.safetensors.index.json").write_text(text)
+    return [_load(tmp_path)]
+
+
+def _weight_map(wkv_file: str) -> dict:
+    names = list(_ck_tensors())
+    return {"weight_map": {n: ("model-1.safetensors" if n != _ck_key("wkv") else wkv_file) for n in names}}
+
+
+def _with_config(tmp_path: Path, text: str) -> list[Callable[[], object]]:
+    _ck_save(_ck_tensors(), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(text)
+    return [_load(tmp_path, cfg=None)]
+
+
+def _set(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[_ck_key(name)] = fn(tensors[_ck_key(name)]).contiguous()
+
+    return change
+
+
+def _nan_at_0(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+CHECKPOINT_CASES = {
+    "K1": _checkpoint_case(lambda t: t.pop(_ck_key("compressor.wgate"))),
+    "K2": _checkpoint_case(_set("wkv", lambda t: t[:, :-1])),
+    "K3": _truncated,
+    "K4": lambda p: _two_shards(p, _weight_map("model-1.safetensors")),
+    "K5": lambda p: _two_shards(p, None, wkv_in_both=True),
+    "K6": _checkpoint_case(_set("attn_sink", lambda t: t.to(torch.int32))),
+    "K7": _checkpoint_case(_set("q_norm", lambda t: t > 0)),
+    "K8": lambda p: _two_shards(p, '{"weight_map": {"a": "model-1.safetensors",}}'),
+    "K9": lambda p: _with_config(p, '{"hidden_size": 128'),
+    "K10": _checkpoint_case(_set("compressor.ape", _nan_at_0)),
+    "K11": lambda p: _two_shards(p, _weight_map("model-9.safetensors")),
+    "K12": lambda p: _two_shards(p, '{"weight_map": {"x": "model-1.safetensors", "x": "model-2.safetensors"}}'),
+    "K13": lambda p: _with_config(p, json.dumps(hf_dict(num_attention_heads=-4))),
+    "K14": lambda p: [_load(p / "nowhere")],
+}
 
 
 @pytest.mark.parametrize("row_id", sorted(set(CHECKPOINT_CASES) & set(ROWS)))
@@ -310,17 +630,74 @@ def test_checkpoint_row(tmp_path: Path, row_id: str) -> None:
             call()
         assert type(info.value) is ERRORS[row.error], f"row {row_id}: raised {type(info.value).__name__}: {info.value}"
         assert row.message in str(info.value), f"row {row_id}: message {str(info.value)!r} lacks {row.message!r}"
+        if row.error == "CheckpointError" and row_id != "K14":  # the message names the file
+            assert str(tmp_path) in str(info.value), f"row {row_id}: {info.value} does not name the file"
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def _cli_files(tmp_path: Path) -> dict[str, str]:
+    """A config with a negative head count, and a checkpoint folder whose .safetensors is corrupted."""
+    neg = tmp_path / "neg.json"
+    neg.write_text(json.dumps(hf_dict(num_attention_heads=-4)))
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    (ck / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    return {"neg": str(neg), "ck": str(ck), "missing": str(tmp_path / "no" / "such" / "out.json"),
+            "png": str(tmp_path / "no" / "plot.png")}
+
+
+RUN = ["run", "--device", "cpu", "--no-progress"]
+CLI_CASES: dict[str, Callable[[dict[str, str]], list[list[str]]]] = {
+    "L1": lambda f: [RUN + ["--cache-memory", "lots"]],
+    "L2": lambda f: [RUN[:1] + ["--device", "tpu"]],
+    "L3": lambda f: [RUN[:1] + ["--device", "cuda:99"]],
+    "L4": lambda f: [RUN + ["--json", f["missing"]]],
+    "L5": lambda f: [RUN + ["--checkpoint", f["ck"]]],
+    "L6": lambda f: [RUN + ["--config", f["neg"]]],
+    "L7": lambda f: [["plan", "--config", f["neg"]]],
+    "L8": lambda f: [RUN + ["--block-size", "0"]],
+    "L9": lambda f: [RUN + ["--max-running", "0"]],
+    "L10": lambda f: [RUN + ["--max-batched-tokens", "0"]],
+    "L11": lambda f: [RUN + ["--prompt-len", "100000"]],
+    "L12": lambda f: [RUN + ["--block-size", "24"]],
+    "L13": lambda f: [RUN + ["--requests", "2.5"]],
+    "L14": lambda f: [RUN + ["--config", "missing.json"]],
+    "L15": lambda f: [["plan", "--memory", "lots"]],
+    "L16": lambda f: [["plan", "--preset", "tiny", "--plot", f["png"]]],
+    "L17": lambda f: [["bench", "--device", "cpu", "--dir", f["missing"]]],
+    "L18": lambda f: [["check", "--device", "cpu", "--layers", "9"]],
+}
+
+
+@pytest.mark.parametrize("row_id", sorted(set(CLI_CASES) & set(ROWS)))
+def test_cli_row(tmp_path: Path, capsys: pytest.CaptureFixture[str], row_id: str) -> None:
+    """The command stops before any work with one line naming the value (argparse: usage, then that line; exit
+    status 2) or ``error: …`` (exit status 1), and no traceback."""
+    from dsv4.cli import main
+
+    row = ROWS[row_id]
+    for argv in CLI_CASES[row_id](_cli_files(tmp_path)):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        out = capsys.readouterr()
+        code = info.value.code
+        last = code if isinstance(code, str) else out.err.strip().splitlines()[-1]
+        status = 1 if isinstance(code, str) else code
+        assert status in (1, 2), f"row {row_id}: exit status {status}"
+        assert "\n" not in last and row.message in last, f"row {row_id}: {last!r} lacks {row.message!r}"
+        assert "Traceback" not in out.out + out.err and not out.out.strip(), f"row {row_id}: printed {out.out!r}"
 
 
 # ------------------------------------------------------------------------------------------------ NaN policy
 def test_nan_without_check_stays_inside_its_request(weights) -> None:
-    """``check_inputs=False`` (e.g. inside CUDA graphs): a NaN in one request's hidden states reaches that
+    """``check_inputs=False, nan_policy="off"``: a NaN in one request's hidden states reaches that
     request's outputs and cache only. The other request's outputs and cache bytes equal a run without the NaN, and
     after the poisoned request is released, a new request reusing its slot and blocks sees no trace of it."""
     T_a, T_b = 37, 21
     xa, xb = torch.randn(T_a, TINY.hidden_size), torch.randn(T_b, TINY.hidden_size)
     for li in LAYERS:
-        layer = Attention(weights[li], TINY, li, check_inputs=False)
+        layer = Attention(weights[li], TINY, li, check_inputs=False, nan_policy="off")
         runs = {}
         for poison in (False, True):
             cache = HybridCache(TINY, layers=[li], max_requests=2, num_blocks=8, block_size=16)

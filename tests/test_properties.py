@@ -6,8 +6,8 @@ Three state machines run random workloads and check invariants after every step:
   including failing calls (too many blocks, double free, invalid ids), which must change nothing.
 * ``CacheMachine`` — ``HybridCache`` bookkeeping and data: add / prepare_forward / release / save / preempt /
   restore and failing calls, for random layer subsets, block sizes, pool sizes, slot counts and token budgets. After
-  a successful step it writes random bytes where the layers would (the state rows of the scheduled requests, their
-  new and last blocks), and keeps its own copy: every active request's data must stay exactly what it wrote (so a
+  a successful step it writes random data where the layers would (the state rows of the scheduled requests, their
+  new and last blocks; random entries encoded in the storage formats, so restores accept them), and keeps its own copy: every active request's data must stay exactly what it wrote (so a
   block or slot handed to two owners, a lost page or a bad restore shows up), every failing call must leave the
   cache byte-for-byte unchanged and raise the error the model predicts, every block must be owned exactly once or
   free, the free list complete, tables valid, refcounts consistent, and reused slots reset.
@@ -36,6 +36,7 @@ from cache_oracle import (
     check_against_reference,
     expected_blocks,
     one_thread,  # noqa: F401  (fixture)
+    plausible_random_row,
 )
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -179,13 +180,6 @@ class ReqModel:
     pages: list[dict[tuple[int, str], torch.Tensor]] = field(default_factory=list)  # logical block -> pages
 
 
-def random_like(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    if t.dtype.is_floating_point:
-        return torch.randn(t.shape, generator=g).to(t.dtype)
-    info = torch.iinfo(t.dtype)
-    return torch.randint(max(info.min, -1000), min(info.max, 1000) + 1, t.shape, generator=g).to(t.dtype)
-
-
 class CacheMachine(RuleBasedStateMachine):
     steps = 0
     restored_blocks = 0  # blocks brought back by successful restores (coverage statistic)
@@ -225,7 +219,7 @@ class CacheMachine(RuleBasedStateMachine):
         slot, table = c.slot(rid), c.block_table(rid)
         for li, d in c.state.tensors.items():
             for name, t in d.items():
-                row = random_like(t[slot], self.g)
+                row = plausible_random_row(c, li, name, t[slot], req.num_tokens, self.g)
                 t[slot] = row
                 req.state[(li, name)] = row
         while len(req.pages) < len(table):
@@ -233,7 +227,7 @@ class CacheMachine(RuleBasedStateMachine):
         for j in range(max(first_block, 0), len(table)):
             for li, d in c.pool.tensors.items():
                 for name, t in d.items():
-                    page = random_like(t[table[j]], self.g)
+                    page = plausible_random_row(c, li, name, t[table[j]], req.num_tokens, self.g)
                     t[table[j]] = page
                     req.pages[j][(li, name)] = page
 

@@ -15,8 +15,22 @@ Public API::
 """
 
 from . import formats, reference
-from .cache import CacheFullError, HybridCache, StepBatch
-from .config import LayerKind, ModelConfig
+from .cache import (
+    CacheFullError,
+    CorruptSnapshotError,
+    DuplicateRequestError,
+    HybridCache,
+    IncompatibleSnapshotError,
+    InvalidPlanError,
+    NonFiniteError,
+    RequestSnapshot,
+    StaleBatchError,
+    StepBatch,
+    StepOrderError,
+    UnknownRequestError,
+)
+from .checkpoint import CheckpointError
+from .config import InvalidConfigError, LayerKind, ModelConfig
 from .layer import Attention, StepOutputs
 from .numerics import Numerics
 from .weights import AttentionWeights, CompressorWeights, IndexerWeights
@@ -25,5 +39,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ModelConfig", "LayerKind", "Numerics", "AttentionWeights", "CompressorWeights", "IndexerWeights",
-    "HybridCache", "StepBatch", "CacheFullError", "Attention", "StepOutputs", "formats", "reference",
+    "HybridCache", "StepBatch", "RequestSnapshot", "Attention", "StepOutputs", "formats", "reference",
+    # errors (docs/errors.md)
+    "CacheFullError", "CheckpointError", "CorruptSnapshotError", "DuplicateRequestError", "IncompatibleSnapshotError",
+    "InvalidConfigError", "InvalidPlanError", "NonFiniteError", "StaleBatchError", "StepOrderError",
+    "UnknownRequestError",
 ]

@@ -31,6 +31,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +50,40 @@ __all__ = [
 
 
 class CheckpointError(ValueError):
-    """The checkpoint is missing, malformed, or lacks a tensor the layer needs."""
+    """The checkpoint is missing, malformed, or lacks a tensor the layer needs. The message names the file and,
+    where one is involved, the tensor."""
+
+
+def _load_json(path: str) -> Any:
+    """``json.load`` of ``path``; ``CheckpointError`` naming the file for malformed JSON or a repeated key."""
+
+    def no_repeats(pairs: list[tuple[str, Any]]) -> dict:
+        keys = [k for k, _ in pairs]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise CheckpointError(f"{path}: key {repeated[0]!r} appears more than once")
+        return dict(pairs)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f, object_pairs_hook=no_repeats)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: malformed JSON ({e})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not a UTF-8 JSON file") from None
+
+
+def _safe_open(path: str) -> Any:
+    """``safetensors.safe_open`` of ``path``; ``CheckpointError`` naming the file when it is truncated or not a
+    safetensors file."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, "pt")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file is missing") from None
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for unreadable files
+        raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupted?): {e}") from None
 
 
 # Our (official) field name → checkpoint suffixes after ``…layers.{i}.attn.`` (official) in order of preference.
@@ -203,9 +237,13 @@ class CheckpointIndex:
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> CheckpointIndex:
         """Index ``path``: a directory with ``model.safetensors.index.json``, or ``*.safetensors`` files, or one
-        ``.safetensors`` file."""
-        from safetensors import safe_open
+        ``.safetensors`` file.
 
+        Raises ``CheckpointError`` naming the file (and tensor): a missing path, malformed JSON (``config.json``,
+        the index), a truncated or corrupted ``.safetensors`` file, a tensor found in two files, an index entry
+        that is not ``name: file``."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
         p = os.fspath(path)
         if not os.path.exists(p):
             raise CheckpointError(f"checkpoint {p!r} does not exist")
@@ -220,9 +258,13 @@ class CheckpointIndex:
             cfg_path = os.path.join(p, "config.json")
             index_path = os.path.join(p, "model.safetensors.index.json")
             if os.path.exists(index_path):
-                with open(index_path) as f:
-                    weight_map = json.load(f).get("weight_map", {})
+                index = _load_json(index_path)
+                weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
+                if not isinstance(weight_map, dict):
+                    raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
                 for name, fname in weight_map.items():
+                    if not isinstance(fname, str) or not fname:
+                        raise CheckpointError(f"{index_path}: tensor {name!r} maps to {fname!r}, not a file name")
                     files[name] = os.path.join(p, fname)
                 shard_paths = []
             else:
@@ -230,35 +272,48 @@ class CheckpointIndex:
                 if not shard_paths:
                     raise CheckpointError(f"no .safetensors files (and no model.safetensors.index.json) in {p!r}")
         for sp in shard_paths:
-            with safe_open(sp, "pt") as f:
+            with _safe_open(sp) as f:
                 for name in f.keys():
+                    if name in files:
+                        raise CheckpointError(f"tensor {name!r} is in two files: {files[name]} and {sp}")
                     files[name] = sp
         if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
-                config = json.load(f)
+            config = _load_json(cfg_path)
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{cfg_path}: must hold a JSON object, got {type(config).__name__}")
         return cls(path=p, files=files, config=config)
 
     @property
     def block_size(self) -> tuple[int, int]:
         """FP8 weight block (``quantization_config.weight_block_size``, default 128×128)."""
         q = self.config.get("quantization_config") or {}
-        b = q.get("weight_block_size") or [128, 128]
+        b = q.get("weight_block_size") if isinstance(q, dict) else None
+        b = b or [128, 128]
+        if (not isinstance(b, (list, tuple)) or len(b) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in b)):
+            raise CheckpointError(f"{self.path}: config.json quantization_config.weight_block_size must be two "
+                                  f"positive ints, got {b!r}")
         return int(b[0]), int(b[1])
 
     def read(self, names: Iterable[str]) -> dict[str, Tensor]:
-        """Read the named tensors (grouped per file, each file opened once)."""
-        from safetensors import safe_open
-
+        """Read the named tensors (grouped per file, each file opened once). ``CheckpointError`` naming the file
+        and tensor for a missing or unreadable file, or a file that lacks a tensor the index puts there."""
         by_file: dict[str, list[str]] = {}
         for n in names:
             by_file.setdefault(self.files[n], []).append(n)
         out: dict[str, Tensor] = {}
         for fp, ns in by_file.items():
             if not os.path.exists(fp):
-                raise CheckpointError(f"shard {fp!r} listed in the index is missing")
-            with safe_open(fp, "pt") as f:
+                raise CheckpointError(f"{fp}: file listed in the index is missing (it should hold {ns[0]!r})")
+            with _safe_open(fp) as f:
+                present = set(f.keys())
                 for n in ns:
-                    out[n] = f.get_tensor(n)
+                    if n not in present:
+                        raise CheckpointError(f"{fp}: the index puts tensor {n!r} in this file, but it lacks it")
+                    try:
+                        out[n] = f.get_tensor(n)
+                    except Exception as e:  # noqa: BLE001 - a truncated data section
+                        raise CheckpointError(f"{fp}: cannot read tensor {n!r} (truncated or corrupted?): {e}") from None
         return out
 
     def layer_keys(self, group: str, number: int) -> dict[tuple[str, str], str]:
@@ -322,6 +377,11 @@ def read_attention_tensors(
     fp8 = _fp8_dtypes()
     for field, key in chosen.items():
         t = raw[key]
+        if not t.dtype.is_floating_point:
+            raise CheckpointError(
+                f"{index.files[key]}: tensor {key!r} has dtype {t.dtype}; expected floating point (FP32 / BF16 / FP16, "
+                f"or FP8 with block scales)"
+            )
         if t.dtype in fp8:
             if field not in scale_keys:
                 raise CheckpointError(f"{key} is {t.dtype} but the checkpoint has no .scale / .weight_scale_inv for it")
@@ -339,7 +399,11 @@ def config_from_checkpoint(path: str | os.PathLike[str] | CheckpointIndex) -> Mo
     if not index.config:
         raise CheckpointError(f"checkpoint {index.path!r} has no config.json; pass cfg explicitly")
     name = os.path.basename(os.path.normpath(index.path if os.path.isdir(index.path) else os.path.dirname(index.path)))
-    return ModelConfig.from_hf(_as_mapping(index.config), name=name or "checkpoint")
+    folder = index.path if os.path.isdir(index.path) else os.path.dirname(index.path)
+    try:
+        return ModelConfig.from_hf(_as_mapping(index.config), name=name or "checkpoint")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(folder, 'config.json')}: {e}") from None
 
 
 def _as_mapping(d: Mapping) -> dict:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,16 +38,78 @@ from .weights import AttentionWeights
 
 
 def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda requested but no CUDA device is available")
-    return dev
+    """``--device``: ``auto`` (CUDA when available) or a device that exists here (one-line error otherwise)."""
+    from .engine.runner import pick_device
+
+    try:
+        return pick_device(name, arg="--device")
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+# ---------------------------------------------------------------- argument types (argparse: one-line errors, exit 2)
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (want an integer >= {minimum})") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is below the minimum: want an integer >= {minimum}")
+        return v
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
+
+
+def _byte_size(text: str) -> int:
+    from .planner import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _device_arg(text: str) -> str:
+    if text == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: use auto, cpu, cuda or cuda:N")
+
+
+def _output_file(option: str, path: str | None) -> None:
+    """Fail before the work (one line) when ``path`` (a file the command writes at its end) cannot be written:
+    its folder is missing, or it names a folder."""
+    if path in (None, "", "-"):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise SystemExit(f"error: {option} {path!r} is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: {option} {path!r}: folder {folder!r} does not exist (create it first)")
+    if not os.access(folder, os.W_OK):
+        raise SystemExit(f"error: {option} {path!r}: folder {folder!r} is not writable")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where there is a default to show and the help text does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or "%(default)" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def _load_config(args: argparse.Namespace, default_preset: str) -> ModelConfig:
     """``--config`` (a config.json or its directory), else ``--checkpoint``'s config.json, else ``--preset``."""
+    path = getattr(args, "config", None)
+    if path and not os.path.exists(path):
+        raise SystemExit(f"error: --config {path!r} does not exist")
     try:
         if getattr(args, "config", None):
             return ModelConfig.from_hf(args.config)
@@ -55,7 +118,7 @@ def _load_config(args: argparse.Namespace, default_preset: str) -> ModelConfig:
 
             return config_from_checkpoint(args.checkpoint)
         return ModelConfig.preset(args.preset or default_preset)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: cannot load the model configuration: {e}") from None
 
 
@@ -148,33 +211,42 @@ _GPU_DEFAULTS = {"preset": "v4-flash", "requests": 64, "prompt_len": "8192", "ge
 def cmd_run(args: argparse.Namespace) -> int:
     """``dsv4 run``: the engine over a workload, figures, and a spot check against the reference."""
     from .engine import Engine, EngineConfig, LengthSpec, make_requests, spot_check
-    from .engine.runner import pick_device, weights_bytes
-    from .planner import parse_bytes
+    from .engine.runner import weights_bytes
 
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    _output_file("--json", args.json)
+    if args.checkpoint and not os.path.exists(args.checkpoint):
+        raise SystemExit(f"error: --checkpoint {args.checkpoint!r} does not exist")
+    device = _pick_device(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit("error: --threads must be >= 1")
         torch.set_num_threads(args.threads)
     d = _GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS
     cfg = _load_config(args, d["preset"])
     layers = _parse_layers(args.layers, cfg)
     n_req = args.requests if args.requests is not None else d["requests"]
+    prompt_text = args.prompt_len if args.prompt_len is not None else d["prompt_len"]
+    gen_text = args.gen_len if args.gen_len is not None else d["gen_len"]
     try:
-        p_spec = LengthSpec.parse(args.prompt_len or d["prompt_len"], 1)
-        g_spec = LengthSpec.parse(args.gen_len if args.gen_len is not None else d["gen_len"], 0)
+        p_spec = LengthSpec.parse(prompt_text, 1)
+        g_spec = LengthSpec.parse(gen_text, 0)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if n_req < 1:
-        raise SystemExit("error: --requests must be >= 1")
-    max_running = args.max_running or min(d["max_running"], n_req)
-    budget = args.max_batched_tokens or d["max_batched_tokens"]
-    block_size = args.block_size or (256 if cfg.window >= 128 else 64)
+    longest = p_spec.max_value + g_spec.max_value
+    if longest > cfg.max_position:
+        raise SystemExit(
+            f"error: --prompt-len {prompt_text} + --gen-len {gen_text} reach {longest:,} tokens but {cfg.name} allows "
+            f"at most {cfg.max_position:,} (max_position); use shorter lengths"
+        )
+    max_running = args.max_running if args.max_running is not None else min(d["max_running"], n_req)
+    budget = args.max_batched_tokens if args.max_batched_tokens is not None else d["max_batched_tokens"]
+    block_size = args.block_size if args.block_size is not None else (256 if cfg.window >= 128 else 64)
+    try:
+        from .cache import layer_schemas
+
+        layer_schemas(cfg, layers, args.numerics, block_size)  # block size vs the ratios, before any output
+    except ValueError as e:
+        raise SystemExit(f"error: --block-size {block_size}: {e}") from None
     weights_mode = args.checkpoint or args.weights
-    cache_memory = parse_bytes(args.cache_memory) if args.cache_memory else None
+    cache_memory = args.cache_memory
     json_only = args.json == "-"
     say: Callable[..., None] = (lambda *a, **k: None) if json_only else print
     try:
@@ -184,11 +256,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             decode_tokens=args.decode_tokens, cache_memory=cache_memory, cuda_graphs=args.cuda_graphs,
             weights=weights_mode, seed=args.seed,
         )
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    requests = make_requests(n_req, p_spec, g_spec, seed=args.seed, max_total=cfg.max_position)
-    if args.arrival_every < 0:
-        raise SystemExit("error: --arrival-every must be >= 0")
+    requests = make_requests(n_req, p_spec, g_spec, seed=args.seed)
+    too_long = [r for r in requests if r.total_len > cfg.max_position]
+    if too_long:
+        r = too_long[0]
+        raise SystemExit(
+            f"error: request {r.request_id} draws {r.prompt_len:,} + {r.gen_len:,} tokens, more than {cfg.name}'s "
+            f"max_position {cfg.max_position:,}; narrow --prompt-len / --gen-len"
+        )
     for i, r in enumerate(requests):
         r.arrival_step = i * args.arrival_every
     act_bytes = 2 if args.numerics == "official" else 4
@@ -209,7 +286,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t_build = time.perf_counter()
     try:
         engine = Engine(cfg, layers, econf, progress=not args.no_progress and not json_only)
-    except (ValueError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     build_s = time.perf_counter() - t_build
     say(f"stack: {_kinds_summary(cfg, layers)}; backend {engine.backend} on {device}; numerics {args.numerics}; "
@@ -331,14 +408,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ==================================================================================================== dsv4 plan
 def cmd_plan(args: argparse.Namespace) -> int:
     """``dsv4 plan``: bytes per token / per request by layer kind and format, what fits a memory budget."""
-    from .planner import FORMATS, human_bytes, parse_bytes, plan_formats, plot_memory
+    from .planner import FORMATS, human_bytes, plan_formats, plot_memory
 
+    _output_file("--json", args.json)
+    _output_file("--plot", args.plot)
     cfg = _load_config(args, "v4-flash")
     layers = _parse_layers(args.layers, cfg)
-    try:
-        memory = parse_bytes(args.memory)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    memory = args.memory
     context = args.context if args.context is not None else min(1 << 20, cfg.max_position)
     if not 1 <= context <= cfg.max_position:
         raise SystemExit(f"error: --context must be in 1..{cfg.max_position} (max_position of {cfg.name})")
@@ -346,7 +422,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise SystemExit(f"error: unknown format(s) {bad}; choose from {sorted(FORMATS)}")
-    plans = plan_formats(cfg, context, memory, layers, formats, args.block_size)
+    try:
+        plans = plan_formats(cfg, context, memory, layers, formats, args.block_size)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     say: Callable[..., None] = (lambda *a, **k: None) if args.json == "-" else print
     say(f"dsv4 {__version__} plan — {cfg.describe()}")
     say(f"counted: {_kinds_summary(cfg, layers)}"
@@ -400,13 +479,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # ==================================================================================================== dsv4 bench
 def cmd_bench(args: argparse.Namespace) -> int:
     """``dsv4 bench``: kernel benchmark scripts + the end-to-end decode benchmark → table + JSON."""
-    from .bench.suite import format_table, run_suite, write_results
-    from .engine.runner import pick_device
+    import tempfile
 
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    from .bench.suite import format_table, run_suite, write_results
+
+    _output_file("--json", args.json)
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise SystemExit(f"error: --dir {args.dir!r} is not a folder")
+    device = _pick_device(args.device)
+    if args.backend == "triton" and device.type != "cuda":
+        raise SystemExit(f"error: --backend triton needs a CUDA GPU; this run is on {device} (use auto or torch)")
     e2e_kwargs: dict[str, Any] = {"backend": args.backend}
     if args.e2e_preset:
         e2e_kwargs["preset"] = args.e2e_preset
@@ -420,12 +502,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.e2e_gen is not None:
         e2e_kwargs["gen"] = args.e2e_gen
     say = print if args.json != "-" else (lambda *a, **k: None)
+    if device.type != "cuda":
+        say(f"note: running on {device}: kernel benchmarks that need a CUDA GPU are skipped (listed below); "
+            "the end-to-end benchmark runs with the torch backend")
     result = run_suite(device, quick=args.quick, directory=args.dir, only=args.only, e2e=not args.no_e2e,
                        e2e_kwargs=e2e_kwargs, say=say)
     table = format_table(result)
     say("")
     say(table)
-    out_dir = args.out
+    out_dir = args.out if args.out is not None else tempfile.mkdtemp(prefix="dsv4-bench-")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -484,11 +569,12 @@ def _through_cache(
 
 def cmd_check(args: argparse.Namespace) -> int:
     """``dsv4 check``: every layer of a preset through the reference (both numerics) and through the cache."""
-    cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.preset(args.preset)
+    cfg = _load_config(args, "tiny")
     device = _pick_device(args.device)
     layers = list(range(cfg.num_attention_layers)) if args.layers is None else args.layers
     for li in layers:
-        cfg.layer_kind(li)  # range check with a clear error
+        if not 0 <= li < cfg.num_attention_layers:
+            raise SystemExit(f"error: --layers {li} out of range for {cfg.name} (0..{cfg.num_attention_layers - 1})")
     S = args.seq_len
     say = (lambda *a, **k: None) if args.json else print
     say(f"dsv4 {__version__} check — reference forward on {device} ({platform.processor() or platform.machine()})")
@@ -563,6 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 hybrid attention: reference, cache, kernels, runner")
     p.add_argument("--version", action="version", version=f"dsv4 {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    fmt = _HelpFormatter
 
     def model_args(q: argparse.ArgumentParser, preset_help: str) -> None:
         q.add_argument("--preset", default=None, choices=ModelConfig.presets(), help=preset_help)
@@ -570,38 +657,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     def json_arg(q: argparse.ArgumentParser) -> None:
         q.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                       help="machine-readable JSON: to stdout alone (no PATH), or written to PATH next to the text")
+                       help="machine-readable JSON: to stdout alone (no PATH), or written to PATH next to the text "
+                            "(its folder must exist)")
 
     r = sub.add_parser("run", help="the main job: the engine over many requests, figures, spot check vs the reference",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=fmt)
     model_args(r, "model preset (default: tiny on the CPU, v4-flash on a GPU)")
     r.add_argument("--layers", nargs="+", help="main (default) | all (MTP included) | kinds | indices, e.g. 0 2 5-9")
-    r.add_argument("--requests", type=int, help="number of requests (default: 16 CPU / 64 GPU)")
+    r.add_argument("--requests", type=_positive_int, help="number of requests (default: 16 CPU / 64 GPU)")
     r.add_argument("--prompt-len", help="prompt length: N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEDIAN:SIGMA, "
-                                        "choice:A,B (default: uniform:64:384 CPU / 8192 GPU)")
+                                        "choice:A,B (default: uniform:64:384 CPU / 8192 GPU); prompt + generated "
+                                        "tokens must fit the model's max_position")
     r.add_argument("--gen-len", help="generated tokens, same syntax (default: 32 CPU / 256 GPU)")
-    r.add_argument("--arrival-every", type=int, default=0, metavar="STEPS",
+    r.add_argument("--arrival-every", type=_nonneg_int, default=0, metavar="STEPS",
                    help="request i arrives at step i*STEPS (0: all at the start)")
-    r.add_argument("--max-running", type=int, help="requests running at once (default: 8 CPU / 64 GPU)")
-    r.add_argument("--max-batched-tokens", type=int, help="token budget per step (default: 512 CPU / 8192 GPU)")
-    r.add_argument("--max-prefill-chunk", type=int, help="largest prefill chunk per request per step")
+    r.add_argument("--max-running", type=_positive_int, help="requests running at once (default: 8 CPU / 64 GPU)")
+    r.add_argument("--max-batched-tokens", type=_positive_int,
+                   help="token budget per step (default: 512 CPU / 8192 GPU)")
+    r.add_argument("--max-prefill-chunk", type=_positive_int,
+                   help="largest prefill chunk per request per step (default: the token budget)")
     r.add_argument("--decode-tokens", type=int, default=1, choices=(1, 2, 3, 4),
                    help="tokens per decode step per request (2-4: speculative / MTP decoding)")
-    r.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
-    r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    r.add_argument("--numerics", default="official", choices=("official", "exact"))
-    r.add_argument("--block-size", type=int, help="tokens per pool block (default 256; 64 for the tiny preset)")
-    r.add_argument("--cache-memory", help="cache budget, e.g. 20GiB (default: enough for --max-running requests of "
-                                          "the longest length; smaller budgets make requests wait)")
+    r.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="attention backend (auto: triton on a CUDA GPU, else torch)")
+    r.add_argument("--device", type=_device_arg, default="auto", help="auto | cpu | cuda | cuda:N")
+    r.add_argument("--numerics", default="official", choices=("official", "exact"),
+                   help="official: FP8 / MXFP4 cache and BF16 activations as DeepSeek; exact: FP32 everywhere")
+    r.add_argument("--block-size", type=_positive_int,
+                   help="tokens per pool block, a multiple of every compression ratio (default 256; 64 for windows "
+                        "under 128, e.g. the tiny preset)")
+    r.add_argument("--cache-memory", type=_byte_size, metavar="BYTES",
+                   help="cache budget, e.g. 20GiB or 4e9 (default: enough for --max-running requests of the longest "
+                        "length; smaller budgets make requests wait)")
     r.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="decode steps as CUDA graph replays (auto: when the backend is graph-safe)")
     r.add_argument("--weights", default="random", choices=("random", "shared"),
                    help="random per layer, or one random set per layer kind shared by its layers")
     r.add_argument("--checkpoint", help="HF-format safetensors checkpoint directory (official or transformers names)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--check-requests", type=int, default=2, help="requests spot-checked against the reference (0: none)")
+    r.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the weights, lengths and hidden states")
+    r.add_argument("--check-requests", type=_nonneg_int, default=2,
+                   help="requests spot-checked against the reference (0: none)")
     r.add_argument("--check-layers", nargs="+", help="layers spot-checked (default: all if <= 8 layers, else kinds)")
-    r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 helps on a busy machine)")
+    r.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's; 1 helps on a busy machine)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     r.add_argument("--explain", action="store_true",
                    help="print the launch plan of the first prefill, decode and mixed step (kernels, splits, grids)")
@@ -609,54 +706,63 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     pl = sub.add_parser("plan", help="memory planner: bytes per token / request, capacity of a memory budget",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=fmt)
     model_args(pl, "model preset (default: v4-flash)")
-    pl.add_argument("--context", type=int, help="tokens per request (default: 1M, or the preset's max_position)")
-    pl.add_argument("--memory", default="80GiB", help="cache memory budget (e.g. 80GiB, 141GB)")
+    pl.add_argument("--context", type=_positive_int, help="tokens per request (default: 1M, or the preset's max_position)")
+    pl.add_argument("--memory", type=_byte_size, default="80GiB", help="cache memory budget (e.g. 80GiB, 141GB)")
     pl.add_argument("--layers", nargs="+", help="main (default) | all | kinds | indices")
-    pl.add_argument("--block-size", type=int, default=256)
+    pl.add_argument("--block-size", type=_positive_int, default=256, help="tokens per pool block")
     pl.add_argument("--formats", nargs="+", help="official hopper exact prototype dense-bf16 "
                                                  "(default: official hopper exact dense-bf16)")
     pl.add_argument("--plot", metavar="PNG", help="draw per-request memory against context length (needs matplotlib)")
-    pl.add_argument("--plot-max-context", type=int, help="right end of the plot (default: max_position)")
+    pl.add_argument("--plot-max-context", type=_positive_int, help="right end of the plot (default: max_position)")
     json_arg(pl)
     pl.set_defaults(func=cmd_plan)
 
-    b = sub.add_parser("bench", help="kernel + end-to-end benchmarks with roofline fractions (table + JSON)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    b.add_argument("--device", default="auto")
+    b = sub.add_parser("bench", help="kernel + end-to-end benchmarks with roofline fractions (table + JSON); kernel "
+                                     "benchmarks need a CUDA GPU", formatter_class=fmt)
+    b.add_argument("--device", type=_device_arg, default="auto",
+                   help="auto | cpu | cuda | cuda:N (on the CPU only the end-to-end benchmark runs)")
     b.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="end-to-end backend")
     b.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     b.add_argument("--dir", help="directory of bench_*.py scripts (default: the checkout's benchmarks/)")
     b.add_argument("--only", nargs="+", help="run only benchmarks whose name contains one of these (e2e: the engine)")
     b.add_argument("--no-e2e", action="store_true", help="skip the end-to-end benchmark")
-    b.add_argument("--e2e-preset", choices=ModelConfig.presets())
+    b.add_argument("--e2e-preset", choices=ModelConfig.presets(),
+                   help="preset of the end-to-end stack (default: v4-flash on a GPU, tiny on the CPU)")
     b.add_argument("--e2e-layers", nargs="+", help="layers of the end-to-end stack (default: main)")
-    b.add_argument("--e2e-batch", type=int, nargs="+", help="decode batch sizes (default 1 8 64 GPU / 1 4 CPU)")
-    b.add_argument("--e2e-context", type=int, nargs="+", help="context lengths (default 4096 GPU / 128 CPU)")
-    b.add_argument("--e2e-gen", type=int, help="decode steps per request")
-    b.add_argument("--out", default="benchmarks/results", help="directory for bench-<date>.json / .md ('' = none)")
+    b.add_argument("--e2e-batch", type=_positive_int, nargs="+", help="decode batch sizes (default 1 8 64 GPU / 1 4 CPU)")
+    b.add_argument("--e2e-context", type=_positive_int, nargs="+", help="context lengths (default 4096 GPU / 128 CPU)")
+    b.add_argument("--e2e-gen", type=_positive_int, help="decode steps per request (default: 32, 8 with --quick)")
+    b.add_argument("--out", default=None,
+                   help="directory for bench-<date>.json / .md (default: a new temporary directory; '' = none)")
     json_arg(b)
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("check", help="every layer of a preset through the reference and the cache, one sequence",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("--preset", default="tiny", choices=ModelConfig.presets(), help="model preset")
+                       formatter_class=fmt)
+    c.add_argument("--preset", default=None, choices=ModelConfig.presets(), help="model preset (default: tiny)")
     c.add_argument("--config", help="HF config.json (or its directory) instead of a preset")
-    c.add_argument("--seq-len", type=int, default=300, help="tokens per sequence")
-    c.add_argument("--layers", type=int, nargs="+", help="layer indices (default: all, MTP block included)")
-    c.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seq-len", type=_positive_int, default=300, help="tokens per sequence")
+    c.add_argument("--layers", type=_nonneg_int, nargs="+", help="layer indices (default: all, MTP block included)")
+    c.add_argument("--device", type=_device_arg, default="auto", help="auto | cpu | cuda | cuda:N")
+    c.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the weights and inputs")
     c.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     c.set_defaults(func=cmd_check)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Bad input ends in one line naming the value and what is allowed (``SystemExit``: exit
+    status 2 for argument errors, 1 otherwise), never a traceback."""
+    from .cache import CacheFullError
+    from .checkpoint import CheckpointError
+
     args = build_parser().parse_args(argv)
-    if getattr(args, "seq_len", 1) < 1:
-        raise SystemExit("error: --seq-len must be >= 1")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (CheckpointError, CacheFullError, ValueError, TypeError, OSError) as e:
+        raise SystemExit(f"error: {type(e).__name__}: {e}") from None
 
 
 if __name__ == "__main__":

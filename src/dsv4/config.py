@@ -16,13 +16,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .config_rope import COMPRESS_ROPE_TYPES, rope_fields
+from .validate import describe
 
-__all__ = ["LayerKind", "ModelConfig"]
+__all__ = ["InvalidConfigError", "LayerKind", "ModelConfig", "require_config"]
+
+
+class InvalidConfigError(ValueError):
+    """A ``ModelConfig`` field (or a config file's value) outside its allowed range."""
 
 
 class LayerKind(str, enum.Enum):
@@ -39,6 +46,91 @@ _HF_LAYER_TYPE = {
     LayerKind.HCA: "heavily_compressed_attention",
 }
 _KIND_OF_HF_LAYER_TYPE = {v: k for k, v in _HF_LAYER_TYPE.items()}
+
+
+#: int fields: (smallest allowed value, largest allowed value or None)
+_INT_FIELDS: dict[str, tuple[int, int | None]] = {
+    "hidden_size": (1, None), "num_layers": (1, None), "num_heads": (1, None), "head_dim": (1, None),
+    "rope_dim": (2, None), "q_lora_rank": (1, None), "o_groups": (1, None), "o_lora_rank": (1, None),
+    "window": (1, None), "csa_ratio": (1, None), "hca_ratio": (1, None), "index_n_heads": (1, None),
+    "index_head_dim": (1, None), "index_topk": (1, None), "yarn_original_seq_len": (1, None),
+    "max_position": (1, 2**31 - 1),  # positions are stored as int32 (ring positions)
+    "num_mtp_layers": (0, None),
+}
+#: float fields: (lower bound, lower bound excluded, upper bound or None)
+_FLOAT_FIELDS: dict[str, tuple[float, bool, float | None]] = {
+    "norm_eps": (0.0, True, 1.0), "rope_theta": (1.0, True, None), "compress_rope_theta": (1.0, True, None),
+    "yarn_factor": (1.0, False, None), "yarn_beta_fast": (0.0, True, None), "yarn_beta_slow": (0.0, True, None),
+}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _field_problems(c: "ModelConfig") -> tuple[list[str], list[str]]:
+    """``(type problems, value problems)`` of a config's fields, each a message naming the field."""
+    types: list[str] = []
+    values: list[str] = []
+    if not isinstance(c.name, str) or not c.name:
+        types.append(f"name must be a non-empty str, got {describe(c.name)}")
+    for f, (lo, hi) in _INT_FIELDS.items():
+        v = getattr(c, f)
+        allowed = f"an int >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+        if not _is_int(v):
+            types.append(f"{f} must be {allowed}, got {describe(v)}")
+        elif v < lo or (hi is not None and v > hi):
+            values.append(f"{f} must be {allowed}, got {v}")
+    for f, (lo, open_lo, hi) in _FLOAT_FIELDS.items():
+        v = getattr(c, f)
+        allowed = f"a finite number {'>' if open_lo else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            types.append(f"{f} must be {allowed}, got {describe(v)}")
+        elif not math.isfinite(v) or (v <= lo if open_lo else v < lo) or (hi is not None and v > hi):
+            values.append(f"{f} must be {allowed}, got {v!r}")
+    ratios = c.compress_ratios
+    if not isinstance(ratios, tuple) or not all(_is_int(r) for r in ratios):
+        types.append(f"compress_ratios must be a sequence of ints, got {describe(ratios)}")
+    if types:
+        return types, values
+    # relations between fields (every field has the right type and its own range here)
+    if c.rope_dim % 2 or c.rope_dim >= c.head_dim:
+        values.append(f"rope_dim ({c.rope_dim}) must be even and smaller than head_dim ({c.head_dim})")
+    if c.num_heads % c.o_groups:
+        values.append(f"num_heads ({c.num_heads}) must be divisible by o_groups ({c.o_groups})")
+    if c.index_head_dim < c.rope_dim:
+        values.append(f"index_head_dim ({c.index_head_dim}) must be >= rope_dim ({c.rope_dim})")
+    if c.yarn_beta_fast < c.yarn_beta_slow:
+        values.append(f"yarn_beta_fast ({c.yarn_beta_fast}) must be >= yarn_beta_slow ({c.yarn_beta_slow})")
+    if c.csa_ratio == c.hca_ratio:
+        values.append(f"csa_ratio and hca_ratio must differ, both are {c.csa_ratio}")
+    if len(ratios) != c.num_layers + c.num_mtp_layers:
+        values.append(
+            f"compress_ratios has {len(ratios)} entries; expected num_layers + num_mtp_layers"
+            f" = {c.num_layers + c.num_mtp_layers}"
+        )
+    bad = sorted({r for r in ratios if r not in (0, c.csa_ratio, c.hca_ratio)})
+    if bad:
+        values.append(f"compress_ratios contains {bad}; allowed: 0, {c.csa_ratio} (CSA), {c.hca_ratio} (HCA)")
+    if c.compress_rope_type not in COMPRESS_ROPE_TYPES:
+        values.append(f"compress_rope_type must be one of {list(COMPRESS_ROPE_TYPES)}, got {c.compress_rope_type!r}")
+    return types, values
+
+
+def _config_int(key: str, v: object) -> int:
+    """A config file's integer value: an int, or a float holding an integer (JSON writers differ); nothing else."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if not _is_int(v):
+        raise TypeError(f"config {key} must be an int, got {describe(v)}")
+    return int(v)
+
+
+def _config_float(key: str, v: object) -> float:
+    """A config file's real value (an int or a float; not a bool or a str)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"config {key} must be a number, got {describe(v)}")
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -79,31 +171,17 @@ class ModelConfig:
     compress_rope_type: str = "yarn"
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.head_dim <= self.rope_dim or self.rope_dim % 2:
-            problems.append(f"rope_dim ({self.rope_dim}) must be even and smaller than head_dim ({self.head_dim})")
-        if self.num_heads % self.o_groups:
-            problems.append(f"num_heads ({self.num_heads}) must be divisible by o_groups ({self.o_groups})")
-        if self.index_head_dim < self.rope_dim:
-            problems.append(f"index_head_dim ({self.index_head_dim}) must be >= rope_dim ({self.rope_dim})")
-        if len(self.compress_ratios) != self.num_layers + self.num_mtp_layers:
-            problems.append(
-                f"compress_ratios has {len(self.compress_ratios)} entries; expected num_layers + num_mtp_layers"
-                f" = {self.num_layers + self.num_mtp_layers}"
-            )
-        bad = sorted({r for r in self.compress_ratios if r not in (0, self.csa_ratio, self.hca_ratio)})
-        if bad:
-            problems.append(f"compress_ratios contains {bad}; allowed: 0, {self.csa_ratio} (CSA), {self.hca_ratio} (HCA)")
-        if self.csa_ratio == self.hca_ratio or min(self.csa_ratio, self.hca_ratio) < 1:
-            problems.append("csa_ratio and hca_ratio must be distinct positive integers")
-        if self.window < 1:
-            problems.append("window must be >= 1")
-        if self.compress_rope_type not in COMPRESS_ROPE_TYPES:
-            problems.append(
-                f"compress_rope_type {self.compress_rope_type!r} must be one of {list(COMPRESS_ROPE_TYPES)}"
-            )
-        if problems:
-            raise ValueError(f"invalid ModelConfig {self.name!r}: " + "; ".join(problems))
+        """Validate every field (``TypeError`` for a value of the wrong kind, ``InvalidConfigError`` for one out of
+        range; the message names the field, the allowed range and the value). ``compress_ratios`` may be given as
+        any sequence of ints; it is stored as a tuple."""
+        if isinstance(self.compress_ratios, (list, tuple)):
+            object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        label = self.name if isinstance(self.name, str) else "?"
+        types, values = _field_problems(self)
+        if types:
+            raise TypeError(f"invalid ModelConfig {label!r}: " + "; ".join(types))
+        if values:
+            raise InvalidConfigError(f"invalid ModelConfig {label!r}: " + "; ".join(values))
 
     # ------------------------------------------------------------------ derived geometry
     @property
@@ -127,6 +205,8 @@ class ModelConfig:
 
     def layer_kind(self, layer_idx: int) -> LayerKind:
         """Kind of layer ``layer_idx`` (0-based; ``num_layers`` … are the MTP blocks)."""
+        if not _is_int(layer_idx):
+            raise TypeError(f"layer_idx must be an int, got {describe(layer_idx)}")
         if not 0 <= layer_idx < len(self.compress_ratios):
             raise IndexError(f"layer_idx {layer_idx} out of range for {self.name!r} ({len(self.compress_ratios)} layers)")
         r = self.compress_ratios[layer_idx]
@@ -148,6 +228,8 @@ class ModelConfig:
     @staticmethod
     def preset(name: str) -> "ModelConfig":
         """``"v4-flash"``, ``"v4-pro"`` or ``"tiny"``."""
+        if not isinstance(name, str):
+            raise TypeError(f"preset name must be a str (one of {sorted(_PRESETS)}), got {describe(name)}")
         try:
             return _PRESETS[name]()
         except KeyError:
@@ -173,9 +255,20 @@ class ModelConfig:
             path = os.fspath(config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            with open(path) as f:
-                d = json.load(f)
+            try:
+                with open(path) as f:
+                    d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise InvalidConfigError(f"config file {path!r} is not valid JSON: {e}") from None
+            except UnicodeDecodeError:
+                raise InvalidConfigError(f"config file {path!r} is not a text (JSON) file") from None
+            if not isinstance(d, Mapping):
+                raise InvalidConfigError(f"config file {path!r} must hold a JSON object, got {type(d).__name__}")
             name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf"
+            try:
+                return cls._from_dict(d, name)
+            except (TypeError, InvalidConfigError) as e:
+                raise type(e)(f"config file {path}: {e}") from None
         elif isinstance(config, Mapping):
             d = dict(config)
         elif hasattr(config, "to_dict"):
@@ -187,23 +280,36 @@ class ModelConfig:
 
     @classmethod
     def _from_dict(cls, d: Mapping[str, Any], name: str) -> "ModelConfig":
+        """Values are taken as given: ints must be integral (``4.0`` is accepted from JSON, ``4.5`` / ``"4"`` /
+        ``true`` are not), floats real numbers; ``ModelConfig`` then checks every range."""
+
         def get(*keys: str, default: Any = None, required: bool = True) -> Any:
             for k in keys:
                 if k in d and d[k] is not None:
                     return d[k]
             if required and default is None:
-                raise ValueError(f"config is missing {' / '.join(keys)}")
+                raise InvalidConfigError(f"config is missing {' / '.join(keys)}")
             return default
 
+        def gi(*keys: str, **kw: Any) -> int:
+            return _config_int(keys[0], get(*keys, **kw))
+
+        def gf(*keys: str, first: Any = None, **kw: Any) -> float:
+            return _config_float(keys[0], first if first is not None else get(*keys, **kw))
+
         rates = d.get("compress_rates") or {}
-        csa = int(get("compress_rate_csa", default=rates.get("compressed_sparse_attention", 4)))
-        hca = int(get("compress_rate_hca", default=rates.get("heavily_compressed_attention", 128)))
-        num_layers = int(get("num_hidden_layers", "n_layers"))
-        n_mtp = int(get("num_nextn_predict_layers", "n_mtp_layers", default=1, required=False))
+        if not isinstance(rates, Mapping):
+            raise TypeError(f"config compress_rates must be a mapping, got {describe(rates)}")
+        csa = gi("compress_rate_csa", default=rates.get("compressed_sparse_attention", 4))
+        hca = gi("compress_rate_hca", default=rates.get("heavily_compressed_attention", 128))
+        num_layers = gi("num_hidden_layers", "n_layers")
+        n_mtp = gi("num_nextn_predict_layers", "n_mtp_layers", default=1, required=False)
         if d.get("compress_ratios") is not None:
-            ratios = [int(r) for r in d["compress_ratios"]]
+            if not isinstance(d["compress_ratios"], (list, tuple)):
+                raise TypeError(f"config compress_ratios must be a list of ints, got {describe(d['compress_ratios'])}")
+            ratios = [_config_int("compress_ratios", r) for r in d["compress_ratios"]]
             if len(ratios) < num_layers:
-                raise ValueError(f"compress_ratios has {len(ratios)} entries, fewer than num_layers={num_layers}")
+                raise InvalidConfigError(f"compress_ratios has {len(ratios)} entries, fewer than num_layers={num_layers}")
             # Later revisions pad the list with trailing zeros for extra MTP stages; keep what the MTP count covers.
             n_mtp = len(ratios) - num_layers
         elif d.get("layer_types") is not None:
@@ -211,19 +317,20 @@ class ModelConfig:
             by_type = {"sliding_attention": 0, "compressed_sparse_attention": csa, "heavily_compressed_attention": hca}
             try:
                 ratios = [by_type[t] for t in lt]
-            except KeyError as e:
-                raise ValueError(f"unknown layer type {e.args[0]!r} in layer_types") from None
-            ratios += [0] * n_mtp  # the MTP block is sliding-only (SPEC §1.2)
+            except (KeyError, TypeError):
+                bad = next(t for t in lt if not isinstance(t, str) or t not in by_type)
+                raise InvalidConfigError(f"unknown layer type {bad!r} in layer_types; allowed: {sorted(by_type)}") from None
+            ratios += [0] * max(n_mtp, 0)  # the MTP block is sliding-only (SPEC §1.2)
         else:
-            raise ValueError("config has neither compress_ratios nor layer_types; cannot tell the layer pattern")
+            raise InvalidConfigError("config has neither compress_ratios nor layer_types; cannot tell the layer pattern")
 
-        head_dim = int(get("head_dim"))
-        max_position = int(get("max_position_embeddings", "max_seq_len", default=1 << 20))
+        head_dim = gi("head_dim")
+        max_position = gi("max_position_embeddings", "max_seq_len", default=1 << 20)
         rope = rope_fields(d, head_dim, max_position)
         rope_dim = get("qk_rope_head_dim", "rope_head_dim", required=False)
         prf_dim = rope.pop("rope_dim")
-        if rope_dim is not None and prf_dim is not None and int(rope_dim) != prf_dim:
-            raise ValueError(
+        if rope_dim is not None and prf_dim is not None and _config_int("qk_rope_head_dim", rope_dim) != prf_dim:
+            raise InvalidConfigError(
                 f"qk_rope_head_dim {rope_dim} disagrees with partial_rotary_factor (head_dim {head_dim} x factor ="
                 f" {prf_dim} rotated dims)"
             )
@@ -231,22 +338,22 @@ class ModelConfig:
             rope_dim = prf_dim if prf_dim is not None else head_dim // 8  # transformers' default factor 64 / 512
         return cls(
             name=name,
-            hidden_size=int(get("hidden_size", "dim")),
+            hidden_size=gi("hidden_size", "dim"),
             num_layers=num_layers,
-            num_heads=int(get("num_attention_heads", "n_heads")),
+            num_heads=gi("num_attention_heads", "n_heads"),
             head_dim=head_dim,
-            rope_dim=int(rope_dim),
-            q_lora_rank=int(get("q_lora_rank")),
-            o_groups=int(get("o_groups")),
-            o_lora_rank=int(get("o_lora_rank")),
-            window=int(get("sliding_window", "window_size")),
+            rope_dim=_config_int("qk_rope_head_dim", rope_dim),
+            q_lora_rank=gi("q_lora_rank"),
+            o_groups=gi("o_groups"),
+            o_lora_rank=gi("o_lora_rank"),
+            window=gi("sliding_window", "window_size"),
             csa_ratio=csa,
             hca_ratio=hca,
-            index_n_heads=int(get("index_n_heads")),
-            index_head_dim=int(get("index_head_dim")),
-            index_topk=int(get("index_topk")),
+            index_n_heads=gi("index_n_heads"),
+            index_head_dim=gi("index_head_dim"),
+            index_topk=gi("index_topk"),
             compress_ratios=tuple(ratios),
-            norm_eps=float(get("rms_norm_eps", "norm_eps", default=1e-6)),
+            norm_eps=gf("rms_norm_eps", "norm_eps", default=1e-6),
             max_position=max_position,
             num_mtp_layers=n_mtp,
             **rope,
@@ -333,3 +440,11 @@ def _tiny() -> ModelConfig:
 
 
 _PRESETS = {"v4-flash": _flash, "v4-pro": _pro, "tiny": _tiny}
+
+
+def require_config(cfg: object, name: str = "cfg") -> ModelConfig:
+    """``cfg`` if it is a ``ModelConfig``; ``TypeError`` naming the argument otherwise (e.g. a dict)."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"{name} must be a ModelConfig, got {describe(cfg)}; use ModelConfig.preset(name) or "
+                        f"ModelConfig.from_hf(dict)")
+    return cfg

@@ -17,13 +17,18 @@ import torch
 from torch import Tensor
 
 from .cache.batch import StepBatch
+from .cache.errors import NonFiniteError
+from .cache.guard import nonfinite_requests, restore_rows, save_rows
 from .cache.manager import HybridCache
-from .config import LayerKind, ModelConfig
+from .config import LayerKind, ModelConfig, require_config
 from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
 from .reference.rope import rope_inv_freq
+from .validate import require_bool, require_choice, require_instance, require_int
 from .weights import AttentionWeights
 
-__all__ = ["Attention", "BACKENDS", "StepOutputs"]
+__all__ = ["Attention", "BACKENDS", "NAN_POLICIES", "StepOutputs"]
+
+NAN_POLICIES = ("raise", "flag", "off")
 
 
 @dataclass
@@ -61,13 +66,32 @@ class Attention:
             available, else torch; decided per call from the input's device).
         check_inputs: validate ``x`` (shape, dtype, device, finite values). The finiteness check synchronises
             with the device; turn it off inside CUDA graphs.
+        nan_policy: what a step does about NaN / Inf it produces from finite inputs (weights changed to NaN after
+            the layer was built, values that overflow inside the layer; docs/errors.md):
+            ``"raise"`` (default) — check the outputs and every value the step left in the cache (host sync);
+            if one is not finite, roll the step's writes back and raise ``NonFiniteError`` (nothing changed);
+            ``"flag"`` — no host sync (graph-safe): record the requests affected in the cache's device-side flags
+            (``HybridCache.nonfinite_requests()`` reads them); ``"off"`` — no check: a NaN stays inside the
+            request it came from.
     """
 
     def __init__(
-        self, weights: AttentionWeights, cfg: ModelConfig, layer_idx: int, backend: str = "auto", check_inputs: bool = True
+        self,
+        weights: AttentionWeights,
+        cfg: ModelConfig,
+        layer_idx: int,
+        backend: str = "auto",
+        check_inputs: bool = True,
+        nan_policy: str = "raise",
     ) -> None:
-        if backend not in (*BACKENDS, "auto"):
-            raise ValueError(f"unknown backend {backend!r}; available: {BACKENDS}")
+        require_instance("weights", weights, AttentionWeights, "build them with AttentionWeights.random / "
+                         "from_checkpoint / from_hf_module")
+        require_config(cfg)
+        require_int("layer_idx", layer_idx)
+        if not isinstance(backend, str) or backend not in (*BACKENDS, "auto"):
+            raise ValueError(f"unknown backend {backend!r}; available: {BACKENDS} or 'auto'")
+        require_bool("check_inputs", check_inputs)
+        require_choice("nan_policy", nan_policy, NAN_POLICIES)
         weights.check(cfg, layer_idx)
         self.weights = weights
         self.cfg = cfg
@@ -76,6 +100,7 @@ class Attention:
         self.ratio = cfg.ratio(layer_idx)
         self.backend = backend
         self.check_inputs = check_inputs
+        self.nan_policy = nan_policy
         self._device_weights: dict[tuple[torch.device, torch.dtype | None], tuple[AttentionWeights, Tensor]] = {}
 
     def backend_for(self, device: torch.device) -> str:
@@ -85,8 +110,11 @@ class Attention:
         return "triton" if device.type == "cuda" and triton_available() else "torch"
 
     def graph_safe(self, device: torch.device) -> bool:
-        """Whether a step on ``device`` can be captured in a CUDA graph (graph-safe backend, no input check)."""
-        return bool(backend_ops(self.backend_for(device)).GRAPH_SAFE) and not self.check_inputs
+        """Whether a step on ``device`` can be captured in a CUDA graph (graph-safe backend, no input check, NaN
+        policy ``"flag"`` or ``"off"``)."""
+        return (
+            bool(backend_ops(self.backend_for(device)).GRAPH_SAFE) and not self.check_inputs and self.nan_policy != "raise"
+        )
 
     def plan_step(self, batch: StepBatch, cache: HybridCache) -> StepPlan:
         """The step's launch decisions for this layer's backend (build it once per step and pass it to every
@@ -106,14 +134,15 @@ class Attention:
         return self._device_weights[key]
 
     def _validate(self, x: Tensor, batch: StepBatch, cache: HybridCache, plan: StepPlan | None) -> None:
+        if not isinstance(cache, HybridCache):
+            raise TypeError(f"cache must be a dsv4.HybridCache, got {type(cache).__name__}")
         if not isinstance(batch, StepBatch):
             raise TypeError(f"batch must be a StepBatch from HybridCache.prepare_forward, got {type(batch).__name__}")
-        if not isinstance(cache, HybridCache):
-            raise TypeError(f"cache must be a HybridCache, got {type(cache).__name__}")
         if cache.cfg != self.cfg:
             raise ValueError(f"cache was built for config {cache.cfg.name!r}, this layer for {self.cfg.name!r}")
         if self.layer_idx not in cache.schemas:
             raise KeyError(f"layer {self.layer_idx} is not held by this cache (cached layers: {cache.layer_indices})")
+        cache.steps.check(batch, (self.layer_idx,))
         if plan is not None and not isinstance(plan, StepPlan):
             raise TypeError(f"plan must be a StepPlan from Attention.plan_step, got {type(plan).__name__}")
         if not isinstance(x, Tensor):
@@ -165,8 +194,47 @@ class Attention:
         Returns:
             ``StepOutputs`` (``y``: ``[T, d]`` in the numerics' activation dtype). The layer's cache state
             advances by the step. On invalid input nothing is written.
+        Raises (nothing changed): ``TypeError`` / ``ValueError`` / ``KeyError`` for bad arguments,
+            ``StaleBatchError`` / ``StepOrderError`` for a batch that is not the cache's current step for this layer
+            (``dsv4.cache.steps``), ``NonFiniteError`` (``nan_policy="raise"``) for a step that produced NaN / Inf.
         """
         self._validate(x, batch, cache, plan)
+        claimed = cache.steps.claim(batch, (self.layer_idx,))
+        layer = cache.layer(self.layer_idx)
+        saved = save_rows(layer, batch) if self.nan_policy == "raise" else None
+        try:
+            out = self._step(x, batch, cache, plan)
+            if self.nan_policy != "off":
+                bad, parts = nonfinite_requests(layer, batch, out.y)
+                if self.nan_policy == "flag":
+                    cache.flag_nonfinite(batch, bad)
+                elif bool(bad.any()):
+                    raise NonFiniteError(self._nonfinite_message(x, batch, bad, parts))
+        except BaseException:
+            if saved is not None:
+                restore_rows(layer, batch, saved)
+                cache.steps.unclaim(batch, claimed)
+            raise
+        return out
+
+    def _nonfinite_message(self, x: Tensor, batch: StepBatch, bad: Tensor, parts: dict[str, Tensor]) -> str:
+        """Why a step is refused: the requests and parts affected, and the likely cause."""
+        rids = [rid for rid, b in zip(batch.request_ids, bad.tolist()) if b]
+        where = [name for name, flag in parts.items() if bool(flag)]
+        bad_w = [name for name, t in self.weights.named_tensors() if not bool(torch.isfinite(t).all())]
+        if bad_w:
+            cause = f"the layer's weights now hold NaN/Inf in {bad_w} (changed after the layer was built)"
+        elif not bool(torch.isfinite(x).all()):
+            cause = "its input x holds NaN/Inf (check_inputs=False)"
+        else:
+            cause = f"values overflowed inside the layer (inputs finite, largest |x| = {float(x.abs().max()):.3g})"
+        return (
+            f"layer {self.layer_idx} ({self.kind.name}) produced NaN/Inf in its {', '.join(where)} for requests "
+            f"{rids}: {cause}; the step was rolled back (nothing written)"
+        )
+
+    def _step(self, x: Tensor, batch: StepBatch, cache: HybridCache, plan: StepPlan | None) -> StepOutputs:
+        """The layer's ops over one validated, claimed step, SPEC §3 top to bottom."""
         ops = backend_ops(self.backend_for(x.device))
         if plan is None:
             plan = batch.plans.get(ops.NAME)

@@ -131,4 +131,6 @@ def resolve_numerics(numerics: NumericsLike) -> Numerics:
         return Numerics.official()
     if numerics == "exact":
         return Numerics.exact()
+    if not isinstance(numerics, str):
+        raise TypeError(f"numerics must be 'official', 'exact' or a dsv4.Numerics, got {type(numerics).__name__} {numerics!r}")
     raise ValueError(f"unknown numerics {numerics!r}; use 'official', 'exact' or a dsv4.Numerics")

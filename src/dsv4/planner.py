@@ -27,11 +27,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .cache import blocks_for_tokens, layer_schemas, plan_capacity
+from .cache import InvalidPlanError, blocks_for_tokens, layer_schemas, plan_capacity
 from .cache.schema import resolve_layers
-from .config import LayerKind, ModelConfig
+from .config import LayerKind, ModelConfig, require_config
 from .engine.runner import DENSE_BF16_BYTES_PER_TOKEN_LAYER
 from .numerics import Numerics
+from .validate import require_int
 
 __all__ = ["DEFAULT_FORMATS", "FORMATS", "FormatPlan", "KindRow", "plan_formats", "request_bytes"]
 
@@ -115,6 +116,11 @@ def request_bytes(
     cfg: ModelConfig, context_len: int, fmt: str, layers: Iterable[int] | None = None, block_size: int = 256
 ) -> int:
     """Cache bytes of one request of ``context_len`` tokens in format ``fmt`` (block rounding included)."""
+    require_config(cfg)
+    require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
+    require_int("block_size", block_size, 1, error=InvalidPlanError)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
     f = FORMATS[fmt]
     idx = resolve_layers(cfg, layers)
     if f.numerics is None:
@@ -134,7 +140,16 @@ def plan_formats(
     formats: Sequence[str] = DEFAULT_FORMATS,
     block_size: int = 256,
 ) -> list[FormatPlan]:
-    """One ``FormatPlan`` per format (see the module docstring for what is counted)."""
+    """One ``FormatPlan`` per format (see the module docstring for what is counted).
+
+    Raises ``TypeError`` / ``ValueError`` (``InvalidPlanError``) naming the argument: ``cfg`` not a
+    ``ModelConfig``, ``context_len`` / ``memory_bytes`` / ``block_size`` not an int in range, an unknown format."""
+    require_config(cfg)
+    require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
+    require_int("memory_bytes", memory_bytes, 0, error=InvalidPlanError)
+    require_int("block_size", block_size, 1, error=InvalidPlanError)
+    if isinstance(formats, str):
+        raise TypeError(f"formats must be a sequence of format names, got the str {formats!r}")
     idx = resolve_layers(cfg, layers)
     out = []
     for name in formats:
@@ -240,7 +255,11 @@ def human_bytes(n: float) -> str:
 
 def parse_bytes(text: str | int) -> int:
     """``"80GiB"``, ``"80 GB"``, ``"512MiB"``, ``"1e9"``, ``1024`` → bytes (GB = 10⁹, GiB = 2³⁰)."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise TypeError(f"byte size must be an int or a str like '80GiB', got {type(text).__name__} {text!r}")
     if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"byte size must be >= 0, got {text}")
         return text
     s = str(text).strip().replace(" ", "").lower()
     units = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 10**12, "gb": 10**9, "mb": 10**6,
@@ -255,6 +274,8 @@ def parse_bytes(text: str | int) -> int:
         v = float(num) * mult
     except ValueError:
         raise ValueError(f"cannot parse a byte size from {text!r} (examples: 80GiB, 512MiB, 4e9)") from None
+    if not math.isfinite(v):
+        raise ValueError(f"byte size must be a finite number, got {text!r} (examples: 80GiB, 512MiB, 4e9)")
     if v < 0:
         raise ValueError(f"byte size must be >= 0, got {text!r}")
     return int(v)

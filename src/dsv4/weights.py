@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from .config import LayerKind, ModelConfig
+from .config import LayerKind, ModelConfig, require_config
+from .validate import describe, require_device, require_float_dtype, require_int
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointIndex
@@ -87,9 +88,20 @@ class AttentionWeights:
     ) -> "AttentionWeights":
         """Random weights with realistic scales: projections ~ N(0, 1/fan_in) (unit-scale activations), norm
         weights near 1, sinks and position biases O(1). Deterministic in ``seed``, ``layer_idx`` and the device
-        type (``device="cuda"`` draws on the GPU: fast for full-size presets, a different stream than the CPU's)."""
-        dev = torch.device(device)
-        g = torch.Generator(device=dev).manual_seed(int(seed) * 1000003 + layer_idx)
+        type (``device="cuda"`` draws on the GPU: fast for full-size presets, a different stream than the CPU's).
+
+        Raises ``TypeError`` / ``ValueError`` naming the argument (``cfg`` not a ``ModelConfig``, ``layer_idx`` /
+        ``seed`` not an int, ``dtype`` not a floating dtype, a device that does not exist), ``IndexError`` for a
+        layer the config does not have."""
+        require_config(cfg)
+        layer_idx = require_int("layer_idx", layer_idx)
+        seed = require_int("seed", seed, 0, 2**62)
+        require_float_dtype("dtype", dtype)
+        dev = require_device("device", device)
+        if dev.type == "meta":
+            raise ValueError("device 'meta' holds no values; random weights need 'cpu' or 'cuda'")
+        cfg.layer_kind(layer_idx)
+        g = torch.Generator(device=dev).manual_seed(seed * 1000003 + layer_idx)
 
         def lin(out_f: int, in_f: int) -> torch.Tensor:
             return (torch.randn(out_f, in_f, generator=g, device=dev) * in_f**-0.5).to(dtype)
@@ -139,9 +151,21 @@ class AttentionWeights:
         FP8 projections (transformers' ``FP8Linear``: an 8-bit ``weight`` and its block scales
         ``weight_scale_inv``, ``block_size`` rows × cols per scale, or one scale) are dequantized, ``weight ·
         scale`` exactly in FP32 (``dsv4.checkpoint.dequantize_fp8_blocks``): to FP32 on the host with ``copy=True``,
-        to ``fp8_dtype`` on their device with ``copy=False`` (new tensors: the only copies that makes)."""
+        to ``fp8_dtype`` on their device with ``copy=False`` (new tensors: the only copies that makes).
+
+        Raises ``TypeError`` naming the attribute when ``module`` is not such a module (``None``, another module)."""
+        need = ("q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "sinks", "o_a_proj", "o_b_proj", "compressor")
+        lacking = [a for a in need if not hasattr(module, a)]
+        if lacking:
+            raise TypeError(
+                f"module must be a transformers DeepseekV4Attention, got {type(module).__name__} without {lacking}"
+            )
 
         def t(p: torch.Tensor) -> torch.Tensor:
+            if isinstance(p, torch.nn.Module) and hasattr(p, "weight"):
+                p = p.weight
+            if not isinstance(p, torch.Tensor) or not p.dtype.is_floating_point:
+                raise TypeError(f"module parameter must be a floating-point tensor, got {describe(p)}")
             return p.detach().to("cpu", torch.float32).clone() if copy else p.detach()
 
         def lin(m: Any) -> torch.Tensor:
@@ -217,15 +241,26 @@ class AttentionWeights:
                 every tensor's shape is checked against it.
             dtype, device: where the weights go (default FP32 on the host, like ``random``).
         Raises:
-            dsv4.checkpoint.CheckpointError: missing files, tensors or scales; ``ValueError`` for wrong shapes.
+            dsv4.checkpoint.CheckpointError: missing, truncated or malformed files, missing tensors or scales,
+                tensors of the wrong dtype, shape or with non-finite values (the message names the file and tensor).
         """
-        from .checkpoint import CheckpointIndex, config_from_checkpoint, read_attention_tensors
+        from .checkpoint import CheckpointError, CheckpointIndex, config_from_checkpoint, read_attention_tensors
 
+        if not isinstance(path, (str, os.PathLike, CheckpointIndex)):
+            raise TypeError(f"path must be a checkpoint directory, a .safetensors file or a CheckpointIndex, got {describe(path)}")
+        layer_idx = require_int("layer_idx", layer_idx)
+        if cfg is not None:
+            require_config(cfg)
+        require_float_dtype("dtype", dtype)
+        require_device("device", device)
         index = path if isinstance(path, CheckpointIndex) else CheckpointIndex.open(path)
         cfg = cfg if cfg is not None else config_from_checkpoint(index)
         tensors = read_attention_tensors(index, layer_idx, cfg)
         w = cls.from_named(tensors, cfg.layer_kind(layer_idx))
-        w.check(cfg, layer_idx)
+        try:
+            w.check(cfg, layer_idx)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {index.path}: {e}") from None
         return w.to(device, dtype) if (dtype != torch.float32 or torch.device(device).type != "cpu") else w
 
     # ------------------------------------------------------------------ utilities
@@ -280,6 +315,11 @@ class AttentionWeights:
 
     def check(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Raise ``ValueError`` naming every tensor whose shape does not fit ``cfg``'s layer ``layer_idx``."""
+        require_config(cfg)
+        if self.compressor is not None and not isinstance(self.compressor, CompressorWeights):
+            raise TypeError(f"compressor must be a CompressorWeights or None, got {describe(self.compressor)}")
+        if self.indexer is not None and not isinstance(self.indexer, IndexerWeights):
+            raise TypeError(f"indexer must be an IndexerWeights or None, got {describe(self.indexer)}")
         d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         kind = cfg.layer_kind(layer_idx)
         want: dict[str, tuple[int, ...]] = {
@@ -303,12 +343,20 @@ class AttentionWeights:
         for name, shape in want.items():
             if name not in have:
                 problems.append(f"{name} missing (a {kind.name} layer needs it)")
+            elif not isinstance(have[name], torch.Tensor):
+                problems.append(f"{name} is {describe(have[name])}, expected a tensor of shape {shape}")
+            elif not have[name].dtype.is_floating_point:
+                problems.append(f"{name} has dtype {have[name].dtype}, expected a floating-point tensor")
             elif tuple(have[name].shape) != shape:
                 problems.append(f"{name} has shape {tuple(have[name].shape)}, expected {shape}")
         extra = sorted(set(have) - set(want))
         if extra:
             problems.append(f"unexpected tensors for a {kind.name} layer: {extra}")
-        bad = [n for n, v in have.items() if not torch.isfinite(v).all()]
+        bad = [
+            n for n, v in have.items()
+            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.device.type != "meta"
+            and not torch.isfinite(v).all()
+        ]
         if bad:
             problems.append(f"non-finite values (NaN/Inf) in {bad}")
         if problems:

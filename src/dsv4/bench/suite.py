@@ -8,11 +8,14 @@ exposes one of these functions (first match wins), called with the keyword argum
     run(...) / bench(...) / benchmark(...) / rows(...)  ->  list[dict]   # rows from dsv4.bench.roofline_row
 
 Rows must at least have ``name`` and ``us``; ``roofline_frac`` and the other ``roofline_row`` columns are
-reported when present. A script that fails is reported (with its error) and the others still run.
+reported when present. A script that fails is reported (with its error) and the others still run. A script that
+declares ``REQUIRES_CUDA = True`` at module level (read from its source, without importing it) is skipped on a
+device other than CUDA, and reported as skipped.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import json
@@ -72,6 +75,19 @@ def find_benchmarks(directory: str | None, only: Sequence[str] | None = None) ->
     if only:
         files = [f for f in files if any(o in f[:-3] for o in only)]
     return [os.path.join(directory, f) for f in files]
+
+
+def requires_cuda(path: str) -> bool:
+    """Whether the script at ``path`` declares ``REQUIRES_CUDA = True`` at module level (parsed, not imported)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "REQUIRES_CUDA" for t in node.targets):
+            return isinstance(node.value, ast.Constant) and node.value.value is True
+    return False
 
 
 def _entry(module: Any) -> Callable[..., Any] | None:
@@ -138,6 +154,11 @@ def run_suite(
         say(f"no kernel benchmarks found (benchmarks/bench_*.py under {directory!r})")
     for path in files:
         name = os.path.splitext(os.path.basename(path))[0]
+        if device.type != "cuda" and requires_cuda(path):
+            sections.append({"name": name, "file": path, "rows": [], "error": None,
+                             "skipped": f"needs a CUDA GPU (this run is on {device})"})
+            say(f"skipping {name}: needs a CUDA GPU")
+            continue
         say(f"running {name} …")
         try:
             rows = run_benchmark_file(path, device, quick, roof)
@@ -186,6 +207,10 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     for sec in result["sections"]:
         lines.append(f"### {sec['name']}")
+        if sec.get("skipped"):
+            lines.append(f"skipped: {sec['skipped']}")
+            lines.append("")
+            continue
         if sec["error"]:
             lines.append(f"error: {sec['error']}")
             lines.append("")

@@ -2,16 +2,21 @@
 
 Modules, one job each: ``storage`` (entry codecs over uint8 pages), ``schema`` (per-layer geometry, bytes,
 capacity planning), ``allocator`` (block free list + refcounts), ``state`` (per-slot tensors), ``pool`` (paged
-tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``preempt`` (save / restore a request), ``errors``.
+tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``steps`` (binds a batch to its cache state, counts the layers that run it),
+``preempt`` (save / restore a request), ``integrity`` (snapshot checksum and value checks), ``errors``.
 """
 
 from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch, visible_entries
 from .errors import (
     CacheFullError,
+    CorruptSnapshotError,
     DuplicateRequestError,
     IncompatibleSnapshotError,
     InvalidPlanError,
+    NonFiniteError,
+    StaleBatchError,
+    StepOrderError,
     UnknownRequestError,
 )
 from .manager import CacheSnapshot, HybridCache, LayerCache, RequestRecord
@@ -27,6 +32,7 @@ from .schema import (
     plan_capacity,
 )
 from .state import StateCache
+from .steps import StepLedger, StepTicket
 from .storage import (
     EntryStorage,
     Fp8DsMlaStorage,
@@ -45,6 +51,7 @@ __all__ = [
     "CacheSnapshot",
     "CapacityPlan",
     "CompressedPool",
+    "CorruptSnapshotError",
     "DuplicateRequestError",
     "IncompatibleSnapshotError",
     "CacheGeometry",
@@ -59,10 +66,15 @@ __all__ = [
     "LayerCache",
     "LayerCacheSchema",
     "Mxfp4KeyStorage",
+    "NonFiniteError",
     "Nvfp4KeyStorage",
     "RequestRecord",
+    "StaleBatchError",
     "StateCache",
     "StepBatch",
+    "StepLedger",
+    "StepOrderError",
+    "StepTicket",
     "TensorSpec",
     "UnknownRequestError",
     "blocks_for_tokens",

@@ -34,6 +34,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from .steps import StepTicket
+
 __all__ = ["StepBatch", "visible_entries", "build_step_batch"]
 
 
@@ -70,6 +72,8 @@ class StepBatch:
         window: ``int`` SWA ring length.
         ratios: ``tuple[int, ...]`` the compression ratios present (sorted), keys of the per-ratio dicts.
         num_emit: ``dict[int, int]`` E_m per ratio (host copy, so ops can size buffers without a sync).
+        ticket: ``StepTicket`` set by ``HybridCache.prepare_forward``: the cache and step this batch belongs to
+            (layers refuse a batch that is not their cache's current step; see ``dsv4.cache.steps``).
 
     Device tensors (on the cache's device):
         token_request: int32 [T] — index 0…B−1 of the request each token belongs to.
@@ -145,6 +149,8 @@ class StepBatch:
     emit_pad_entry: dict[int, Tensor] = field(default_factory=dict)
     num_emit_device: dict[int, Tensor] = field(default_factory=dict)
     plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the cache state this batch was prepared for (``dsv4.cache.steps``); ``None``: not bound to any cache
+    ticket: StepTicket | None = field(default=None, repr=False, compare=False)
 
     #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
     _STATIC = (
@@ -184,8 +190,9 @@ class StepBatch:
 
         ``other`` must have the same geometry: the same tokens per request (``num_new``), ratios, block size and
         window, and block tables no wider than this batch's (narrower tables are copied and padded with −1).
-        Host fields (ids, start positions, ``num_emit``) and the variable-length ``emit_*`` lists are replaced by
-        ``other``'s, so eager (non-graph) ops keep working on this batch too.
+        Host fields (ids, start positions, ``num_emit``, the ``ticket`` binding it to its cache step) and the
+        variable-length ``emit_*`` lists are replaced by ``other``'s, so eager (non-graph) ops keep working on this
+        batch too.
 
         Raises:
             ValueError: the geometries differ.
@@ -224,6 +231,7 @@ class StepBatch:
         self.request_ids = list(other.request_ids)
         self.start_positions = list(other.start_positions)
         self.num_emit = dict(other.num_emit)
+        self.ticket = other.ticket
         return self
 
     def __repr__(self) -> str:

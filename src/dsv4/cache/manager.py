@@ -18,8 +18,9 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig
+from ..config import ModelConfig, require_config
 from ..numerics import Numerics, NumericsLike, resolve_numerics
+from ..validate import require_device
 from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch
 from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
@@ -27,16 +28,15 @@ from .pool import CompressedPool
 from .preempt import RequestSnapshot, restore_request, save_request
 from .schema import LayerCacheSchema, resolve_layers, blocks_for_tokens, layer_schemas
 from .state import StateCache
+from .steps import StepLedger
 from .workspace import Workspace
 
 __all__ = ["HybridCache", "LayerCache", "CacheSnapshot", "RequestRecord"]
 
 def resolve_device(device: torch.device | str) -> torch.device:
-    """A device with its index filled in (``"cuda"`` → ``cuda:<current>``), so tensors' ``.device`` compare equal."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    """A device with its index filled in (``"cuda"`` → ``cuda:<current>``), so tensors' ``.device`` compare equal.
+    ``TypeError`` / ``ValueError`` naming ``device`` when it is not a device or does not exist here."""
+    return require_device("device", device)
 
 
 Plan = Mapping[str, int] | Sequence[tuple[str, int]]
@@ -44,12 +44,14 @@ Plan = Mapping[str, int] | Sequence[tuple[str, int]]
 
 @dataclass
 class RequestRecord:
-    """Host record of one active request: its state ``slot``, ``num_tokens`` cached so far, and its block table
-    ``blocks`` (physical pool block of each logical block)."""
+    """Host record of one active request: its state ``slot``, ``num_tokens`` cached so far, its block table
+    ``blocks`` (physical pool block of each logical block), and ``missing``: why its cache lacks the data of some
+    of its tokens (a step no layer ran; see ``dsv4.cache.steps``), ``None`` when it is complete."""
 
     slot: int
     num_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
+    missing: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class CacheSnapshot:
     allocator: tuple[tuple[int, ...], tuple[int, ...]]
     free_slots: tuple[int, ...]
     tensors: dict[tuple[str, int, str], Tensor]
+    steps: tuple = ()
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -140,6 +143,7 @@ class HybridCache:
         numerics: NumericsLike = "official",
         max_step_tokens: int | None = None,
     ) -> None:
+        require_config(cfg)
         if (num_blocks is None) == (memory_bytes is None):
             raise InvalidPlanError("give exactly one of num_blocks / memory_bytes")
         _check_int("block_size", block_size, 1)
@@ -176,6 +180,9 @@ class HybridCache:
         self.workspace = Workspace(self.device)
         self.allocator = BlockAllocator(int(num_blocks))
         self._requests: dict[str, RequestRecord] = {}
+        self.steps = StepLedger(self.layer_indices)
+        #: int32 [max_requests]: 1 where a layer step with ``nan_policy="flag"`` left NaN/Inf (see ``nonfinite_requests``)
+        self.nonfinite = torch.zeros(self.state.max_requests, dtype=torch.int32, device=self.device)
 
     # ================================================================ requests
     def add_request(self, request_id: str) -> int:
@@ -189,20 +196,28 @@ class HybridCache:
             raise TypeError(f"request ids are str, got {type(request_id).__name__} {request_id!r}")
         if request_id in self._requests:
             raise DuplicateRequestError(f"request {request_id!r} is already active (slot {self._requests[request_id].slot})")
+        self.steps.check_mutation("add_request")
         if self.state.num_free == 0:
             raise CacheFullError(
                 f"cannot add request {request_id!r}: all {self.state.max_requests} state slots are in use"
             )
         slot = self.state.allocate_slot()  # resets the slot
+        self.nonfinite[slot] = 0
         self._requests[request_id] = RequestRecord(slot=slot)
+        self.steps.commit_mutation(f"add_request({request_id!r})", self._requests)
         return slot
 
     def release(self, request_id: str) -> None:
         """Free the request's blocks (decref) and its state slot (reset). Unknown id → ``UnknownRequestError``."""
+        self._release(request_id, f"release({request_id!r})")
+
+    def _release(self, request_id: str, action: str) -> None:
         rec = self._record(request_id)
         self.allocator.decref(rec.blocks)
         self.state.free_slot(rec.slot)
+        self.nonfinite[rec.slot] = 0
         del self._requests[request_id]
+        self.steps.commit_mutation(action, self._requests)
 
     # ================================================================ preemption (see dsv4.cache.preempt)
     def save_request(self, request_id: str) -> RequestSnapshot:
@@ -223,8 +238,10 @@ class HybridCache:
 
     def preempt_request(self, request_id: str) -> RequestSnapshot:
         """``save_request`` then ``release``: frees the request's slot and blocks, returns what restores it."""
+        self._record(request_id)
+        self.steps.check_mutation("preempt", request_id)
         snapshot = save_request(self, request_id)
-        self.release(request_id)
+        self._release(request_id, f"preempt_request({request_id!r})")
         return snapshot
 
     def prepare_forward(self, plan: Plan, *, max_blocks: int | None = None) -> StepBatch:
@@ -244,7 +261,10 @@ class HybridCache:
             UnknownRequestError: an id that is not active.
             CacheFullError: not enough free pool blocks.
         """
+        self.steps.check_mutation("prepare_forward")
         items = self._normalise_plan(plan)
+        if max_blocks is not None:
+            _check_int("max_blocks", max_blocks, 0)
         seen: set[str] = set()
         needs: list[int] = []
         for rid, n in items:
@@ -305,7 +325,26 @@ class HybridCache:
         for rec, table, (_, n) in zip(recs, tables, items):
             rec.blocks = table
             rec.num_tokens += int(n)
+        self.steps.commit_mutation("prepare_forward", self._requests)
+        batch.ticket = self.steps.open_step(self._requests, [(rid, int(n)) for rid, n in items])
         return batch
+
+    def claim_step(self, batch: StepBatch, layers: Iterable[int] | None = None) -> list[int]:
+        """Record that ``layers`` (default: every cached layer that has not run it yet) ran ``batch``'s step by
+        other means than ``dsv4.Attention``: a CUDA-graph replay (no Python runs inside it; call this right before
+        the replay), or a caller that writes the step's data itself (cache-only tests, benchmarks that advance
+        positions). ``Attention`` claims its own layer. Returns the layers recorded.
+
+        Raises (nothing changes):
+            StaleBatchError: ``batch`` is not this cache's current step (see ``dsv4.cache.steps``).
+            StepOrderError: one of ``layers`` already ran the step, is not cached, or a request of the step
+                lacks cache data.
+        """
+        todo = self.steps.remaining() if layers is None else list(layers)
+        for li in todo:
+            if isinstance(li, bool) or not isinstance(li, numbers.Integral):
+                raise TypeError(f"layers must be layer indices (int), got {type(li).__name__} {li!r}")
+        return self.steps.claim(batch, todo)
 
     @staticmethod
     def _normalise_plan(plan: Plan) -> list[tuple[str, int]]:
@@ -332,6 +371,19 @@ class HybridCache:
             raise UnknownRequestError(
                 f"unknown request {request_id!r} (active: {len(self._requests)} requests)"
             ) from None
+
+    # ================================================================ NaN / Inf flags (nan_policy="flag")
+    def flag_nonfinite(self, batch: StepBatch, bad: Tensor) -> None:
+        """Record (on the device, no sync) that the requests ``bad`` [B] (nonzero = affected) of ``batch`` got
+        NaN / Inf in their outputs or cache rows. Layers with ``nan_policy="flag"`` call this."""
+        self.nonfinite.scatter_reduce_(0, batch.slots, bad.to(self.nonfinite.dtype), "amax")
+
+    def nonfinite_requests(self) -> list[str]:
+        """Active requests whose outputs or cache received NaN / Inf in a layer step with ``nan_policy="flag"``
+        (host sync). Their cache must not be trusted: release them (and recompute, or restore a snapshot saved
+        earlier; a snapshot holding NaN / Inf is refused by ``restore_request``)."""
+        flags = self.nonfinite.tolist()
+        return [rid for rid, rec in self._requests.items() if flags[rec.slot]]
 
     # ================================================================ introspection
     def num_tokens(self, request_id: str) -> int:
@@ -424,9 +476,10 @@ class HybridCache:
                 raise AssertionError(f"free state slot {s} does not hold its reset values")
 
     def _tensors(self) -> dict[tuple[str, int, str], Tensor]:
-        """Every cache tensor (live, not copied) by ``("state" | "pool", layer, name)``."""
+        """Every cache tensor (live, not copied) by ``("state" | "pool", layer, name)``, and the NaN flags."""
         out = {("state", layer, name): t for layer, d in self.state.tensors.items() for name, t in d.items()}
         out.update({("pool", layer, name): t for layer, d in self.pool.tensors.items() for name, t in d.items()})
+        out[("flags", -1, "nonfinite")] = self.nonfinite
         return out
 
     def snapshot(self) -> CacheSnapshot:
@@ -437,6 +490,7 @@ class HybridCache:
             allocator=self.allocator.state(),
             free_slots=self.state.free_slots,
             tensors=tensors,
+            steps=self.steps.state(),
         )
 
     def differences(self, snap: CacheSnapshot) -> list[str]:
@@ -448,6 +502,8 @@ class HybridCache:
             diffs.append("allocator refcounts / free list")
         if self.state.free_slots != snap.free_slots:
             diffs.append(f"free slots: {list(snap.free_slots)} -> {list(self.state.free_slots)}")
+        if self.steps.state() != snap.steps:
+            diffs.append(f"step accounting (generation, steps, open step): {snap.steps} -> {self.steps.state()}")
         now = self._tensors()  # live tensors, no copy
         for key, t in snap.tensors.items():
             if key not in now or not _same_bits(now[key], t):

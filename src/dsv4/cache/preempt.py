@@ -12,7 +12,12 @@ addressed through the block table, ring slots by position), so moving pages to o
 the layers compute. ``HybridCache.preempt_request`` is ``save_request`` followed by ``release``.
 
 Save between steps: after ``prepare_forward`` the token count already includes the prepared step, but its data
-is written only when the layers run it, so a request saved in between would be restored without that data.
+is written only when the layers run it. ``save_request`` refuses a request whose step some but not all layers have
+run (``StepOrderError``); one saved before any layer ran its step records that in ``RequestSnapshot.missing``, and
+the restored request is refused by the layers (``dsv4.cache.steps``).
+
+Integrity: ``save_request`` stores a checksum of the snapshot; ``restore_request`` validates every field, tensor,
+the checksum and the values before it writes a byte (``check_snapshot``, ``dsv4.cache.integrity``).
 
 Pages are copied whole (the part of the last block that holds no entry yet is copied too, so a restored block is
 byte-for-byte the saved one). Blocks shared with other requests (reference count > 1) are saved as copies and
@@ -32,7 +37,8 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..numerics import Numerics
-from .errors import CacheFullError, DuplicateRequestError, IncompatibleSnapshotError
+from .errors import CacheFullError, CorruptSnapshotError, DuplicateRequestError, IncompatibleSnapshotError
+from .integrity import snapshot_digest, value_problems
 from .schema import blocks_for_tokens
 
 if TYPE_CHECKING:
@@ -85,6 +91,12 @@ class RequestSnapshot:
         pages: ``{(layer_idx, name): CPU uint8 tensor [num_blocks, page_bytes]}`` for ``kv_pages`` (CSA/HCA) and
             ``index_pages`` (CSA): row j is the page of logical block j (token positions
             ``j·block_size … (j+1)·block_size−1``) in the layer's storage format.
+        checksum: SHA-256 (hex) of every field above and every tensor's bytes, taken at save time
+            (``dsv4.cache.integrity`` says exactly what it covers); ``restore_request`` refuses a snapshot that no
+            longer matches it.
+        missing: why the request's cache lacked the data of some of its tokens when it was saved (saved after
+            ``prepare_forward`` and before the layers ran that step; see ``dsv4.cache.steps``), else ``None``. A
+            restored request keeps the note, and layers refuse to run it.
     """
 
     request_id: str
@@ -93,6 +105,8 @@ class RequestSnapshot:
     geometry: CacheGeometry
     state: dict[tuple[int, str], Tensor]
     pages: dict[tuple[int, str], Tensor]
+    checksum: str = ""
+    missing: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -111,8 +125,10 @@ def save_request(cache: HybridCache, request_id: str) -> RequestSnapshot:
 
     Raises:
         UnknownRequestError: the id is not active.
+        StepOrderError: the request is in a step that some but not all layers have run.
     """
     rec = cache._record(request_id)
+    cache.steps.check_mutation("save", request_id)
     state = {
         (layer, name): t[rec.slot].to("cpu", copy=True)
         for layer, d in cache.state.tensors.items()
@@ -124,49 +140,82 @@ def save_request(cache: HybridCache, request_id: str) -> RequestSnapshot:
         for layer, d in cache.pool.tensors.items()
         for name, t in d.items()
     }
+    missing = rec.missing or cache.steps.unwritten(request_id)
+    geometry = CacheGeometry.of(cache)
     return RequestSnapshot(
         request_id=request_id,
         num_tokens=rec.num_tokens,
         num_blocks=len(rec.blocks),
-        geometry=CacheGeometry.of(cache),
+        geometry=geometry,
         state=state,
         pages=pages,
+        checksum=snapshot_digest(request_id, rec.num_tokens, len(rec.blocks), missing, geometry, state, pages),
+        missing=missing,
     )
 
 
 def check_snapshot(cache: HybridCache, snapshot: RequestSnapshot) -> None:
-    """``IncompatibleSnapshotError`` unless ``snapshot`` can be restored into ``cache`` (same geometry; every state
-    row and page tensor present with this cache's shape and dtype; a block count that fits its token count)."""
+    """Raise unless ``snapshot`` can be restored into ``cache``; reads the snapshot, changes nothing.
+
+    In order: the fields' types; the geometry (config, layers, block size, numerics); the token and block
+    counts; every state row and page tensor present, a dense tensor on the CPU (or the cache's device) with this
+    cache's shape and dtype (``IncompatibleSnapshotError`` for all of these); the checksum taken at save time; the
+    values (``dsv4.cache.integrity.value_problems``) (``CorruptSnapshotError`` for these two)."""
     if not isinstance(snapshot, RequestSnapshot):
         raise IncompatibleSnapshotError(f"expected a RequestSnapshot from save_request, got {type(snapshot).__name__}")
+    fields = (
+        ("request_id", str), ("num_tokens", int), ("num_blocks", int), ("geometry", CacheGeometry),
+        ("state", dict), ("pages", dict), ("checksum", str), ("missing", (str, type(None))),
+    )
+    for name, kind in fields:
+        v = getattr(snapshot, name, None)
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise IncompatibleSnapshotError(f"snapshot field {name} has the wrong type: {type(v).__name__} {v!r:.60}")
+    rid = snapshot.request_id
     diffs = snapshot.geometry.mismatch(CacheGeometry.of(cache))
     if diffs:
-        raise IncompatibleSnapshotError(
-            f"snapshot of {snapshot.request_id!r} comes from a cache of another geometry: " + "; ".join(diffs)
-        )
+        raise IncompatibleSnapshotError(f"snapshot of {rid!r} comes from a cache of another geometry: " + "; ".join(diffs))
     want_blocks = blocks_for_tokens(snapshot.num_tokens, cache.min_ratio, cache.block_size)
     if not 0 <= snapshot.num_tokens <= cache.cfg.max_position or snapshot.num_blocks != want_blocks:
         raise IncompatibleSnapshotError(
-            f"snapshot of {snapshot.request_id!r}: {snapshot.num_blocks} blocks for {snapshot.num_tokens} tokens, "
-            f"want {want_blocks}"
+            f"snapshot of {rid!r}: {snapshot.num_blocks} blocks for {snapshot.num_tokens} tokens, want {want_blocks} "
+            f"(and 0 <= num_tokens <= max_position {cache.cfg.max_position})"
         )
-    want: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]] = {}
+    want: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
     for layer, d in cache.state.tensors.items():
         for name, t in d.items():
             want[("state", layer, name)] = (tuple(t.shape[1:]), t.dtype)
     for layer, d in cache.pool.tensors.items():
         for name, t in d.items():
             want[("pages", layer, name)] = ((snapshot.num_blocks, *t.shape[1:]), t.dtype)
-    have = {("state", *k): v for k, v in snapshot.state.items()} | {("pages", *k): v for k, v in snapshot.pages.items()}
+    have = {
+        (group, *(k if isinstance(k, tuple) else (k,))): v
+        for group, d in (("state", snapshot.state), ("pages", snapshot.pages))
+        for k, v in d.items()
+    }
     problems = [f"{k[0]} {k[1:]} missing" for k in want.keys() - have.keys()]
     problems += [f"unexpected {k[0]} {k[1:]}" for k in have.keys() - want.keys()]
+    devices = {torch.device("cpu"), cache.device}
     for k in want.keys() & have.keys():
         t, (shape, dtype) = have[k], want[k]
-        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-            problems.append(f"{k[0]} {k[1:]} is {got}, want {list(shape)} {dtype}")
+        if not isinstance(t, Tensor) or t.layout != torch.strided:
+            problems.append(f"{k[0]} {k[1:]} is {type(t).__name__}{'' if not isinstance(t, Tensor) else ' ' + str(t.layout)}, want a dense tensor")
+        elif tuple(t.shape) != shape or t.dtype != dtype:
+            problems.append(f"{k[0]} {k[1:]} is {list(t.shape)} {t.dtype}, want {list(shape)} {dtype}")
+        elif t.device not in devices:
+            problems.append(f"{k[0]} {k[1:]} is on {t.device}, want " + " or ".join(sorted({"cpu", str(cache.device)})))
     if problems:
-        raise IncompatibleSnapshotError(f"snapshot of {snapshot.request_id!r} does not fit this cache: " + "; ".join(sorted(problems)))
+        raise IncompatibleSnapshotError(f"snapshot of {rid!r} does not fit this cache: " + "; ".join(sorted(problems)))
+    digest = snapshot_digest(rid, snapshot.num_tokens, snapshot.num_blocks, snapshot.missing, snapshot.geometry,
+                             snapshot.state, snapshot.pages)
+    if digest != snapshot.checksum:
+        raise CorruptSnapshotError(
+            f"snapshot of {rid!r} fails its checksum: its tensors or fields changed after save_request "
+            f"(corrupted or edited); restore refused"
+        )
+    bad = value_problems(cache, snapshot.num_tokens, snapshot.missing, snapshot.state, snapshot.pages)
+    if bad:
+        raise CorruptSnapshotError(f"snapshot of {rid!r} holds values no cache can: " + "; ".join(bad))
 
 
 def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapshot) -> int:
@@ -177,7 +226,8 @@ def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapsh
     Raises:
         TypeError: ``request_id`` is not a str.
         DuplicateRequestError: ``request_id`` is already active.
-        IncompatibleSnapshotError: see ``check_snapshot``.
+        StepOrderError: a step is partly run (see ``dsv4.cache.steps``).
+        IncompatibleSnapshotError: see ``check_snapshot`` (``CorruptSnapshotError``: checksum or values).
         CacheFullError: no free state slot, or fewer free blocks than ``snapshot.num_blocks``.
     """
     from .manager import RequestRecord
@@ -186,6 +236,7 @@ def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapsh
         raise TypeError(f"request ids are str, got {type(request_id).__name__} {request_id!r}")
     if request_id in cache:
         raise DuplicateRequestError(f"request {request_id!r} is already active (slot {cache.slot(request_id)})")
+    cache.steps.check_mutation("restore_request")
     check_snapshot(cache, snapshot)
     if cache.state.num_free == 0:
         raise CacheFullError(
@@ -198,6 +249,7 @@ def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapsh
         )
 
     slot = cache.state.allocate_slot()
+    cache.nonfinite[slot] = 0
     blocks = cache.allocator.allocate(snapshot.num_blocks)
     try:
         for (layer, name), row in snapshot.state.items():
@@ -210,5 +262,8 @@ def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapsh
         cache.allocator.decref(reversed(blocks))
         cache.state.free_slot(slot)
         raise
-    cache._requests[request_id] = RequestRecord(slot=slot, num_tokens=snapshot.num_tokens, blocks=blocks)
+    cache._requests[request_id] = RequestRecord(
+        slot=slot, num_tokens=snapshot.num_tokens, blocks=blocks, missing=snapshot.missing
+    )
+    cache.steps.commit_mutation(f"restore_request({request_id!r})", cache._requests)
     return slot

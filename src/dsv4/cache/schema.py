@@ -20,13 +20,15 @@ Compressor tails (fp32; reset: kv 0, gate −inf):
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
-from ..config import LayerKind, ModelConfig
+from ..config import LayerKind, ModelConfig, require_config
 from ..numerics import NumericsLike, resolve_numerics
+from ..validate import require_int
 from .errors import InvalidPlanError
 from .storage import EntryStorage, index_storage, kv_storage
 
@@ -221,8 +223,17 @@ class LayerCacheSchema:
 
 
 def resolve_layers(cfg: ModelConfig, layers: Iterable[int] | None) -> list[int]:
-    """``None`` → the main layers ``range(cfg.num_layers)`` (MTP excluded). Validates indices and duplicates."""
-    out = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
+    """``None`` → the main layers ``range(cfg.num_layers)`` (MTP excluded). Validates indices (ints, not bools or
+    floats: ``TypeError``; in range: ``IndexError``) and duplicates (``ValueError``)."""
+    if layers is None:
+        return list(range(cfg.num_layers))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be an iterable of layer indices (int), got {type(layers).__name__} {layers!r}")
+    out = list(layers)
+    for i in out:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"layers must hold layer indices (int), got {type(i).__name__} {i!r}")
+    out = [int(i) for i in out]
     for i in out:
         cfg.layer_kind(i)  # IndexError with a clear message if out of range
     if len(set(out)) != len(out):
@@ -297,10 +308,10 @@ def plan_capacity(
 ) -> CapacityPlan:
     """Capacity of a ``memory_bytes`` cache for requests of ``context_len`` tokens (block rounding and page padding
     included, exactly as ``HybridCache`` allocates)."""
-    if memory_bytes < 0:
-        raise InvalidPlanError(f"memory_bytes must be >= 0, got {memory_bytes}")
-    if not 0 <= context_len <= cfg.max_position:
-        raise InvalidPlanError(f"context_len {context_len} must be in [0, max_position={cfg.max_position}]")
+    require_config(cfg)
+    require_int("memory_bytes", memory_bytes, 0, error=InvalidPlanError)
+    require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
+    require_int("block_size", block_size, 1, error=InvalidPlanError)
     schemas = layer_schemas(cfg, layers, numerics, block_size)
     fixed = sum(s.state_bytes_per_request for s in schemas)
     per_block = sum(s.pool_bytes_per_block for s in schemas)

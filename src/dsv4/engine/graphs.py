@@ -55,7 +55,8 @@ def reserve_pad(cache: HybridCache, request_id: str) -> tuple[int, int]:
     Returns ``(pad_slot, pad_block)`` (block 0 when the cache has no compressed layer: unused)."""
     cache.add_request(request_id)
     if cache.min_ratio:
-        cache.prepare_forward({request_id: cache.block_size})  # grows its table to exactly one block
+        # grows its table to exactly one block; no layer runs this step (the pad rows' data is scratch)
+        cache.claim_step(cache.prepare_forward({request_id: cache.block_size}))
     return cache.slot(request_id), (cache.block_table(request_id)[0] if cache.min_ratio else 0)
 
 
@@ -81,7 +82,11 @@ def pad_step_batch(
         pad_slot, pad_block: the reserved pad state slot and pool block.
     Returns:
         ``StepBatch`` with ``rows`` requests, ``rows · w`` tokens and ``block_tables [rows, max_blocks]`` (its
-        fixed-capacity emit tensors have ``rows · ceil(w / m)`` entries per ratio m).
+        fixed-capacity emit tensors have ``rows · ceil(w / m)`` entries per ratio m). Its ticket
+        (``dsv4.cache.steps``) is the cache's current step when ``request_ids`` are that step's requests, or a pad
+        ticket when there are none (a static batch to capture on: layers run it without step accounting).
+    Raises:
+        StaleBatchError: ``request_ids`` / ``num_new`` are not the cache's current step.
     """
     B, w = len(request_ids), tokens_per_row
     if B >= rows:
@@ -93,6 +98,7 @@ def pad_step_batch(
     tables = [cache.block_table(r) for r in request_ids]
     if any(len(t) > max_blocks for t in tables):
         raise ValueError(f"a block table is longer than the padded width {max_blocks}")
+    ticket = cache.steps.graph_ticket(request_ids, num_new)
     pad_table = [pad_block] if cache.min_ratio else []
     kwargs = dict(
         request_ids=list(request_ids) + [f"__pad{i}__" for i in range(npad)],
@@ -106,13 +112,14 @@ def pad_step_batch(
         device=cache.device,
     )
     try:
-        return build_step_batch(**kwargs, max_blocks=max_blocks)
+        b = build_step_batch(**kwargs, max_blocks=max_blocks)
     except TypeError:  # an older build_step_batch without max_blocks: pad the table here
         b = build_step_batch(**kwargs)
         bt = torch.full((rows, max_blocks), -1, dtype=b.block_tables.dtype, device=b.block_tables.device)
         bt[:, : b.block_tables.shape[1]] = b.block_tables
         b.block_tables = bt
-        return b
+    b.ticket = ticket
+    return b
 
 
 def copy_step_batch(dst: StepBatch, src: StepBatch) -> None:
@@ -210,13 +217,15 @@ class DecodeGraphs:
         self, batch: StepBatch, numbers: Sequence[int], keep: Iterable[int] = ()
     ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor, Tensor]]]:
         """Replay the bucket for a prepared decode step. Returns ``h [T, d]`` and the kept layers' outputs
-        (views of the graph's static outputs, valid until the next replay)."""
+        (views of the graph's static outputs, valid until the next replay). The step is claimed for every layer
+        (``HybridCache.claim_step``) before the replay: the graph runs no Python, so the layers cannot."""
         c = self.bucket(batch.num_requests)
         assert c is not None
         cap = self.captured[c]
         padded = pad_step_batch(
             self.cache, batch.request_ids, batch.num_new, c + 1, self.w, self.max_blocks, self.pad_slot, self.pad_block
         )
+        self.cache.claim_step(batch)
         copy_step_batch(cap.batch, padded)
         nums = torch.tensor(list(numbers) + [0] * (c + 1 - len(numbers)), dtype=torch.int64)
         cap.nums.copy_(nums, non_blocking=True)

@@ -12,6 +12,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from ..validate import require_int
+
 __all__ = ["LengthSpec", "Request", "make_requests"]
 
 
@@ -47,10 +49,9 @@ class Request:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
-        if int(self.prompt_len) < 1:
-            raise ValueError(f"request {self.request_id!r}: prompt_len must be >= 1, got {self.prompt_len}")
-        if int(self.gen_len) < 0:
-            raise ValueError(f"request {self.request_id!r}: gen_len must be >= 0, got {self.gen_len}")
+        require_int(f"request {self.request_id!r}: prompt_len", self.prompt_len, 1)
+        require_int(f"request {self.request_id!r}: gen_len", self.gen_len, 0)
+        require_int(f"request {self.request_id!r}: arrival_step", self.arrival_step, 0)
 
     @property
     def total_len(self) -> int:
@@ -176,8 +177,10 @@ def make_requests(
     ``max_total`` caps ``prompt_len + gen_len`` (e.g. ``cfg.max_position``): longer draws are clipped, prompt
     first kept ≥ 1.
     """
-    if num < 1:
-        raise ValueError(f"number of requests must be >= 1, got {num}")
+    require_int("number of requests", num, 1)
+    require_int("seed", seed)
+    if max_total is not None:
+        require_int("max_total", max_total, 1)
     p_spec, g_spec = LengthSpec.parse(prompt_len, 1), LengthSpec.parse(gen_len, 0)
     rng = random.Random(seed)
     out = []

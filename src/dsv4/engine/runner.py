@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,12 +34,14 @@ import torch
 from torch import Tensor
 
 from ..cache import HybridCache, blocks_for_tokens, layer_schemas
+from ..cache.schema import resolve_layers
 from ..cache.batch import StepBatch
-from ..config import LayerKind, ModelConfig
+from ..config import LayerKind, ModelConfig, require_config
 from ..layer import Attention
 from ..numerics import Numerics, resolve_numerics
 from ..ops import StepPlan
 from ..reference.primitives import rms_norm
+from ..validate import require_bool, require_choice, require_device, require_instance, require_int
 from ..weights import AttentionWeights
 from .hidden import HashHidden
 from .jit_clock import JitClock
@@ -46,20 +50,20 @@ from .scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace"]
 
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
 #: A dense BF16 cache keeps every token's 512-dim KV entry (K ≡ V, one KV head) in every layer: 1024 B.
 DENSE_BF16_BYTES_PER_TOKEN_LAYER = 512 * 2
 
 
-def pick_device(name: str | torch.device | None) -> torch.device:
-    """``"auto"`` / ``None`` → CUDA when available, else CPU; CUDA without a GPU is an error."""
+def pick_device(name: str | torch.device | None, arg: str = "device") -> torch.device:
+    """``"auto"`` / ``None`` → CUDA when available, else CPU. ``ValueError`` naming ``arg`` for a device that is
+    not ``cpu`` / ``cuda[:N]`` or does not exist here (CUDA without a GPU)."""
     if name is None or name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device cuda requested but no CUDA device is available")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+    dev = require_device(arg, name)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{arg} {name!r} cannot run the engine; use auto, cpu, cuda or cuda:N")
     return dev
 
 
@@ -84,7 +88,9 @@ class EngineConfig:
         weights: ``"random"`` (distinct random weights per layer), ``"shared"`` (one random set per layer kind,
             shared by every layer of that kind: less memory, faster start) or a checkpoint directory.
         seed: weights and hidden states.
-        check_finite: check every step's output for NaN/Inf (a device sync per step; on by default on the CPU).
+        check_finite: check every step's output for NaN/Inf (a device sync per step; on by default on the CPU), and
+            what the layers leave in the cache (their ``nan_policy``: ``"raise"`` on the CPU — a step that would
+            leave NaN/Inf is rolled back —, ``"flag"`` on CUDA — checked at the end of the step).
     """
 
     backend: str = "auto"
@@ -103,10 +109,31 @@ class EngineConfig:
     check_finite: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs must be auto / on / off, got {self.cuda_graphs!r}")
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        """Validate every field: ``TypeError`` / ``ValueError`` naming it (nothing is truncated or defaulted)."""
+        require_choice("backend", self.backend, ("auto", "torch", "triton"))
+        if not isinstance(self.device, (str, torch.device)) or not _DEVICE_RE.fullmatch(str(self.device)):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.numerics, Numerics):
+            require_choice("numerics", self.numerics, ("official", "exact"))
+        require_int("block_size", self.block_size, 1)
+        require_int("max_running", self.max_running, 1)
+        require_int("max_batched_tokens", self.max_batched_tokens, 1)
+        if self.max_prefill_chunk is not None:
+            require_int("max_prefill_chunk", self.max_prefill_chunk, 1)
+        require_int("decode_tokens", self.decode_tokens, 1, 4)
+        if self.cache_memory is not None:
+            require_int("cache_memory", self.cache_memory, 0)
+        require_choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
+        if self.graph_batch_sizes is not None:
+            if isinstance(self.graph_batch_sizes, (str, bytes)) or not isinstance(self.graph_batch_sizes, Iterable):
+                raise TypeError(f"graph_batch_sizes must be a sequence of ints, got {self.graph_batch_sizes!r}")
+            sizes = tuple(require_int("graph_batch_sizes entry", b, 1) for b in self.graph_batch_sizes)
+            object.__setattr__(self, "graph_batch_sizes", sizes)
+        if not isinstance(self.weights, (str, os.PathLike)) or not str(self.weights):
+            raise TypeError(f"weights must be 'random', 'shared' or a checkpoint directory, got {self.weights!r}")
+        require_int("seed", self.seed, 0)
+        if self.check_finite is not None:
+            require_bool("check_finite", self.check_finite)
 
 
 @dataclass
@@ -299,17 +326,21 @@ class Engine:
         hidden: Callable[[Tensor, Tensor], Tensor] | None = None,
         progress: bool = False,
     ) -> None:
+        require_config(cfg)
+        if config is not None:
+            require_instance("config", config, EngineConfig)
+        if weights is not None and not (isinstance(weights, Mapping) or callable(weights)):
+            raise TypeError(f"weights must be a mapping layer -> AttentionWeights or a callable, got {type(weights).__name__}")
+        if hidden is not None and not callable(hidden):
+            raise TypeError(f"hidden must be a callable (request_numbers, positions) -> [T, d], got {type(hidden).__name__}")
+        require_bool("progress", progress)
         self.cfg = cfg
         self.config = config = config or EngineConfig()
         self.device = pick_device(config.device)
         self.numerics: Numerics = resolve_numerics(config.numerics)
-        self.layer_ids: list[int] = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
+        self.layer_ids: list[int] = resolve_layers(cfg, layers)
         if not self.layer_ids:
             raise ValueError("the engine needs at least one layer")
-        for li in self.layer_ids:
-            cfg.layer_kind(li)
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ValueError(f"layers contains duplicates: {self.layer_ids}")
         if config.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown backend {config.backend!r}; choose auto, torch or triton")
         if config.backend == "triton" and self.device.type != "cuda":
@@ -319,8 +350,12 @@ class Engine:
         self.check_finite = config.check_finite if config.check_finite is not None else self.device.type == "cpu"
         t0 = time.perf_counter()
         self.weights = self._build_weights(weights, progress)
+        # NaN policy of the layers: with check_finite, a CPU step that would leave NaN/Inf is rolled back and raises;
+        # on CUDA the layers only flag the requests (no sync, graph-safe) and the step's end checks the flags.
+        self.nan_policy = "off" if not self.check_finite else ("flag" if self.device.type == "cuda" else "raise")
         self.layers = [
-            Attention(self.weights[li], cfg, li, backend=config.backend, check_inputs=False) for li in self.layer_ids
+            Attention(self.weights[li], cfg, li, backend=config.backend, check_inputs=False, nan_policy=self.nan_policy)
+            for li in self.layer_ids
         ]
         self.setup_s = time.perf_counter() - t0
         self.cache: HybridCache | None = None
@@ -542,6 +577,10 @@ class Engine:
             torch.cuda.synchronize(self.device)
         if self.check_finite and bool(self._nonfinite):
             raise FloatingPointError(f"step {plan.step}: the stack produced NaN/Inf")
+        if self.nan_policy == "flag":
+            poisoned = [rid for rid in self.cache.nonfinite_requests() if rid != self.PAD_REQUEST]
+            if poisoned:
+                raise FloatingPointError(f"step {plan.step}: NaN/Inf reached the cache of requests {poisoned}")
         t1 = time.perf_counter()
         tokens_cached = sum(self.cache.num_tokens(rid) for rid in sched.running)
         in_use = self.cache.memory_in_use()

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import LayerKind, ModelConfig
+from ..config import LayerKind, ModelConfig, require_config
 from ..numerics import Numerics, NumericsLike, resolve_numerics
+from ..validate import require_instance, require_int
 from ..weights import AttentionWeights
 from .compressor import compress
 from .core import attend_with_sink, window_indices
@@ -135,7 +136,15 @@ def forward(
     Args:
         x: ``[S, d]`` attention input (the output of ``attn_norm``), any float dtype; cast to the act dtype.
     """
+    require_instance("w", w, AttentionWeights, "build them with AttentionWeights.random / from_checkpoint")
+    require_config(cfg)
+    require_int("layer_idx", layer_idx)
     nm = resolve_numerics(numerics)
+    w.check(cfg, layer_idx)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor [S, {cfg.hidden_size}], got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != cfg.hidden_size:
         raise ValueError(f"x must be [S, {cfg.hidden_size}], got {tuple(x.shape)}")
     if not torch.isfinite(x).all():
