@@ -170,7 +170,7 @@ class Workload:
             at = 0
             for rid, n in plan.items():
                 self.live[rid].y[li].append(res.y[at : at + n])
-                self.live[rid].idx[li].append(res.entry_idx[at : at + n])
+                self.live[rid].idx[li].append(res.attended_entries()[at : at + n])
                 at += n
         for rid, n in plan.items():
             self.live[rid].done += n

@@ -497,7 +497,7 @@ def test_layer_triton_backend_matches_torch(li: int) -> None:
             n = sum(plan.values())
             res = layer.forward_with_aux(x[at : at + n], cache.prepare_forward(plan), cache)
             ys.append(res.y.float())
-            idx.append(res.entry_idx)
+            idx.append(res.attended_entries())
             at += n
         outs[backend] = (torch.cat(ys), idx)
     y_t, y_x = outs["torch"][0], outs["triton"][0]

@@ -1,17 +1,13 @@
-"""Triton glue for ``all_visible_entries`` and ``attend`` (``dsv4.kernels.attention``).
+"""The Triton backend's attention (``ops.backend``): sparse attention with sink over each token's window (its ring
+∪ the step's new entries) and compressed entries, then the inverse RoPE (``dsv4.kernels.attention``).
 
-Same signatures and results as ``torch_ops`` with one documented difference in the HCA hand-off:
-``all_visible_entries`` returns the per-token *count* of visible entries (int64 ``[T]``, ``batch.visible_entries[m]``)
-instead of a ``[T, N]`` list padded with −1, so nothing of data-dependent size is built; ``attend`` reads a 1-D
-``entry_idx`` as "every entry ``i < entry_idx[t]``" and walks those entries straight through the block table.
-(``dsv4.Attention`` expands the counts to the documented ``[T, N]`` form only for ``StepOutputs.entry_idx``.)
-
-The kernels read the official ``fp8_ds_mla`` 584-B entries. Layers whose numerics use another KV format
-(``fp8_per_token``, ``fp32``), whose geometry is not 512 = 448 + 64, or tensors not on a CUDA device (unless
-``TRITON_INTERPRET=1``) run the torch backend's ``attend`` instead (same results; not graph-safe).
-
-Every launch decision of a step's attention is an ``AttentionPlan`` (``dsv4.kernels.attention.plan``):
-``attention_plan`` makes the one ``attend`` would run, ``attend(plan=...)`` runs a given one.
+Compressed entries come as CSA's fixed-width ``[T, k]`` top-k lists (−1 = none) or HCA's per-token counts ``[T]``
+(every entry ``i < count``, walked straight through the block table: nothing of data-dependent size is built).
+Every launch decision is the step's ``AttentionPlan`` (``plan_layer``, made once per step from the batch's shape;
+``LayerStep.plan.attention``). The kernels read the official ``fp8_ds_mla`` 584-B entries; where the plan is
+``None`` (another KV format, a geometry other than 512 = 448 + 64, a device without the kernels) the torch
+backend serves the layer (same results; not graph-safe). ``attend_layer`` / ``attention_plan`` take explicit
+tensors (kernel tests).
 """
 
 from __future__ import annotations
