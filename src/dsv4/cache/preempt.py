@@ -183,13 +183,13 @@ def check_snapshot(cache: HybridCache, snapshot: RequestSnapshot) -> None:
         except (TypeError, ValueError) as e:
             problems.append(str(e))
         else:
-            if len(ids) < snapshot.num_tokens and snapshot.prefix_nodes:
-                problems.append(f"{len(ids)} token ids but prefix blocks of {snapshot.num_tokens} tokens")
+            if len(snapshot.prefix_nodes) * cache.block_size > min(len(ids), snapshot.num_tokens):
+                problems.append(f"prefix_nodes cover more than its {len(ids)} token ids / {snapshot.num_tokens} tokens")
     nodes = snapshot.prefix_nodes
     if not isinstance(nodes, tuple) or not all(
         isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], bytes) and isinstance(n[1], int) for n in nodes
-    ) or len(nodes) > snapshot.num_blocks:
-        problems.append("prefix_nodes must be at most num_blocks (chain key, uid) pairs")
+    ):
+        problems.append("prefix_nodes must be (chain key, uid) pairs")
     if problems:
         raise IncompatibleSnapshotError(f"snapshot of {snapshot.request_id!r} does not fit this cache: " + "; ".join(sorted(problems)))
 

@@ -522,8 +522,8 @@ class PrefixCache:
         """Evict every node no active request uses; returns the blocks freed."""
         before = self.cache.allocator.num_free
         self.evict_blocks(self.num_evictable())
-        for node in [n for n in self.nodes.values() if self._removable(n) and n.block is None]:
-            if node.key in self.nodes and self._removable(node):
+        for node in sorted(self.nodes.values(), key=lambda n: -n.depth):  # block-less nodes (no pool), leaves first
+            if self._removable(node):
                 self._remove(node)
         return self.cache.allocator.num_free - before
 
