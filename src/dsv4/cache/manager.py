@@ -269,6 +269,11 @@ class HybridCache:
         pr = self.prefix.requests.get(request_id)
         return pr.cached_tokens if pr is not None else 0
 
+    def publish_prefixes(self) -> None:
+        """Publish into the prefix cache what the steps prepared so far computed (their layers must have run).
+        Every mutating call does this first; call it to see those prefixes (e.g. in a scheduler's lookups)."""
+        self.prefix.apply_pending()
+
     @property
     def prefix_state_bytes(self) -> int:
         """Bytes of one prefix state snapshot (the live state of every layer at a block boundary)."""

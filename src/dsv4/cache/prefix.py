@@ -278,13 +278,16 @@ class PrefixCache:
         limit = (len(token_ids) - (0 if whole else 1)) // self.block_size
         if not self.enabled or limit <= 0:
             return []
+        return self.lookup_keys(self.chain_keys(token_ids, limit))
+
+    def lookup_keys(self, keys: Sequence[bytes]) -> list[PrefixNode]:
+        """``lookup`` from precomputed chain keys (``chain_keys``; pass at most the blocks a hit may take)."""
+        if not self.enabled:
+            return []
         path: list[PrefixNode] = []
         best = 0
-        prev = self.salt
-        bs = self.block_size
-        for j in range(limit):
-            prev = hashlib.sha256(prev + token_ids[j * bs : (j + 1) * bs].tobytes()).digest()
-            node = self.nodes.get(prev)
+        for j, key in enumerate(keys):
+            node = self.nodes.get(key)
             if node is None:
                 break
             path.append(node)
