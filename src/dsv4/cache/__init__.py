@@ -2,7 +2,8 @@
 
 Modules, one job each: ``storage`` (entry codecs over uint8 pages), ``schema`` (per-layer geometry, bytes,
 capacity planning), ``allocator`` (block free list + refcounts), ``state`` (per-slot tensors), ``pool`` (paged
-tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``preempt`` (save / restore a request), ``errors``.
+tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``preempt`` (save / restore a request), ``prefix``
+(prefix caching: shared prompt blocks + state snapshots at block boundaries), ``errors``.
 """
 
 from .allocator import BlockAllocator
@@ -17,6 +18,7 @@ from .errors import (
 from .manager import CacheSnapshot, HybridCache, LayerCache, RequestRecord
 from .pool import CompressedPool
 from .preempt import CacheGeometry, RequestSnapshot
+from .prefix import PrefixSnapshot
 from .schema import (
     CapacityPlan,
     LayerCacheSchema,
@@ -58,6 +60,7 @@ __all__ = [
     "InvalidPlanError",
     "LayerCache",
     "LayerCacheSchema",
+    "PrefixSnapshot",
     "Mxfp4KeyStorage",
     "Nvfp4KeyStorage",
     "RequestRecord",

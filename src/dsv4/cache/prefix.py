@@ -345,8 +345,8 @@ class PrefixCache:
             known = pr.token_ids if pr is not None else array("q")
             if start > len(known):
                 raise InvalidPlanError(
-                    f"request {rid!r}: token ids for positions {start}..{start + n - 1} but only positions "
-                    f"0..{len(known) - 1} have known ids (give the ids of every step, or none)"
+                    f"request {rid!r}: token ids for positions {start}..{start + n - 1} but only its first "
+                    f"{len(known)} positions have known ids (give the ids of every step, or none)"
                 )
             overlap = min(len(known) - start, n)
             if overlap > 0 and known[start : start + overlap] != arr[:overlap]:
@@ -630,14 +630,15 @@ class PrefixCache:
         """``IncompatibleSnapshotError`` unless ``snap`` fits this cache; returns its token ids."""
         if not isinstance(snap, PrefixSnapshot):
             raise IncompatibleSnapshotError(f"expected a PrefixSnapshot from export_prefix, got {type(snap).__name__}")
-        if not self.enabled:
-            raise InvalidPlanError("cannot import a prefix: prefix caching is off (prefix_states=0)")
-        diffs = snap.geometry.mismatch(self.geometry)
+        diffs = snap.geometry.mismatch(self.geometry) if isinstance(snap.geometry, type(self.geometry)) else ["no geometry"]
         if diffs:
             raise IncompatibleSnapshotError("prefix snapshot comes from a cache of another geometry: " + "; ".join(diffs))
-        ids = as_token_ids(snap.token_ids, "prefix snapshot token_ids")
+        try:
+            ids = as_token_ids(snap.token_ids, "prefix snapshot token_ids")
+        except (TypeError, ValueError) as e:
+            raise IncompatibleSnapshotError(str(e)) from None
         k = snap.num_blocks
-        if k < 1 or len(ids) != k * self.block_size:
+        if not isinstance(k, int) or k < 1 or len(ids) != k * self.block_size:
             raise IncompatibleSnapshotError(
                 f"prefix snapshot: {len(ids)} token ids for {k} blocks of {self.block_size} positions"
             )
@@ -655,6 +656,8 @@ class PrefixCache:
                 problems.append(f"{key[0]} {key[1:]} has the wrong shape or dtype")
         if problems:
             raise IncompatibleSnapshotError("prefix snapshot does not fit this cache: " + "; ".join(sorted(problems)))
+        if not self.enabled:
+            raise InvalidPlanError("cannot import a prefix: prefix caching is off (prefix_states=0)")
         return ids
 
     def import_(self, snap: PrefixSnapshot, ids: array) -> int:
