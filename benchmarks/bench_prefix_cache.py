@@ -108,6 +108,27 @@ def run_mode(engine: Engine, args: argparse.Namespace, prefix: bool, warmup: boo
     return out
 
 
+def snapshot_cost(engine: Engine, repeats: int = 20) -> dict[str, float]:
+    """Bytes of one prefix state snapshot and the seconds to restore one into a state slot (device copies,
+    synchronised), against recomputing the state instead: the last ``window · layers`` tokens (each layer's
+    window depends on the previous layers' outputs over the previous window) at the run's prefill rate."""
+    cache = engine.cache
+    assert cache is not None and cache.prefix.states.num_rows and cache.num_free_slots
+    slot = cache.state.allocate_slot()
+    sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
+    cache.prefix.states.restore(cache.state, 0, slot)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        cache.prefix.states.restore(cache.state, 0, slot)
+    sync()
+    seconds = (time.perf_counter() - t0) / repeats
+    cache.state.free_slot(slot)
+    return {"snapshot_bytes": cache.prefix_state_bytes, "restore_s": seconds,
+            "block_bytes": cache.pool.bytes_per_block,
+            "recompute_tokens": engine.cfg.window * len(engine.layer_ids)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -132,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         results["prefix" if prefix else "cold"] = run_mode(engine, args, prefix, warmup, args.check and prefix)
         print(f"# {'prefix caching' if prefix else 'cold'}: {results['prefix' if prefix else 'cold']['wall_s']:.2f} s",
               flush=True)
+    cost = snapshot_cost(engine)
+    cost["recompute_s"] = cost["recompute_tokens"] / results["prefix"]["prefill_compute_tok_s"]
+    results["snapshot"] = cost
     cold, pc = results["cold"], results["prefix"]
     rows = [
         ("prefill tokens computed", f"{cold['prefill_tokens_computed']:,}", f"{pc['prefill_tokens_computed']:,}",
@@ -159,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"\nacceptance: prefill computed <= 25% of cold: {'PASS' if acc['prefill_le_25pct'] else 'FAIL'}; "
           f"time to first token p50 >= 3x better: {'PASS' if acc['ttft_p50_ge_3x'] else 'FAIL'}")
+    print(f"state snapshot at a block boundary: {cost['snapshot_bytes'] / 2**20:.2f} MiB "
+          f"({cost['snapshot_bytes'] / cost['block_bytes']:.1f} blocks' worth), restored in "
+          f"{cost['restore_s'] * 1e6:.0f} us; recomputing it instead means {cost['recompute_tokens']:,} tokens "
+          f"(window x layers), about {cost['recompute_s'] * 1e3:.0f} ms at this run's prefill rate")
     if "check" in pc:
         print(f"spot check of the prefix run (a group's first request + one that hit, one layer per kind): {pc['check']}"
               + ("" if pc["checked_hit_request"] else " (no traced request hit)"))

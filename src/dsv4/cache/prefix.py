@@ -88,13 +88,16 @@ def as_token_ids(token_ids: object, what: str = "token_ids") -> array:
         InvalidPlanError: a negative or too large id.
     """
     if isinstance(token_ids, Tensor):
-        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype in (torch.bool, torch.complex64):
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex \
+                or token_ids.dtype == torch.bool:
             raise TypeError(f"{what} must be a 1-D integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
-        ids = token_ids.tolist()
-    elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= _MAX_TOKEN_ID):
+            bad = int(token_ids.min()) if int(token_ids.min()) < 0 else int(token_ids.max())
+            raise InvalidPlanError(f"{what}: token id {bad} out of range [0, 2**63)")
+        return array("q", token_ids.tolist())
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(f"{what} must be a sequence of ints, got {type(token_ids).__name__}")
-    else:
-        ids = list(token_ids)
+    ids = list(token_ids)
     for t in ids:
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
             raise TypeError(f"{what} must be a sequence of ints, got an element {t!r} ({type(t).__name__})")
