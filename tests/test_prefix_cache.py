@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from cache_oracle import one_thread  # noqa: F401
+from test_preemption import assert_bit_identical
 
 import dsv4
 from dsv4.cache import CacheFullError, HybridCache, IncompatibleSnapshotError, InvalidPlanError
@@ -78,14 +79,9 @@ def run(cache: HybridCache, rid: str, ids: list[int], chunks: list[int], feed_id
 
 
 def assert_same_outputs(got: Outputs, want: Outputs, rows: slice, what: str) -> None:
+    """Every layer's y, lse and entry_idx bit-identical to the cold run's ``rows``."""
     for li in want:
-        for name, g, w in zip(("y", "lse", "entry_idx"), got[li], want[li]):
-            w = w[rows]
-            if name == "entry_idx":
-                width = max(g.shape[1], w.shape[1])
-                g = torch.nn.functional.pad(g, (0, width - g.shape[1]), value=-1)
-                w = torch.nn.functional.pad(w, (0, width - w.shape[1]), value=-1)
-            assert g.shape == w.shape and torch.equal(g, w), f"{what}: layer {li} {name} differs from the cold run"
+        assert_bit_identical(got[li], want[li], rows, f"{what} (layer {li}; 'uninterrupted' = the cold run)")
 
 
 def state_rows(cache: HybridCache, rid: str) -> dict[tuple[int, str], torch.Tensor]:

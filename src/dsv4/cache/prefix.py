@@ -164,6 +164,7 @@ class PrefixStates:
 
     def __init__(self, state: StateCache, num_rows: int, device: torch.device) -> None:
         self.num_rows = int(num_rows)
+        self.device = device
         self.tensors: dict[int, dict[str, Tensor]] = {
             layer: {
                 s.name: torch.full((self.num_rows, *s.shape), s.fill, dtype=s.dtype, device=device)
@@ -185,9 +186,8 @@ class PrefixStates:
         """Copy the live state of ``slots`` into snapshot ``rows`` (one gather + scatter per tensor, no sync)."""
         if not rows:
             return
-        dev = next(iter(state.tensors.values()))["ring"].device
-        src = torch.tensor(list(slots), dtype=torch.int64, device=dev)
-        dst = torch.tensor(list(rows), dtype=torch.int64, device=dev)
+        src = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        dst = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
         for layer, d in self.tensors.items():
             for name, t in d.items():
                 t.index_copy_(0, dst, state.tensors[layer][name].index_select(0, src))

@@ -63,7 +63,20 @@ def _standard_normal(keys: Tensor, chan: Tensor, hidden_size: int) -> Tensor:
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
 
 
-class TokenHidden:
+class _HashedNormal:
+    """Shared state of the counter-based sources: ``hidden_size``, ``seed`` and the per-device channel keys."""
+
+    def __init__(self, hidden_size: int, seed: int = 0) -> None:
+        self.hidden_size = int(hidden_size)
+        self.seed = int(seed)
+        self._chan: dict[torch.device, Tensor] = {}
+
+    def _normal(self, keys: Tensor) -> Tensor:
+        """float32 ``[T, hidden]`` standard normals of ``keys`` int64 ``[T]`` (on their device)."""
+        return _standard_normal(keys, _channel_keys(self._chan, self.hidden_size, keys.device), self.hidden_size)
+
+
+class TokenHidden(_HashedNormal):
     """Deterministic standard-normal hidden states from ``(seed, token id, channel)``: a seeded embedding.
 
     Args:
@@ -71,19 +84,13 @@ class TokenHidden:
         seed: mixes into every value.
     """
 
-    def __init__(self, hidden_size: int, seed: int = 0) -> None:
-        self.hidden_size = int(hidden_size)
-        self.seed = int(seed)
-        self._chan: dict[torch.device, Tensor] = {}
-
     def __call__(self, token_ids: Tensor) -> Tensor:
         """``token_ids`` int64 ``[T]`` → float32 ``[T, hidden]`` on the same device."""
-        chan = _channel_keys(self._chan, self.hidden_size, token_ids.device)
-        keys = hash32(hash32(token_ids.long() * 0x2545F491 + (self.seed & _M32)) ^ ((token_ids.long() >> 32) & _M32))
-        return _standard_normal(keys, chan, self.hidden_size)
+        ids = token_ids.long()
+        return self._normal(hash32(hash32(ids * 0x2545F491 + (self.seed & _M32)) ^ ((ids >> 32) & _M32)))
 
 
-class HashHidden:
+class HashHidden(_HashedNormal):
     """Deterministic standard-normal hidden states from ``(seed, request number, position, channel)``.
 
     Args:
@@ -91,15 +98,8 @@ class HashHidden:
         seed: mixes into every value.
     """
 
-    def __init__(self, hidden_size: int, seed: int = 0) -> None:
-        self.hidden_size = int(hidden_size)
-        self.seed = int(seed)
-        self._chan: dict[torch.device, Tensor] = {}
-
     def __call__(self, request_numbers: Tensor, positions: Tensor) -> Tensor:
-        chan = _channel_keys(self._chan, self.hidden_size, positions.device)
-        tok = hash32(hash32(request_numbers.long() * 0x632BE5AB + (self.seed & _M32)) ^ (positions.long() & _M32))
-        return _standard_normal(tok, chan, self.hidden_size)
+        return self._normal(hash32(hash32(request_numbers.long() * 0x632BE5AB + (self.seed & _M32)) ^ (positions.long() & _M32)))
 
 
 def generated_token_ids(seed: int, number: int, positions: Tensor, vocab: int) -> Tensor:
