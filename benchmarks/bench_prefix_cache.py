@@ -104,7 +104,7 @@ def run_mode(engine: Engine, args: argparse.Namespace, prefix: bool, warmup: boo
         out["spot_check"] = [r.as_dict() for r in rows]
         out["check"] = "PASS" if all(r.passed for r in rows) else "FAIL"
         out["checked_hit_request"] = any(tr.prefix_from is not None for tr in engine.traces.values())
-    engine.trace([])
+    engine.trace([], [])
     return out
 
 
@@ -129,10 +129,8 @@ def snapshot_cost(engine: Engine, repeats: int = 20) -> dict[str, float]:
             "recompute_tokens": engine.cfg.window * len(engine.layer_ids)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def measure(args: argparse.Namespace) -> tuple[dict[str, Any], torch.device]:
+    """Both runs and the snapshot cost; prints progress lines."""
     device = pick_device(args.device)
     cfg = dsv4.ModelConfig.preset(args.preset)
     warmup = device.type == "cuda" if args.warmup is None else args.warmup
@@ -156,6 +154,34 @@ def main(argv: list[str] | None = None) -> int:
     cost = snapshot_cost(engine)
     cost["recompute_s"] = cost["recompute_tokens"] / results["prefix"]["prefill_compute_tok_s"]
     results["snapshot"] = cost
+    results["config"] = cfg.name
+    return results, device
+
+
+def run(device: torch.device | str = "auto", quick: bool = False) -> list[dict[str, Any]]:
+    """``dsv4 bench`` entry: the two runs as rows (µs = time to first token p50, tok/s = tokens served per second).
+    ``quick`` or a CPU: the tiny preset at small sizes; else the V4-Flash workload of the module docstring."""
+    small = quick or torch.device(device).type == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    argv = ["--device", str(device), "--no-check"]
+    if small:
+        argv += ["--preset", "tiny", "--requests", "8", "--shared-prefix", "256", "--unique", "64", "--gen", "4",
+                 "--block-size", "64", "--max-batched-tokens", "512"]
+    results, _ = measure(parse_args(argv))
+    rows = []
+    for mode in ("cold", "prefix"):
+        r = results[mode]
+        rows.append(dict(r, name=f"prefix cache {'on' if mode == 'prefix' else 'off'} ({results['config']}): time to first "
+                         "token p50", us=r["ttft_p50_s"] * 1e6, tokens_per_s=r["throughput_tok_s"]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results, device = measure(args)
+    cfg = dsv4.ModelConfig.preset(args.preset)
+    cost = results["snapshot"]
     cold, pc = results["cold"], results["prefix"]
     rows = [
         ("prefill tokens computed", f"{cold['prefill_tokens_computed']:,}", f"{pc['prefill_tokens_computed']:,}",
