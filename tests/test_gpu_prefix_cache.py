@@ -4,12 +4,15 @@ halves) — and every layer's outputs for the rest equal the cold run's bit for 
 
 Cases: every tiny layer in one cache (16- and 64-token blocks), and each V4-Flash layer kind alone with 256-token
 blocks (window 128, ratios 4 / 128); the owner's and the hit's chunks end inside windows around the prefix end; the
-owner keeps running (writing its own blocks) while the hit request runs, or is released before the hit.
+owner keeps running (writing its own blocks) while the hit request runs, or is released before the hit. And a prefix
+end inside the owner's step (the layers snapshot it): the captured window entries are the step's own bytes, the rest
+agrees with a cold run to the chunking tolerance.
 """
 
 from __future__ import annotations
 
 import functools
+from array import array
 
 import pytest
 import torch
@@ -98,4 +101,44 @@ def test_hit_is_bit_identical_to_cold_run_triton(case: Case, owner_released: boo
         if not owner_released:
             run(cache, "owner", owner, [3])
     assert_same_outputs(concat(parts), want, slice(case.point, None), "Triton, after the hit")
+    cache.check_invariants()
+
+
+INSIDE = [  # (name, cfg, layers, block size, owner's chunks: the last one crosses P, P, the hit's chunks)
+    ("tiny-all-P48", TINY, (0, 1, 2, 3, 4), 16, (7, 50), 48, (5, 20, 2)),
+    ("flash-csa-P512", FLASH, (2,), 256, (100, 600), 512, (130, 1, 300)),
+    ("flash-hca-P768", FLASH, (3,), 256, (900,), 768, (2, 129, 256)),
+]
+
+
+@pytest.mark.parametrize("name,cfg,layers,bs,owner_chunks,point,after", INSIDE, ids=[c[0] for c in INSIDE])
+def test_hit_at_a_boundary_inside_a_step_triton(name, cfg, layers, bs, owner_chunks, point, after) -> None:
+    """A boundary inside the owner's step, snapshotted by the layers: the window entries captured are the step's
+    own bytes (equal to those that stay in the owner's ring), and the hit's continuation agrees with a cold run in
+    the owner's chunks to the chunking tolerance of the GPU spot check (1e-2)."""
+    owner = prompt(1, point) + prompt(3, 1000)[: sum(owner_chunks) - point]
+    ids = prompt(1, point) + prompt(2, sum(after))
+    end = sum(owner_chunks)
+    cache = HybridCache(cfg, layers=layers, block_size=bs, num_blocks=32, max_requests=3, device="cuda", prefix_states=8)
+    cache.add_request("owner", owner)
+    run(cache, "owner", owner, list(owner_chunks))
+    cache.add_request("hit", ids)
+    assert cache.cached_tokens("hit") == point
+    row = cache.prefix.lookup(array("q", ids))[-1].state_row
+    W = cfg.window
+    for li in layers:
+        storage = cache.schemas[li].kv_storage
+        for p in range(max(end - W, point - W, 0), point):
+            q = torch.tensor([p % W], device="cuda")
+            got = storage.read_bytes(cache.prefix.states.tensors[li]["ring"], torch.tensor([row], device="cuda"), q)
+            want = storage.read_bytes(cache.state.tensors[li]["ring"], torch.tensor([cache.slot("owner")], device="cuda"), q)
+            assert torch.equal(got, want), (li, p)
+    got = run(cache, "hit", ids, list(after))
+    cold = HybridCache(cfg, layers=layers, block_size=bs, num_blocks=32, max_requests=3, device="cuda")
+    cold.add_request("c", ids)
+    chunks = list(owner_chunks[:-1]) + [point + after[0] - (end - owner_chunks[-1])] + list(after[1:])
+    want = run(cold, "c", ids, chunks)
+    for li in layers:
+        y, ref = got[li][0].double(), want[li][0][point:].double()
+        assert (y - ref).norm() / ref.norm() < 1e-2, f"layer {li}"
     cache.check_invariants()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from cache_oracle import one_thread  # noqa: F401
+from cache_oracle import check_against_reference, one_thread  # noqa: F401
 from test_preemption import assert_bit_identical
 
 import dsv4
@@ -383,7 +383,7 @@ def test_token_ids_checked_and_hit_capped() -> None:
         cache.prepare_forward({"a": 4}, token_ids={"a": ids[16:19]})
     # the whole cached prompt: at least its last token is computed (its output starts the generation)
     cache.add_request("same", ids[:16])
-    assert cache.cached_tokens("same") == 0  # 8 would do, but no step ended there: no snapshot
+    assert cache.cached_tokens("same") == 8  # the whole prompt is cached, but its last token is computed
     cache.add_request("longer", ids[:17])
     assert cache.cached_tokens("longer") == 16
     # ids beyond the prompt (generated tokens) extend the known ids and publish the blocks they fill
@@ -431,3 +431,72 @@ def test_memory_accounting() -> None:
     assert with_prefix.memory_bytes() == with_prefix.num_blocks * block + 2 * slot + 3 * row <= 1 << 20
     # the live state at a block boundary is what the snapshot holds: far less than a whole state slot
     assert row < with_prefix.state.bytes_per_slot
+
+
+# ------------------------------------------------------------------------------------------------ inside a step
+@dataclass(frozen=True)
+class Inside:
+    """The owner's last chunk crosses the prefix end P (no step ends there); the hit continues with ``after``."""
+
+    name: str
+    cfg: dsv4.ModelConfig
+    layers: tuple[int, ...]
+    block_size: int
+    owner_chunks: tuple[int, ...]
+    point: int
+    after: tuple[int, ...]
+
+
+INSIDE = [
+    Inside("swa-P12", TINY, (0,), 4, (3, 20), 12, (2, 9, 1)),
+    Inside("csa-P24", TINY, (1,), 8, (5, 30), 24, (3, 6, 11)),
+    Inside("hca-P32", TINY, (2,), 16, (40,), 32, (7, 17, 1)),
+    Inside("all-P48-w20", TINY_W20, (0, 1, 2, 3, 4), 16, (7, 50), 48, (5, 20, 2)),
+]
+
+
+@pytest.mark.parametrize("numerics", ["exact", "official"])
+@pytest.mark.parametrize("case", INSIDE, ids=lambda c: c.name)
+def test_hit_at_a_boundary_inside_a_step(case: Inside, numerics: str) -> None:
+    """Every block boundary a step crosses is snapshotted by the layers inside the step, so a later request hits
+    there too. The window entries captured are the step's own (bit-equal to those that stay in the owner's ring);
+    a cold run cannot stop at P, so the rest is checked against the reference (exact numerics) and against a cold
+    run in the owner's chunks (official numerics, chunking tolerance)."""
+    P, bs = case.point, case.block_size
+    owner = prompt(1, P) + prompt(3, 60)
+    ids = prompt(1, P) + prompt(2, sum(case.after))
+    kw = dict(layers=case.layers, block_size=bs, num_blocks=24, max_requests=3, numerics=numerics)
+    cache = HybridCache(case.cfg, prefix_states=8, **kw)
+    cache.add_request("owner", owner)
+    run(cache, "owner", owner, list(case.owner_chunks))
+    end = sum(case.owner_chunks)
+    assert P % bs == 0 and end - case.owner_chunks[-1] < P < end
+    cache.publish_prefixes()
+    node = cache.prefix.lookup(as_token_ids(ids))[-1]
+    assert node.depth * bs == P and node.state_row is not None
+    W = case.cfg.window
+    for li in case.layers:  # positions P−W … P−1 that also stay in the owner's ring: the same bytes
+        snap, live = cache.prefix.states.tensors[li], cache.state.tensors[li]
+        storage = cache.schemas[li].kv_storage
+        for p in range(max(end - W, P - W, 0), P):
+            q = torch.tensor([p % W])
+            got = storage.read_bytes(snap["ring"], torch.tensor([node.state_row]), q)
+            want = storage.read_bytes(live["ring"], torch.tensor([cache.slot("owner")]), q)
+            assert torch.equal(got, want) and int(snap["ring_positions"][node.state_row, p % W]) == p
+    cache.add_request("hit", ids)
+    assert cache.cached_tokens("hit") == P
+    got = run(cache, "hit", ids, list(case.after))
+    cache.check_invariants()
+    x = embedding(case.cfg)[torch.tensor(ids)]
+    if numerics == "exact":
+        for li in case.layers:
+            check_against_reference(layer(case.cfg, li).weights, case.cfg, li, x, got[li][0], got[li][2], "exact", 1e-5,
+                                    rows=slice(P, len(ids)))
+        return
+    cold = HybridCache(case.cfg, **kw)
+    cold.add_request("c")
+    chunks = list(case.owner_chunks[:-1]) + [P + case.after[0] - (end - case.owner_chunks[-1])] + list(case.after[1:])
+    want = run(cold, "c", ids, chunks, feed_ids=False)
+    for li in case.layers:
+        y, ref = got[li][0].double(), want[li][0][P:].double()
+        assert (y - ref).norm() / ref.norm() < 5e-3, f"layer {li}: continuation differs beyond chunking tolerance"

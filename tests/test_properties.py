@@ -336,6 +336,13 @@ class CacheMachine(RuleBasedStateMachine):
             assert (batch.block_tables[b, len(table) :] == -1).all()
             assert int(batch.slots[b]) == self.cache.slot(rid)
             self.write_like_the_layers(rid, before[rid] // self.cache.block_size)  # the blocks the step writes
+        for b, point, row in batch.prefix_captures:  # as the layers would: the state at a boundary inside the step
+            req = self.model[items[b][0]]
+            assert req.ids is not None and before[items[b][0]] < point < req.num_tokens and point <= len(req.ids)
+            for li, d in self.cache.prefix.states.tensors.items():
+                for name, t in d.items():
+                    t[row] = prefix_bytes((tuple(req.ids[:point]), li, name), t[row])
+            self.snapshot_points.add(tuple(req.ids[:point]))
 
     # ---------------------------------------------------------------- actions (one weighted rule drives them)
     ACTIONS = ("step",) * 6 + ("add",) * 3 + ("release", "save", "save", "restore", "restore", "bad_step")

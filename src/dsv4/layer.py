@@ -20,6 +20,7 @@ from .cache.batch import StepBatch
 from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig
 from .ops import backend_ops, triton_available
+from .ops.prefix_capture import capture_prefix_states
 from .reference.indexer import indexer_head_weights
 from .reference.layer import grouped_output, query_projection
 from .reference.primitives import linear
@@ -154,6 +155,8 @@ class Attention:
         q_proj, q_latent = query_projection(w, cfg, x, nm, norm=ops.rms_norm)
         q = ops.queries(q_proj, pos, inv_freq, cfg.norm_eps)
         kv_in = ops.rms_norm(linear(x, w.wkv, act), w.kv_norm, cfg.norm_eps)
+        if batch.prefix_captures:  # prefix caching: the state at block boundaries inside the step, before any write
+            capture_prefix_states(cache, self.layer_idx, batch, x, kv_in, w, inv_freq, nm, cfg.nope_dim)
         m, entry_idx = self.ratio, None
         if self.kind is LayerKind.SWA:
             kv = ops.window_entries(kv_in, pos, inv_freq, nm, cfg.nope_dim)

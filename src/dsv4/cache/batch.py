@@ -104,6 +104,11 @@ class StepBatch:
         emit_pad_request[m]: int32 [emit_capacity[m]] — ``emit_request[m]`` followed by −1 padding.
         emit_pad_entry[m]: int64 [emit_capacity[m]] — ``emit_entry[m]`` followed by 0 padding.
         num_emit_device[m]: int32 [1] — E_m on the device.
+
+    Prefix caching (host, set by ``HybridCache.prepare_forward``; empty without it):
+        prefix_captures: ``[(b, P, row)]`` — block boundaries P strictly inside request b's new tokens at which every
+            layer snapshots its live state into ``PrefixStates`` row ``row`` (``dsv4.ops.prefix_capture``); a step
+            with captures is not graph-safe (CUDA-graph replays skip it).
     """
 
     request_ids: list[str]
@@ -140,6 +145,7 @@ class StepBatch:
     emit_pad_request: dict[int, Tensor] = field(default_factory=dict)
     emit_pad_entry: dict[int, Tensor] = field(default_factory=dict)
     num_emit_device: dict[int, Tensor] = field(default_factory=dict)
+    prefix_captures: list[tuple[int, int, int]] = field(default_factory=list)
 
     #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
     _STATIC = (

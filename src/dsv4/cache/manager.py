@@ -230,7 +230,7 @@ class HybridCache:
         cache — for a request whose last prepared step did not run through every layer (an abandoned step)."""
         rec = self._record(request_id)
         if not cache_prefix:
-            self.prefix.pending.pop(request_id, None)
+            self.prefix.drop_step(request_id)
         self.prefix.apply_pending()
         self.allocator.decref(rec.blocks)
         self.prefix.forget(request_id)
@@ -407,6 +407,7 @@ class HybridCache:
             rec.blocks = table
             rec.num_tokens += int(n)
         self.prefix.after_step(items, step_ids)
+        batch.prefix_captures = self.prefix.plan_captures(items)
         return batch
 
     @staticmethod

@@ -247,6 +247,7 @@ class PrefixCache:
         self.nodes: dict[bytes, PrefixNode] = {}
         self.requests: dict[str, PrefixRequest] = {}
         self.pending: dict[str, int] = {}
+        self.in_flight: dict[str, list[tuple[int, int]]] = {}  # request -> [(P, row)] captured inside its last step
         self._tick = 0
         self._uid = 0
         self._fingerprints: dict[tuple[bytes, int], bytes] = {}  # (key, uid) -> digest of the block's pages
@@ -378,6 +379,41 @@ class PrefixCache:
             if pr is not None and self.enabled:
                 self.pending[rid] = rec.num_tokens
 
+    def plan_captures(self, items: Sequence[tuple[str, int]]) -> list[tuple[int, int, int]]:
+        """``prepare_forward`` committed: the block boundaries strictly inside each tracked request's new tokens (with
+        known ids) that have no snapshot yet get a snapshot row each (least recently used rows evicted if needed,
+        at most half of them per step); the layers fill them (``dsv4.ops.prefix_capture``), the next publication
+        attaches them. Returns ``StepBatch.prefix_captures``: ``[(b, P, row)]``."""
+        if not self.enabled:
+            return []
+        bs = self.block_size
+        want: list[tuple[int, str, int]] = []
+        for b, (rid, n) in enumerate(items):
+            pr = self.requests.get(rid)
+            if pr is None or pr.diverged:
+                continue
+            rec = self.cache._requests[rid]
+            end = rec.num_tokens
+            first, last = (end - int(n)) // bs + 1, min(end - 1, len(pr.token_ids)) // bs
+            if last < first:
+                continue
+            self.chain_keys(pr.token_ids, last, pr.keys)
+            for j in range(first, last + 1):
+                node = self.nodes.get(pr.keys[j - 1])
+                if node is not None and (node.state_row is not None or (self.has_pool and node.block != rec.blocks[j - 1])):
+                    continue  # snapshotted already, or another computation's prefix (this one will not be published)
+                want.append((b, rid, j * bs))
+        want = want[len(want) - max(1, self.states.num_rows // 2) :] if want else []
+        short = len(want) - len(self.states.free_rows)
+        if short > 0:
+            self._evict_rows(short, set())
+        captures = []
+        for b, rid, point in want:
+            row = self.states.free_rows.pop()
+            self.in_flight.setdefault(rid, []).append((point, row))
+            captures.append((b, point, row))
+        return captures
+
     def check_writable(self, steps: Iterable[tuple[str, Sequence[int], int]]) -> None:
         """Each ``(request id, block table, start)``: a step from position ``start`` writes blocks
         ``table[start // block_size:]``, none of which may be cached. ``AssertionError`` (an internal error)."""
@@ -399,13 +435,28 @@ class PrefixCache:
         for rid, end in pending.items():
             rec = self.cache._requests.get(rid)
             pr = self.requests.get(rid)
+            flight = self.in_flight.pop(rid, [])
             if rec is None or pr is None or rec.num_tokens != end:
+                self.states.free_rows.extend(row for _, row in flight)
                 continue
             node = self._publish_blocks(rec, pr)
+            self._attach_in_flight(pr, flight)
             if node is not None and node.state_row is None and end == node.depth * self.block_size:
                 captures.setdefault(node.key, (rec.slot, node))
         if captures:
             self._capture(list(captures.values()))
+
+    def _attach_in_flight(self, pr: PrefixRequest, flight: list[tuple[int, int]]) -> None:
+        """Rows the layers filled inside the step become their nodes' snapshots (if the request published the node
+        and it has none); the others go back to the free rows."""
+        tick = self._touch()
+        for point, row in flight:
+            j = point // self.block_size
+            node = self.nodes.get(pr.keys[j - 1]) if pr.published >= j else None
+            if node is not None and node.state_row is None:
+                node.state_row, node.last_used = row, tick
+            else:
+                self.states.free_rows.append(row)
 
     def _publish_blocks(self, rec: RequestRecord, pr: PrefixRequest) -> PrefixNode | None:
         """Publish ``rec``'s complete known blocks; returns the node of its last published block (``None`` if it
@@ -454,9 +505,14 @@ class PrefixCache:
         self.states.capture(self.cache.state, slots, rows)
 
     # ================================================================ release and eviction
+    def drop_step(self, rid: str) -> None:
+        """Forget what ``rid``'s last prepared step would publish (its layers did not run it)."""
+        self.pending.pop(rid, None)
+        self.states.free_rows.extend(row for _, row in self.in_flight.pop(rid, []))
+
     def forget(self, rid: str) -> None:
         """The request leaves the cache (release / preempt): it stops being a user of its published nodes."""
-        self.pending.pop(rid, None)
+        self.drop_step(rid)
         pr = self.requests.pop(rid, None)
         if pr is None:
             return
@@ -549,7 +605,7 @@ class PrefixCache:
 
         return (
             copy.deepcopy(self.nodes), copy.deepcopy(self.requests), dict(self.pending),
-            tuple(self.states.free_rows), self._tick, self._uid,
+            copy.deepcopy(self.in_flight), tuple(self.states.free_rows), self._tick, self._uid,
         )
 
     def stats(self) -> dict[str, int]:
@@ -731,8 +787,14 @@ class PrefixCache:
             if children[key] != n.children:
                 raise AssertionError(f"prefix node at depth {n.depth}: {n.children} children recorded, {children[key]} found")
         free = self.states.free_rows
-        if len(set(free)) != len(free) or set(free) & set(rows) or len(free) + len(rows) != self.states.num_rows:
-            raise AssertionError(f"snapshot rows: used {sorted(rows)}, free {sorted(free)} of {self.states.num_rows}")
+        flight = [row for f in self.in_flight.values() for _, row in f]
+        if len(set(free)) != len(free) or set(free) & set(rows) or len(set(flight)) != len(flight) \
+                or set(flight) & (set(free) | set(rows)) or len(free) + len(rows) + len(flight) != self.states.num_rows:
+            raise AssertionError(f"snapshot rows: used {sorted(rows)}, in flight {sorted(flight)}, free {sorted(free)} "
+                                 f"of {self.states.num_rows}")
+        for rid in self.in_flight:
+            if rid not in self.pending:
+                raise AssertionError(f"snapshot rows in flight for {rid!r} without a pending publication")
         for rid, pr in self.requests.items():
             rec = self.cache._requests.get(rid)
             if rec is None:

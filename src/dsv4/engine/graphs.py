@@ -164,12 +164,13 @@ class DecodeGraphs:
         return next((c for c in self.sizes if c >= num_requests and c in self.captured), None)
 
     def can_run(self, plan: ScheduledStep, batch: StepBatch) -> bool:
-        """A decode-only step of ``w``-token requests that fits a captured bucket."""
+        """A decode-only step of ``w``-token requests that fits a captured bucket (and takes no prefix snapshot)."""
         return (
             plan.is_decode_only
             and all(n == self.w for _, n in plan.plan)
             and self.bucket(len(plan.plan)) is not None
             and batch.block_tables.shape[1] <= self.max_blocks
+            and not batch.prefix_captures  # prefix snapshots inside the step: host-built, run eagerly
         )
 
     def _static(self, capacity: int) -> StepBatch:

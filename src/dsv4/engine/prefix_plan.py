@@ -1,25 +1,18 @@
 """The scheduler's view of shared prompt prefixes, for prefix caching (``dsv4.cache.prefix``).
 
-A prefix can only be hit where a request's step *ended* on a block boundary (the cache snapshots the request
-state there). So the scheduler, knowing every unfinished request's prompt, makes the steps end where hits will be
-wanted and lets requests wait for a prefix that another request is computing:
+The cache snapshots a request's state at every block boundary its steps reach (at a step's end, or inside it), so
+any whole-block prefix a request has computed can be hit afterwards. What the scheduler adds is **waiting for an
+in-flight prefix** (``waits_for``): a request whose prompt shares more whole blocks with a running request's
+unfinished prompt than the cache holds now is not admitted until that request has passed the shared part; it is
+then admitted with a hit instead of computing the same tokens a second time. Admission also needs the hit a request
+would get now (``hit``), to reserve only the blocks it will allocate.
 
-* **chunk ends** (``chunk_end``): a prefill chunk stops at the first *fork point* inside it — a block boundary
-  where the prefix another unfinished request can hit (whole blocks, at most its prompt minus one token) stops
-  being shared — else at the last block boundary inside it (unless it is the prompt's last chunk), so every
-  chunk end can be hit later (e.g. by a follow-up turn);
-* **waiting for an in-flight prefix** (``waits_for``): a request whose prompt shares more whole blocks with a
-  running request's unfinished prompt than the cache holds now is not admitted until that request has passed
-  the shared part (its chunk then ends there: a fork point): it is then admitted with a hit instead of computing
-  the same tokens a second time.
-
-Prompts are compared by the cache's chain keys (one per whole block), counted over the unfinished requests.
+Prompts are compared by the cache's chain keys (one per whole block, ``PrefixCache.chain_keys``).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import Counter
 from collections.abc import Iterable
 
 from ..cache import HybridCache
@@ -39,49 +32,25 @@ class PrefixPlanner:
     def __init__(self, cache: HybridCache) -> None:
         self.cache = cache
         self.bs = cache.block_size
-        self.keys: dict[str, list[bytes]] = {}  # request id -> keys of its prompt's whole blocks
-        self.caps: dict[str, int] = {}  # request id -> blocks a hit may take, (prompt_len - 1) // bs
-        self.hittable: Counter[bytes] = Counter()  # key -> unfinished requests that may hit through it
+        self.keys: dict[str, list[bytes]] = {}  # request id -> keys of the blocks a hit may take, (len − 1) // bs
 
     def add(self, r: Request) -> None:
         assert r.token_ids is not None
         ids = array("q", r.token_ids)
-        keys = self.cache.prefix.chain_keys(ids, len(ids) // self.bs)
-        self.keys[r.request_id] = keys
-        self.caps[r.request_id] = cap = (len(ids) - 1) // self.bs
-        self.hittable.update(keys[:cap])
+        self.keys[r.request_id] = self.cache.prefix.chain_keys(ids, (len(ids) - 1) // self.bs)
 
     def remove(self, rid: str) -> None:
-        keys = self.keys.pop(rid, None)
-        if keys is not None:
-            self.hittable.subtract(keys[: self.caps.pop(rid)])
-
-    def _others(self, rid: str, j: int) -> int:
-        """Other unfinished requests that may hit through ``rid``'s first ``j`` blocks."""
-        keys = self.keys[rid]
-        if j > len(keys) or j < 1:
-            return 0
-        return self.hittable[keys[j - 1]] - (self.caps[rid] >= j)
-
-    def chunk_end(self, r: Request, start: int, end: int) -> int:
-        """Where a prefill chunk of ``r`` covering ``[start, end)`` should end (see the module docstring)."""
-        bs = self.bs
-        for j in range(start // bs + 1, (end - 1) // bs + 1):  # boundaries strictly inside (start, end)
-            others = self._others(r.request_id, j)
-            if others and self._others(r.request_id, j + 1) < others:
-                return j * bs
-        aligned = (end // bs) * bs
-        return aligned if end < r.prompt_len and aligned > start else end
+        self.keys.pop(rid, None)
 
     def hit(self, r: Request) -> list[PrefixNode]:
         """The cached prefix ``r`` would get if it were added now."""
-        return self.cache.prefix.lookup_keys(self.keys[r.request_id][: self.caps[r.request_id]])
+        return self.cache.prefix.lookup_keys(self.keys[r.request_id])
 
     def waits_for(self, r: Request, running: Iterable[Request]) -> str | None:
         """The id of a running request that is computing a longer prefix of ``r``'s prompt than the cache holds
         now (``r`` should wait for it), else ``None``."""
+        mine = self.keys[r.request_id]
         have = len(self.hit(r)) * self.bs
-        mine = self.keys[r.request_id][: self.caps[r.request_id]]
         for o in running:
             theirs = self.keys.get(o.request_id)
             if theirs is None or not o.in_prefill:

@@ -15,7 +15,7 @@ Per step (``Engine.step``)::
 
 With prefix caching (``EngineConfig.prefix_caching``) the cache gets every request's prompt token ids and each
 step's ids; a request admitted on a cached prefix starts at its end (``Request.cached_tokens``), and the scheduler
-ends chunks and holds admissions so shared prefixes are computed once (``dsv4.engine.prefix_plan``).
+holds admissions so a shared prefix is computed once (``dsv4.engine.prefix_plan``).
 
 Decode-only steps run as CUDA-graph replays when the device is CUDA and every layer's backend is graph-safe
 (``dsv4.engine.graphs``); ``prepare_forward`` always runs eagerly on the host first.

@@ -19,10 +19,10 @@ Plan order (= token order in the step): decodes first, then prefill chunks.
 
 With prefix caching (``SchedulerConfig.prefix_caching``, a cache with ``prefix_states``), a request is added to the
 cache with its prompt's token ids and starts at the cached prefix it hits (``Request.cached_tokens``); its
-admission reserves only the blocks it will allocate (plus the cached ones it takes out of the evictable pool),
-prefill chunks end at block boundaries where later hits are wanted, and a request waits while a running request
-computes a longer prefix of its prompt than the cache holds (``dsv4.engine.prefix_plan``). Cached prefix blocks no
-running request uses count as available: the cache evicts them when blocks are needed.
+admission reserves only the blocks it will allocate (plus the cached ones it takes out of the evictable pool), and
+a request waits while a running request computes a longer prefix of its prompt than the cache holds
+(``dsv4.engine.prefix_plan``). Cached prefix blocks no running request uses count as available: the cache evicts
+them when blocks are needed.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class SchedulerConfig:
         max_running: most requests admitted at once (default: the cache's free state slots).
         decode_tokens: tokens per decode step per request (1; 2–4 model speculative / MTP decoding).
         max_prefill_chunk: largest prefill chunk of one request in one step (default: the budget).
-        prefix_caching: add requests with their prompts' token ids, reuse cached prefixes, end chunks and hold
-            admissions for prefix reuse (the cache needs ``prefix_states`` > 0).
+        prefix_caching: add requests with their prompts' token ids, reuse cached prefixes, hold admissions for a
+            prefix another request is computing (the cache needs ``prefix_states`` > 0).
     """
 
     max_batched_tokens: int = 2048
@@ -211,7 +211,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if r.in_prefill:
-                n = self._chunk(r, budget, chunk_cap)
+                n = min(r.remaining_prompt, budget, chunk_cap)
                 step.plan.append((r.request_id, n))
                 step.num_prefill_tokens += n
                 budget -= n
@@ -245,7 +245,7 @@ class Scheduler:
             self.running[r.request_id] = r
             r.admitted_step = self.step_no
             avail -= need
-            n = self._chunk(r, budget, chunk_cap)
+            n = min(r.remaining_prompt, budget, chunk_cap)
             step.plan.append((r.request_id, n))
             step.admitted.append(r.request_id)
             step.num_prefill_tokens += n
@@ -254,13 +254,6 @@ class Scheduler:
         if not step.plan:
             return None
         return step
-
-    def _chunk(self, r: Request, budget: int, chunk_cap: int) -> int:
-        """Tokens of ``r``'s next prefill chunk (prefix caching: ending where ``PrefixPlanner.chunk_end`` says)."""
-        n = min(r.remaining_prompt, budget, chunk_cap)
-        if self.prefix is not None:
-            n = self.prefix.chunk_end(r, r.num_computed, r.num_computed + n) - r.num_computed
-        return n
 
     def commit(self, step: ScheduledStep, now_s: float | None = None) -> list[Request]:
         """Advance the requests of a step that ran; release the finished ones (cache blocks and slot).
