@@ -344,6 +344,26 @@ def test_block_lru_evicts_unused_prefixes_oldest_first() -> None:
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("states", [16, 4])
+def test_every_boundary_a_step_crosses_gets_a_snapshot(states: int) -> None:
+    """Bookkeeping: one step of two requests crossing five block boundaries plans a snapshot row for each (at most
+    half the rows per step, the deepest first); after publication each is its node's snapshot."""
+    cache = make_cache(CSA, prefix_states=states)  # blocks of 8
+    a, b = prompt(1, 40), prompt(2, 40)
+    cache.add_request("a", a)
+    cache.add_request("b", b)
+    batch = cache.prepare_forward({"a": 26, "b": 17})
+    planned = sorted((rid, p) for rid, p, _ in ((("a", "b")[i], p, r) for i, p, r in batch.prefix_captures))
+    want = [("a", 8), ("a", 16), ("a", 24), ("b", 8), ("b", 16)]
+    assert planned == (want if states == 16 else [("a", 16), ("a", 24)])
+    assert len({r for _, _, r in batch.prefix_captures}) == len(planned)
+    cache.publish_prefixes()
+    snapshotted = sorted((rid, n.depth * 8) for rid, ids in (("a", a), ("b", b))
+                         for n in cache.prefix.lookup(as_token_ids(ids)) if n.state_row is not None)
+    assert set(planned) <= set(snapshotted)
+    cache.check_invariants()
+
+
 def test_write_into_a_cached_block_is_caught() -> None:
     """The invariants and prepare_forward's guard can fail: a forged table that would write into a cached block,
     and bytes changed in a cached block, are both reported."""

@@ -403,7 +403,7 @@ class PrefixCache:
                 if node is not None and (node.state_row is not None or (self.has_pool and node.block != rec.blocks[j - 1])):
                     continue  # snapshotted already, or another computation's prefix (this one will not be published)
                 want.append((b, rid, j * bs))
-        want = want[len(want) - max(1, self.states.num_rows // 2) :] if want else []
+        want = sorted(want, key=lambda w: -w[2])[: max(1, self.states.num_rows // 2)]  # the deepest, if too many
         short = len(want) - len(self.states.free_rows)
         if short > 0:
             self._evict_rows(short, set())
