@@ -3,7 +3,8 @@
 Modules, one job each: ``storage`` (entry codecs over uint8 pages), ``schema`` (per-layer geometry, bytes,
 capacity planning), ``allocator`` (block free list + refcounts), ``state`` (per-slot tensors), ``pool`` (paged
 tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``preempt`` (save / restore a request), ``prefix``
-(prefix caching: shared prompt blocks + state snapshots at block boundaries), ``errors``.
+(prefix caching: shared prompt blocks + state snapshots at block boundaries, ``prefix_states``: the snapshot rows),
+``errors``.
 """
 
 from .allocator import BlockAllocator

@@ -13,8 +13,10 @@ ring positions of every layer, compressor tails). Prefixes are cached at block b
   window's rows) hold nothing a later step reads — every tail row is written before it is read. What is live is the
   SWA ring (``window`` entries) with its positions and, for CSA, the previous window's first half (``prev_*``,
   main and indexer compressors). A **state snapshot** (``PrefixStates``, one row of those tensors of every layer) is
-  copied from the request's slot when one of its steps ends exactly at P, and copied into a fresh slot on a hit;
-  the tails of that slot keep their reset values.
+  copied from the request's slot when one of its steps ends exactly at P, or written by the layers for a boundary
+  P inside a step (``plan_captures`` gives each such P a row, ``StepBatch.prefix_captures`` hands it to the layers,
+  ``dsv4.ops.prefix_capture`` fills it before the layer writes anything); on a hit it is copied into a fresh slot,
+  whose tails keep their reset values.
 
 Index: block j of a token sequence has the chain key ``K_j = sha256(K_{j−1} ‖ tokens[j·bs : (j+1)·bs])`` (token ids
 as little-endian int64), ``K_{−1}`` a digest of the cache geometry (config, layers, block size, numerics), so a key
@@ -27,7 +29,8 @@ other chunking may differ in the last bits). A request publishes a node only whi
 holds the request's own block; once it meets a node with another block (the same prefix computed independently)
 it publishes nothing further (``PrefixRequest.diverged``).
 
-Publication is deferred: ``prepare_forward`` records where each request's step ends (``pending``), and the next
+Publication is deferred: ``prepare_forward`` records where each request's step ends (``pending``, and the rows the
+layers fill inside it, ``in_flight``), and the next
 mutating call into the cache (``add_request``, ``prepare_forward``, ``release``, ``preempt_request``,
 ``restore_request``, ``import_prefix``) publishes — by then the layers have run the step (the cache's contract:
 one ``prepare_forward`` per step, the layers run before the next call). Device copies are stream-ordered, so a
@@ -52,8 +55,7 @@ import torch
 from torch import Tensor
 
 from .errors import CacheFullError, IncompatibleSnapshotError, InvalidPlanError
-from .schema import PER_REQUEST, LayerCacheSchema
-from .state import StateCache
+from .prefix_states import PREFIX_STATE_NAMES, PrefixStates, prefix_state_bytes
 
 if TYPE_CHECKING:
     from .manager import HybridCache, RequestRecord
@@ -70,14 +72,7 @@ __all__ = [
     "prefix_state_bytes",
 ]
 
-#: State tensors live at a block boundary (a snapshot row holds these of every layer; the tails are not live).
-PREFIX_STATE_NAMES = ("ring", "ring_positions", "prev_kv", "prev_gate", "index_prev_kv", "index_prev_gate")
 _MAX_TOKEN_ID = 2**63
-
-
-def prefix_state_bytes(schemas: Iterable[LayerCacheSchema]) -> int:
-    """Bytes of one prefix state snapshot: the ``PREFIX_STATE_NAMES`` tensors of every layer in ``schemas``."""
-    return sum(t.nbytes for s in schemas for t in s.tensor_specs() if t.scope == PER_REQUEST and t.name in PREFIX_STATE_NAMES)
 
 
 def as_token_ids(token_ids: object, what: str = "token_ids") -> array:
@@ -151,52 +146,6 @@ class PrefixRequest:
     published: int = 0
     diverged: bool = False
     cached_tokens: int = 0
-
-
-class PrefixStates:
-    """Snapshot rows of the live request state at a block boundary, on the cache's device.
-
-    ``tensors[layer][name]`` is ``[num_rows, *shape]`` for every ``name`` of ``PREFIX_STATE_NAMES`` the layer's state
-    has, shaped and typed like one row of ``StateCache.tensors[layer][name]``: ``ring`` uint8 ``[ring_page_bytes]``,
-    ``ring_positions`` int32 ``[window]``, CSA ``prev_kv / prev_gate`` fp32 ``[m, c]`` and
-    ``index_prev_kv / index_prev_gate`` fp32 ``[m, c_I]``.
-    """
-
-    def __init__(self, state: StateCache, num_rows: int, device: torch.device) -> None:
-        self.num_rows = int(num_rows)
-        self.device = device
-        self.tensors: dict[int, dict[str, Tensor]] = {
-            layer: {
-                s.name: torch.full((self.num_rows, *s.shape), s.fill, dtype=s.dtype, device=device)
-                for s in specs
-                if s.name in PREFIX_STATE_NAMES
-            }
-            for layer, specs in state.specs.items()
-        }
-        self.free_rows: list[int] = list(range(self.num_rows - 1, -1, -1))  # LIFO, row 0 first
-
-    @property
-    def bytes_per_row(self) -> int:
-        return sum(t[0].numel() * t.element_size() for d in self.tensors.values() for t in d.values()) if self.num_rows else 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in self.tensors.values() for t in d.values())
-
-    def capture(self, state: StateCache, slots: Sequence[int], rows: Sequence[int]) -> None:
-        """Copy the live state of ``slots`` into snapshot ``rows`` (one gather + scatter per tensor, no sync)."""
-        if not rows:
-            return
-        src = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        dst = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
-        for layer, d in self.tensors.items():
-            for name, t in d.items():
-                t.index_copy_(0, dst, state.tensors[layer][name].index_select(0, src))
-
-    def restore(self, state: StateCache, row: int, slot: int) -> None:
-        """Copy snapshot ``row`` into state ``slot`` (the slot's other tensors keep their reset values)."""
-        for layer, d in self.tensors.items():
-            for name, t in d.items():
-                state.tensors[layer][name][slot].copy_(t[row])
 
 
 @dataclass(frozen=True, eq=False)
