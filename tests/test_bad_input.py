@@ -177,6 +177,25 @@ def free_one_slot(env: Env) -> None:
     env.cache.release("c")
 
 
+def with_token_ids(env: Env) -> None:
+    """Frees request c's slot for request "t", added with token ids 7, 8, 9 (no step run yet)."""
+    env.cache.release("c")
+    env.cache.add_request("t", [7, 8, 9])
+
+
+def exported_prefix(numerics: str = "official") -> dsv4.cache.PrefixSnapshot:
+    """A one-block prefix exported from a cache of the env's geometry (or other numerics), bookkeeping only."""
+    other = HybridCache(TINY, layers=LAYERS, max_requests=1, num_blocks=4, block_size=16, numerics=numerics,
+                        prefix_states=1)
+    ids = list(range(20))
+    other.add_request("z", ids)
+    other.prepare_forward({"z": 16})
+    other.publish_prefixes()
+    snap = other.export_prefix(ids)
+    assert snap is not None and snap.num_blocks == 1
+    return snap
+
+
 def weights_with(li: int, **changes) -> dsv4.AttentionWeights:
     w = dsv4.AttentionWeights.random(TINY, li, seed=0)
     return dataclasses.replace(w, **changes)
@@ -461,6 +480,21 @@ CASES: dict[str, Callable[[Env], list[Callable[[], object]]]] = {
     "S15": lambda e: restore_calls(e, lambda e: forged(e.snap, state=with_tensor(
         e.snap, "state", (1, "tail_kv"), lambda t: t.double()))),
     "S16": lambda e: restore_calls(e, lambda e: dataclasses.replace(e.snap, num_tokens="30")),
+    # ---- prefix caching (token ids, prefix snapshots)
+    "X1": lambda e: [lambda: e.cache.add_request("d", "abc"), lambda: e.cache.add_request("d", [1, 2.5])],
+    "X2": lambda e: [lambda: e.cache.add_request("d", [3, -1])],
+    "X3": lambda e: [lambda: e.cache.add_request("d", [0] * (TINY.max_position + 1))],
+    "X4": lambda e: (with_token_ids(e), [lambda: e.cache.prepare_forward({"t": 2}, token_ids={"t": [7, 6]})])[1],
+    "X5": lambda e: (with_token_ids(e), [lambda: e.cache.prepare_forward({"t": 2}, token_ids={"t": [7, 8, 9]})])[1],
+    "X6": lambda e: (with_token_ids(e), [lambda: e.cache.prepare_forward({"t": 2}, token_ids={"a": [1, 2, 3]})])[1],
+    "X7": lambda e: [lambda: e.cache.prepare_forward({"b": 1}, token_ids={"b": [5]})],
+    "X8": lambda e: [lambda: e.cache.import_prefix(exported_prefix(numerics="exact"))],
+    "X9": lambda e: [lambda: e.cache.import_prefix(exported_prefix())],
+    "X10": lambda e: [lambda: e.cache.import_prefix(e.snap), lambda: e.cache.import_prefix(None)],
+    "X11": lambda e: [lambda: HybridCache(TINY, num_blocks=4, prefix_states=-1),
+                      lambda: HybridCache(TINY, num_blocks=4, prefix_states=1.5)],
+    "X12": lambda e: (free_one_slot(e), [lambda: e.cache.restore_request(
+        "a2", dataclasses.replace(e.snap, token_ids=(1,) * 30, prefix_nodes=(("key", 1),)))])[1],
 }
 
 

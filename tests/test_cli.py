@@ -35,6 +35,34 @@ def test_run_json_to_stdout_only(capsys) -> None:
     assert rc == 0 and res["layers"] == [0, 1, 2] and len(res["spot_check"]) == 3
 
 
+def test_run_prefix_caching_prints_and_records_hits(tmp_path, capsys) -> None:
+    out = tmp_path / "run.json"
+    rc = main(["run", "--device", "cpu", "--requests", "4", "--prompt-len", "10", "--gen-len", "2", "--shared-prefix",
+               "64", "--prefix-groups", "2", "--prefix-caching", "--block-size", "32", "--layers", "kinds",
+               "--no-progress", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "prefix cache: hit rate" in text and "spot check: PASS" in text
+    assert "req2: started from a cached prefix of 64 tokens; its rows 0-63 are req0's" in text
+    res = json.loads(out.read_text())
+    s, w = res["summary"], res["workload"]
+    assert w["shared_prefix"] == 64 and w["prefix_groups"] == 2 and w["prefix_caching"] is True
+    assert s["prompt_tokens"] == 4 * 74 and s["prefix_cached_tokens"] == 2 * 64 and s["prefix_requests_hit"] == 2
+    assert s["prefill_tokens"] == 4 * 74 - 128 and s["prefix_cache_bytes_peak"] > 0
+
+
+def test_plan_prefix_sharing(capsys, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--context", "5120", "--memory", "20GiB", "--shared-prefix", "4096", "--prefix-groups", "4",
+                 "--json", str(out)]) == 0
+    assert "prefix caching (official format)" in capsys.readouterr().out
+    p = json.loads(out.read_text())["prefix"]
+    assert p["shared_blocks"] == 16 and p["shared_tokens"] == 4096
+    assert p["max_requests_shared"] > p["max_requests_private"] > 0
+    assert p["bytes_per_prefix"] == 16 * 912192 + p["snapshot_bytes"]
+    with pytest.raises(SystemExit, match="shared-prefix"):
+        main(["plan", "--context", "100", "--shared-prefix", "200"])
+
+
 def test_run_errors(capsys) -> None:
     with pytest.raises(SystemExit, match="length spec"):
         main(["run", "--device", "cpu", "--prompt-len", "uniform:9"])

@@ -14,6 +14,7 @@ from dsv4.engine import (
     EngineConfig,
     HashHidden,
     LengthSpec,
+    TokenHidden,
     Request,
     RequestTooLargeError,
     Scheduler,
@@ -45,6 +46,27 @@ def test_length_specs() -> None:
     assert all(r.total_len <= 12 for r in make_requests(5, 100, 100, max_total=12))
     with pytest.raises(ValueError):
         Request("x", 0, 3)
+
+
+def test_token_hidden_is_a_pure_function_of_the_token_id() -> None:
+    h = TokenHidden(TINY.hidden_size, seed=3)
+    ids = torch.tensor([5, 9, 5, 129_279, 2**40 + 5])
+    x = h(ids)
+    assert x.shape == (5, TINY.hidden_size) and x.dtype == torch.float32
+    assert torch.equal(x[0], x[2]) and torch.equal(x[1], h(torch.tensor([9]))[0])  # same id, same vector
+    assert not torch.equal(x[0], x[1]) and not torch.equal(x[0], x[4])  # ids 2^40 apart differ too
+    assert not torch.equal(x, TokenHidden(TINY.hidden_size, seed=4)(ids))
+    big = h(torch.arange(4000) * 7919)
+    assert abs(big.mean().item()) < 0.01 and abs(big.std().item() - 1) < 0.01
+
+
+def test_prompts_share_their_group_prefix() -> None:
+    reqs = make_requests(6, "uniform:3:9", 2, seed=1, shared_prefix=20, prefix_groups=2, vocab=1000)
+    for i, r in enumerate(reqs):
+        assert len(r.token_ids) == r.prompt_len >= 23 and all(0 <= t < 1000 for t in r.token_ids)
+        assert r.token_ids[:20] == reqs[i % 2].token_ids[:20]
+    assert reqs[0].token_ids[:20] != reqs[1].token_ids[:20] and reqs[0].token_ids[20:] != reqs[2].token_ids[20:]
+    assert [r.token_ids for r in make_requests(3, 5, 1, seed=2)] != [r.token_ids for r in make_requests(3, 5, 1, seed=3)]
 
 
 def test_hash_hidden_is_a_pure_function_of_request_and_position() -> None:
@@ -129,6 +151,29 @@ def test_scheduler_arrivals() -> None:
     assert late.admitted_step == 5 and late.done
 
 
+def test_scheduler_prefix_caching_waits_for_the_shared_prefix() -> None:
+    """Bookkeeping only: the first request of each group computes its shared prefix; the others wait until it has
+    passed the prefix, then start from it (the cache snapshots the boundary inside the first one's chunk)."""
+    cache = dsv4.HybridCache(TINY, layers=[1, 2], max_requests=8, num_blocks=64, block_size=64, prefix_states=8)
+    sched = Scheduler(cache, SchedulerConfig(max_batched_tokens=400, prefix_caching=True))
+    reqs = make_requests(6, "uniform:10:70", 2, seed=3, shared_prefix=150, prefix_groups=2)
+    for r in reqs:
+        sched.add(r)
+    waited = False
+    while sched.has_work:
+        plan = sched.schedule()
+        waited |= (sched.blocked_reason or "").startswith("waiting for the prefix request")
+        cache.prepare_forward(plan.plan)
+        sched.commit(plan)
+    assert waited
+    assert [r.cached_tokens for r in reqs] == [0, 0, 128, 128, 128, 128]
+    for i in range(2, 6):  # admitted only once its group's first request had computed 128 tokens
+        owner = reqs[i % 2]
+        assert reqs[i].admitted_step > owner.admitted_step
+    assert all(r.done for r in reqs) and cache.active_requests == []
+    cache.check_invariants()
+
+
 # ------------------------------------------------------------------------------------------------ engine
 def test_engine_run_spot_check_and_figures() -> None:
     eng = Engine(TINY, config=EngineConfig(device="cpu", max_running=3, max_batched_tokens=64, block_size=64,
@@ -153,12 +198,37 @@ def test_engine_run_spot_check_and_figures() -> None:
     assert all(r.passed for r in rows), [r for r in rows if not r.passed]
 
 
+def test_engine_prefix_caching_computes_each_shared_prefix_once() -> None:
+    """Two groups of three requests sharing a 128-token prefix: each group's first request computes it, the other
+    four start from it. The spot check covers a hit request over its whole sequence (prefix rows from its group's
+    first request) and passes; tracing a hit request alone is refused with a clear error."""
+    def run(trace: list[str]) -> tuple[Engine, dict, list]:
+        eng = Engine(TINY, config=EngineConfig(device="cpu", max_running=6, max_batched_tokens=256, block_size=64,
+                                               prefix_caching=True, seed=1))
+        reqs = make_requests(6, 20, 3, seed=2, shared_prefix=128, prefix_groups=2)
+        eng.trace(trace)
+        return eng, eng.run(reqs).summary(), reqs
+
+    eng, s, reqs = run(["req0", "req4"])
+    assert [r.cached_tokens for r in reqs] == [0, 0, 128, 128, 128, 128]
+    assert s["prompt_tokens"] == 6 * 148 and s["prefix_cached_tokens"] == 4 * 128
+    assert s["prefill_tokens"] == s["prompt_tokens"] - s["prefix_cached_tokens"]
+    assert s["prefix_requests_hit"] == 4 and s["prefix_hit_rate"] == pytest.approx(512 / 888)
+    assert s["prefix_cache_bytes_peak"] > 0 and s["prefix"]["state_rows"] == 12
+    assert eng.traces["req4"].prefix_from == "req0"
+    rows = spot_check(eng)
+    assert len(rows) == 2 * TINY.num_layers and all(r.passed for r in rows), [r for r in rows if not r.passed]
+    eng, _, _ = run(["req5"])
+    with pytest.raises(RuntimeError, match="cached prefix of 128 tokens that no traced request computed"):
+        spot_check(eng)
+
+
 def test_engine_exact_numerics_layer_subset_and_user_hidden() -> None:
     calls = []
 
-    def hidden(nums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        calls.append(int(pos.numel()))
-        return torch.sin(nums[:, None] * 0.37 + pos[:, None] * 0.11 + torch.arange(TINY.hidden_size)[None, :] * 0.05)
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        calls.append(int(ids.numel()))
+        return torch.sin((ids[:, None] % 1009) * 0.37 + torch.arange(TINY.hidden_size)[None, :] * 0.05)
 
     eng = Engine(TINY, layers=[2, 1], config=EngineConfig(device="cpu", numerics="exact", max_running=2,
                                                           max_batched_tokens=40, block_size=64), hidden=hidden)
@@ -215,7 +285,7 @@ def _padded_decode_batch_matches_unpadded() -> None:
             plan = eng.scheduler.schedule()
             assert plan.is_decode_only and len(plan.plan) == 3 and all(n == 4 for _, n in plan.plan)
             batch = eng.cache.prepare_forward(plan.plan)
-            numbers = [eng.scheduler.running[rid].number for rid, _ in plan.plan]
+            ids = eng.step_token_ids(plan.plan, [eng.scheduler.running[rid].num_computed for rid, _ in plan.plan])
             if k == 1 and step < 2:  # padded: 3 requests in a 6-row bucket, wide tables
                 b = pad_step_batch(eng.cache, batch.request_ids, batch.num_new, 6, 4, 8, pad_slot, pad_block)
                 assert b.block_tables.shape == (6, 8) and b.num_tokens == 24
@@ -225,11 +295,10 @@ def _padded_decode_batch_matches_unpadded() -> None:
                 if static is None:
                     static = pad_step_batch(eng.cache, [], [], 6, 4, 8, pad_slot, pad_block)
                 copy_step_batch(static, b)
-                nums = torch.tensor(numbers + [0] * 3)
-                h, _ = eng.forward_layers(static, eng.hidden(nums[static.token_request.long()], static.positions))
+                h, _ = eng.forward_layers(static, eng.hidden(torch.cat((ids, torch.zeros(12, dtype=torch.int64)))))
                 h = h[: batch.num_tokens]
             else:
-                h, _ = eng.forward_layers(batch, eng._hidden_for(batch, numbers))
+                h, _ = eng.forward_layers(batch, eng.hidden(ids))
             eng.scheduler.commit(plan)
             outs.append(h)
         assert torch.equal(outs[1], outs[0])  # bit-identical on the CPU (torch backend)

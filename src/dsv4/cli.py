@@ -249,16 +249,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     cache_memory = args.cache_memory
     json_only = args.json == "-"
     say: Callable[..., None] = (lambda *a, **k: None) if json_only else print
+    if args.shared_prefix < 0 or args.prefix_groups < 1:
+        raise SystemExit("error: --shared-prefix must be >= 0 and --prefix-groups >= 1")
+    if args.prefix_states is not None and args.prefix_states < 1:
+        raise SystemExit("error: --prefix-states must be >= 1")
     try:
         econf = EngineConfig(
             backend=args.backend, device=str(device), numerics=args.numerics, block_size=block_size,
             max_running=max_running, max_batched_tokens=budget, max_prefill_chunk=args.max_prefill_chunk,
             decode_tokens=args.decode_tokens, cache_memory=cache_memory, cuda_graphs=args.cuda_graphs,
-            weights=weights_mode, seed=args.seed,
+            weights=weights_mode, seed=args.seed, prefix_caching=args.prefix_caching, prefix_states=args.prefix_states,
         )
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    requests = make_requests(n_req, p_spec, g_spec, seed=args.seed)
+    requests = make_requests(n_req, p_spec, g_spec, seed=args.seed, shared_prefix=args.shared_prefix,
+                             prefix_groups=args.prefix_groups)
     too_long = [r for r in requests if r.total_len > cfg.max_position]
     if too_long:
         r = too_long[0]
@@ -293,9 +298,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"weights {weights_mode} ({_mib(w_bytes)}, built in {build_s:.1f} s)")
     tot_p = sum(r.prompt_len for r in requests)
     tot_g = sum(r.gen_len for r in requests)
-    say(f"workload: {n_req} requests, prompt {p_spec} ({tot_p:,} tokens), generate {g_spec} ({tot_g:,} tokens); "
+    shared = (f"a shared prefix of {args.shared_prefix:,} tokens per group ({args.prefix_groups} groups) + "
+              if args.shared_prefix else "")
+    say(f"workload: {n_req} requests, prompt {shared}{p_spec} ({tot_p:,} tokens), generate {g_spec} ({tot_g:,} tokens); "
         f"<= {max_running} running, {budget}-token step budget, {args.decode_tokens} token(s) per decode step"
-        + (f", one arrival every {args.arrival_every} steps" if args.arrival_every else ""))
+        + (f", one arrival every {args.arrival_every} steps" if args.arrival_every else "")
+        + ("; prefix caching on" if args.prefix_caching else ""))
 
     # Spot-check requests: the longest and the shortest (distinct), plus more if asked.
     n_check = max(0, min(args.check_requests, n_req))
@@ -303,6 +311,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if n_check:
         by_len = sorted(requests, key=lambda r: (r.total_len, r.number))
         picks = [by_len[-1], by_len[0]] + by_len[1:-1]
+        if args.shared_prefix:  # a group's first request (computes the prefix) and its last (most likely a hit)
+            group = [r for r in requests if r.number % args.prefix_groups == 0]
+            picks = [group[0], group[-1]] + picks
         chosen = []
         for r in picks:
             if r not in chosen:
@@ -355,6 +366,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     say(f"cache in use at peak: {_mib(peak)} for {tok:,} tokens ({peak / max(tok, 1):,.0f} B/token incl. windows and "
         f"compressor state); a dense BF16 cache of the same tokens needs {_mib(dense)} "
         f"({dense / max(peak, 1):.1f}x)")
+    if args.prefix_caching:
+        pc = s["prefix"]
+        say(f"prefix cache: hit rate {100 * s['prefix_hit_rate']:.1f}% ({s['prefix_cached_tokens']:,} of "
+            f"{s['prompt_tokens']:,} prompt tokens from the cache; {s['prefix_requests_hit']} of {n_req} requests hit); "
+            f"prefill computed {s['prefill_tokens']:,} of {s['prompt_tokens']:,} submitted tokens; memory held by the "
+            f"prefix cache alone: peak {_mib(s['prefix_cache_bytes_peak'])}, at the end {_mib(s['prefix_cache_bytes_end'])} "
+            f"({pc['cached_blocks']} cached blocks, {pc['state_rows_used']} of {pc['state_rows']} state snapshots x "
+            f"{_mib(pc['state_bytes_per_row'])})")
 
     if args.explain:
         say("")
@@ -369,7 +388,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        rows = spot_check(engine)
+        try:
+            rows = spot_check(engine)
+        except RuntimeError as e:
+            raise SystemExit(f"error: spot check: {e}") from None
         check_s = time.perf_counter() - t0
         say(f"\nspot check against dsv4.reference ({len(engine.traces)} requests x {len(check_layers)} layers, "
             f"{args.numerics} numerics, {check_s:.1f} s):")
@@ -381,6 +403,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                    f"worst gap {r.topk_worst_gap:.3g} of max|score|)" if r.topk_mismatch_rows else ""))
             failures += not r.passed
             check_rows.append(r.as_dict())
+        for rid, tr in engine.traces.items():
+            if tr.prefix_from is not None:
+                P = next(r.cached_tokens for r in requests if r.request_id == rid)
+                say(f"  {rid}: started from a cached prefix of {P:,} tokens; its rows 0-{P - 1} are {tr.prefix_from}'s, "
+                    "the rest computed on the restored blocks, window and compressor state")
         say(f"spot check: {'PASS' if not failures else 'FAIL'}"
             + ("" if not any(r.tie_rows for r in rows) else
                " ('ties': CSA tokens whose top-k differs only by near-tied index scores, excluded from the error)"))
@@ -393,7 +420,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             "numerics": args.numerics, "weights": weights_mode, "seed": args.seed,
             "workload": {"requests": n_req, "prompt_len": str(p_spec), "gen_len": str(g_spec), "prompt_tokens": tot_p,
                          "gen_tokens": tot_g, "max_running": max_running, "max_batched_tokens": budget,
-                         "decode_tokens": args.decode_tokens, "block_size": block_size},
+                         "decode_tokens": args.decode_tokens, "block_size": block_size,
+                         "shared_prefix": args.shared_prefix, "prefix_groups": args.prefix_groups,
+                         "prefix_caching": args.prefix_caching},
             "summary": s, "spot_check": check_rows, "check": verdict if n_check else None,
             "step_plans": {label: plan.describe() for label, plan in engine.plans_seen.items()},
         }
@@ -461,6 +490,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"x {context:,} tokens = {human_bytes(sp * context)}; with the fixed state "
             f"({human_bytes(official.fixed_bytes_per_request)}) and block rounding/page padding one request holds "
             f"{human_bytes(official.bytes_per_request)}.")
+    prefix = None
+    if args.shared_prefix:
+        from .planner import plan_prefix_sharing
+
+        if not 0 < args.shared_prefix <= context or args.prefix_groups < 1:
+            raise SystemExit("error: --shared-prefix must be in 1..--context and --prefix-groups >= 1")
+        prefix = plan_prefix_sharing(cfg, memory, context, args.shared_prefix, args.prefix_groups, None, layers,
+                                     FORMATS["official"].numerics, args.block_size)
+        say(f"\nprefix caching (official format): {args.prefix_groups} group(s) sharing the first "
+            f"{args.shared_prefix:,} tokens of each {context:,}-token request; a hit takes {prefix.shared_blocks} whole "
+            f"blocks ({prefix.shared_tokens:,} tokens) and the state snapshot at their end "
+            f"({human_bytes(prefix.snapshot_bytes)}: every layer's SWA ring + CSA previous-window halves; the "
+            f"compressor tails are empty at a block boundary)")
+        say(f"  one cached prefix holds {human_bytes(prefix.bytes_per_prefix)}; a request then holds "
+            f"{human_bytes(prefix.private_bytes_per_request)} of its own; requests that fit {human_bytes(memory)}: "
+            f"{prefix.max_requests_shared:,} sharing vs {prefix.max_requests_private:,} without "
+            f"({prefix.max_requests_shared / max(prefix.max_requests_private, 1):.2f}x); prefill computed "
+            f"{100 * prefix.prefill_fraction:.1f}% of the prompt tokens")
     if args.plot:
         try:
             plot_memory(cfg, args.plot, formats, layers, args.block_size, memory, args.plot_max_context or cfg.max_position)
@@ -472,6 +519,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "version": __version__, "command": "plan", "config": cfg.name, "layers": layers, "context": context,
             "memory_bytes": memory, "block_size": args.block_size,
             "plans": [dict(p.__dict__, kinds=[k.__dict__ for k in p.kinds]) for p in plans],
+            "prefix": None if prefix is None else prefix.__dict__,
         }), args.json)
     return 0
 
@@ -694,6 +742,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--weights", default="random", choices=("random", "shared"),
                    help="random per layer, or one random set per layer kind shared by its layers")
     r.add_argument("--checkpoint", help="HF-format safetensors checkpoint directory (official or transformers names)")
+    r.add_argument("--prefix-caching", action="store_true",
+                   help="reuse cached prompt prefixes: shared whole blocks + the state snapshot at their end")
+    r.add_argument("--shared-prefix", type=_nonneg_int, default=0, metavar="N",
+                   help="every prompt starts with N tokens shared by its prefix group, then --prompt-len of its own")
+    r.add_argument("--prefix-groups", type=_positive_int, default=1, metavar="G",
+                   help="request i belongs to prefix group i %% G (with --shared-prefix)")
+    r.add_argument("--prefix-states", type=_positive_int, metavar="N",
+                   help="state snapshots the prefix cache keeps (default: 2 x --max-running)")
     r.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the weights, lengths and hidden states")
     r.add_argument("--check-requests", type=_nonneg_int, default=2,
                    help="requests spot-checked against the reference (0: none)")
@@ -714,6 +770,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--block-size", type=_positive_int, default=256, help="tokens per pool block")
     pl.add_argument("--formats", nargs="+", help="official hopper exact prototype dense-bf16 "
                                                  "(default: official hopper exact dense-bf16)")
+    pl.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="with prefix caching: the first N tokens of every request are shared within its group")
+    pl.add_argument("--prefix-groups", type=int, default=1, metavar="G", help="groups sharing a prefix")
     pl.add_argument("--plot", metavar="PNG", help="draw per-request memory against context length (needs matplotlib)")
     pl.add_argument("--plot-max-context", type=_positive_int, help="right end of the plot (default: max_position)")
     json_arg(pl)

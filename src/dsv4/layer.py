@@ -245,7 +245,10 @@ class Attention:
 
         q_latent = ops.query_latent(step, x)                    # SPEC §3 step 1
         q = ops.queries(step, q_latent)                         # step 2
-        kv = ops.new_entries(step, x, ops.window_kv(step, x))   # step 3; SPEC §4: closing windows → pool
+        kv = ops.window_kv(step, x)                             # step 3
+        if batch.prefix_captures:                               # prefix caching: states at block boundaries
+            ops.capture_prefix_states(step, x, kv)              # inside the step, before any write
+        kv = ops.new_entries(step, x, kv)                       # SPEC §4: windows closing → the pool
         entry_idx = None
         if self.kind is LayerKind.CSA:                          # SPEC §5–6: the lightning indexer's top-k
             q_idx = ops.indexer_queries(step, q_latent)

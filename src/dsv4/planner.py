@@ -19,6 +19,10 @@ every request holds its own blocks (no prefix sharing); per-request fixed state 
 (``window`` entries in the KV format, plus int32 positions) and the CSA/HCA compressor tails in FP32 (SPEC §7.4).
 
 "SPEC §N" is section N of ``docs/spec.md``.
+
+``plan_prefix_sharing`` adds prefix caching (``dsv4.cache.prefix``): requests in groups sharing a prompt prefix
+hold its whole blocks once per group, plus one state snapshot at its end (the live state at a block boundary:
+rings and CSA's previous-window halves), so more requests fit the same memory and each computes only the rest.
 """
 
 from __future__ import annotations
@@ -28,13 +32,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .cache import InvalidPlanError, blocks_for_tokens, layer_schemas, plan_capacity
+from .cache.prefix import prefix_state_bytes
 from .cache.schema import resolve_layers
 from .config import LayerKind, ModelConfig, require_config
 from .engine.runner import DENSE_BF16_BYTES_PER_TOKEN_LAYER
 from .numerics import Numerics
 from .validate import require_int
 
-__all__ = ["DEFAULT_FORMATS", "FORMATS", "FormatPlan", "KindRow", "plan_formats", "request_bytes"]
+__all__ = [
+    "DEFAULT_FORMATS", "FORMATS", "FormatPlan", "KindRow", "PrefixPlan", "plan_formats", "plan_prefix_sharing",
+    "request_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,74 @@ def plan_formats(
             blocks_per_request=cap.blocks_per_request, pool_bytes_per_block=cap.pool_bytes_per_block, kinds=kinds,
         ))
     return out
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Prefix sharing for requests of ``context_len`` tokens whose first ``shared_prefix`` are shared per group.
+
+    Attributes:
+        shared_blocks: whole blocks a request takes from the cache (``min(shared_prefix, context_len − 1)`` tokens,
+            rounded down to blocks: a hit never covers a prompt's last token).
+        shared_tokens: ``shared_blocks · block_size``, the prompt tokens a hit does not compute.
+        snapshot_bytes: one state snapshot (every layer's ring + CSA previous-window halves).
+        bytes_per_prefix: one cached prefix: its blocks + its snapshot.
+        private_bytes_per_request: fixed state + the blocks past the shared ones.
+        max_requests_shared: requests that fit with ``groups`` cached prefixes.
+        max_requests_private: requests that fit when every request holds its own blocks.
+        prefill_fraction: prompt tokens computed with sharing / without, for ``requests`` requests (the first of
+            each group computes its prefix, the others only the rest).
+    """
+
+    shared_prefix: int
+    groups: int
+    shared_blocks: int
+    shared_tokens: int
+    snapshot_bytes: int
+    bytes_per_prefix: int
+    private_bytes_per_request: int
+    max_requests_shared: int
+    max_requests_private: int
+    prefill_fraction: float
+
+
+def plan_prefix_sharing(
+    cfg: ModelConfig,
+    memory_bytes: int,
+    context_len: int,
+    shared_prefix: int,
+    groups: int = 1,
+    requests: int | None = None,
+    layers: Iterable[int] | None = None,
+    numerics: Numerics | str = "official",
+    block_size: int = 256,
+) -> PrefixPlan:
+    """Memory and prefill work with prefix caching (see ``PrefixPlan``); ``requests`` defaults to
+    ``max_requests_shared``."""
+    if not 0 <= shared_prefix <= context_len or groups < 1:
+        raise ValueError(f"need 0 <= shared_prefix <= context_len and groups >= 1, got {shared_prefix}, {groups}")
+    idx = resolve_layers(cfg, layers)
+    schemas = layer_schemas(cfg, idx, numerics, block_size)
+    fixed = sum(s.state_bytes_per_request for s in schemas)
+    per_block = sum(s.pool_bytes_per_block for s in schemas)
+    ratios = [s.ratio for s in schemas if s.ratio]
+    blocks = blocks_for_tokens(context_len, min(ratios) if ratios else 0, block_size)
+    k = min(shared_prefix, max(context_len - 1, 0)) // block_size
+    k_blocks = min(k, blocks)
+    snap = prefix_state_bytes(schemas)
+    per_prefix = k_blocks * per_block + snap
+    private = fixed + (blocks - k_blocks) * per_block
+    left = memory_bytes - groups * per_prefix
+    shared_n = left // private if left > 0 and private else 0
+    private_n = memory_bytes // (fixed + blocks * per_block) if fixed + blocks * per_block else 0
+    n = shared_n if requests is None else requests
+    computed = n * context_len - max(n - groups, 0) * k * block_size
+    return PrefixPlan(
+        shared_prefix=shared_prefix, groups=groups, shared_blocks=k_blocks, shared_tokens=k * block_size,
+        snapshot_bytes=snap, bytes_per_prefix=per_prefix, private_bytes_per_request=private,
+        max_requests_shared=shared_n, max_requests_private=private_n,
+        prefill_fraction=computed / (n * context_len) if n and context_len else 1.0,
+    )
 
 
 def context_grid(max_context: int, points_per_octave: int = 4, start: int = 1024) -> list[int]:

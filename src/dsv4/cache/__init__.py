@@ -2,8 +2,10 @@
 
 Modules, one job each: ``storage`` (entry codecs over uint8 pages), ``schema`` (per-layer geometry, bytes,
 capacity planning), ``allocator`` (block free list + refcounts), ``state`` (per-slot tensors), ``pool`` (paged
-tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``steps`` (binds a batch to its cache state, counts the layers that run it),
-``preempt`` (save / restore a request), ``integrity`` (snapshot checksum and value checks), ``errors``.
+tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``steps`` (binds a batch to its cache state,
+counts the layers that run it), ``preempt`` (save / restore a request), ``integrity`` (snapshot checksum and value
+checks), ``prefix`` (prefix caching: shared prompt blocks + state snapshots at block boundaries, ``prefix_states``:
+the snapshot rows), ``errors``.
 """
 
 from .allocator import BlockAllocator
@@ -22,6 +24,7 @@ from .errors import (
 from .manager import CacheSnapshot, HybridCache, LayerCache, RequestRecord
 from .pool import CompressedPool
 from .preempt import CacheGeometry, RequestSnapshot
+from .prefix import PrefixSnapshot
 from .schema import (
     CapacityPlan,
     LayerCacheSchema,
@@ -65,6 +68,7 @@ __all__ = [
     "InvalidPlanError",
     "LayerCache",
     "LayerCacheSchema",
+    "PrefixSnapshot",
     "Mxfp4KeyStorage",
     "NonFiniteError",
     "Nvfp4KeyStorage",

@@ -112,6 +112,11 @@ class StepBatch:
     Launch plans:
         plans: ``{backend name: ops.plan.StepPlan}`` — the step's launch decisions, made on first use by a layer
             (``dsv4.Attention``) and shared by every layer of the step (they depend only on the fixed shapes above).
+
+    Prefix caching (host, set by ``HybridCache.prepare_forward``; empty without it):
+        prefix_captures: ``[(b, P, row)]`` — block boundaries P strictly inside request b's new tokens at which every
+            layer snapshots its live state into ``PrefixStates`` row ``row`` (``dsv4.ops.prefix_capture``); a step
+            with captures is not graph-safe (CUDA-graph replays skip it).
     """
 
     request_ids: list[str]
@@ -151,6 +156,7 @@ class StepBatch:
     plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     #: the cache state this batch was prepared for (``dsv4.cache.steps``); ``None``: not bound to any cache
     ticket: StepTicket | None = field(default=None, repr=False, compare=False)
+    prefix_captures: list[tuple[int, int, int]] = field(default_factory=list)
 
     #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
     _STATIC = (

@@ -45,10 +45,12 @@ def snapshot_digest(
     geometry: CacheGeometry,
     state: Mapping[tuple[int, str], Tensor],
     pages: Mapping[tuple[int, str], Tensor],
+    extra: tuple = (),
 ) -> str:
-    """SHA-256 (hex) of a snapshot's fields and tensor bytes (see the module docstring for what it covers)."""
+    """SHA-256 (hex) of a snapshot's fields and tensor bytes (see the module docstring for what it covers);
+    ``extra``: further plain fields (the prefix cache's token ids and nodes), hashed by their ``repr``."""
     h = hashlib.sha256()
-    h.update(repr((SNAPSHOT_FORMAT, request_id, num_tokens, num_blocks, missing, repr(geometry))).encode())
+    h.update(repr((SNAPSHOT_FORMAT, request_id, num_tokens, num_blocks, missing, repr(geometry), extra)).encode())
     for group, tensors in (("state", state), ("pages", pages)):
         for key in sorted(tensors):
             t = tensors[key]

@@ -26,6 +26,7 @@ from .batch import StepBatch, build_step_batch
 from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
 from .pool import CompressedPool
 from .preempt import RequestSnapshot, restore_request, save_request
+from .prefix import PrefixCache, PrefixSnapshot, as_token_ids, prefix_state_bytes
 from .schema import LayerCacheSchema, resolve_layers, blocks_for_tokens, layer_schemas
 from .state import StateCache
 from .steps import StepLedger
@@ -92,6 +93,7 @@ class CacheSnapshot:
     free_slots: tuple[int, ...]
     tensors: dict[tuple[str, int, str], Tensor]
     steps: tuple = ()
+    prefix: tuple = ()
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -126,6 +128,8 @@ class HybridCache:
         numerics: ``"official"`` / ``"exact"`` / a ``Numerics``: picks the KV and indexer storage formats.
         max_step_tokens: token budget of one step: ``prepare_forward`` rejects a plan scheduling more new tokens
             in all (``InvalidPlanError``, nothing changes). ``None``: no limit.
+        prefix_states: prefix caching (``dsv4.cache.prefix``): how many state snapshots at block boundaries the
+            cache keeps (each ``prefix_state_bytes``; with ``memory_bytes`` they come out of the budget). 0: off.
 
     Every constructor argument is validated (``InvalidPlanError`` naming the bad value; an unknown layer index
     raises ``IndexError``).
@@ -142,6 +146,7 @@ class HybridCache:
         device: torch.device | str = "cpu",
         numerics: NumericsLike = "official",
         max_step_tokens: int | None = None,
+        prefix_states: int = 0,
     ) -> None:
         require_config(cfg)
         if (num_blocks is None) == (memory_bytes is None):
@@ -154,6 +159,7 @@ class HybridCache:
             _check_int("memory_bytes", memory_bytes, 0)
         if max_step_tokens is not None:
             _check_int("max_step_tokens", max_step_tokens, 1)
+        _check_int("prefix_states", prefix_states, 0)
         self.max_step_tokens: int | None = None if max_step_tokens is None else int(max_step_tokens)
         self.cfg = cfg
         self.numerics: Numerics = resolve_numerics(numerics)
@@ -168,11 +174,11 @@ class HybridCache:
         state_per_slot = sum(s.state_bytes_per_request for s in self.schemas.values())
         pool_per_block = sum(s.pool_bytes_per_block for s in self.schemas.values())
         if memory_bytes is not None:
-            fixed = max_requests * state_per_slot
+            fixed = max_requests * state_per_slot + prefix_states * prefix_state_bytes(self.schemas.values())
             if memory_bytes < fixed:
                 raise InvalidPlanError(
                     f"memory_bytes {memory_bytes} cannot hold the fixed state of {max_requests} slots "
-                    f"({state_per_slot} B each, {fixed} B in all)"
+                    f"({state_per_slot} B each) and {prefix_states} prefix states ({fixed} B in all)"
                 )
             num_blocks = (memory_bytes - fixed) // pool_per_block if pool_per_block else 0
         self.state = StateCache(list(self.schemas.values()), max_requests, self.device)
@@ -183,17 +189,32 @@ class HybridCache:
         self.steps = StepLedger(self.layer_indices)
         #: int32 [max_requests]: 1 where a layer step with ``nan_policy="flag"`` left NaN/Inf (see ``nonfinite_requests``)
         self.nonfinite = torch.zeros(self.state.max_requests, dtype=torch.int32, device=self.device)
+        self.prefix = PrefixCache(self, int(prefix_states))
 
     # ================================================================ requests
-    def add_request(self, request_id: str) -> int:
+    def add_request(self, request_id: str, token_ids: Sequence[int] | Tensor | None = None) -> int:
         """Register ``request_id`` with a fresh (reset) state slot; returns the slot.
 
+        ``token_ids``: the prompt's token ids (a sequence of ints or a 1-D integer tensor). With prefix caching on,
+        the cache looks up the longest cached prefix of them (whole blocks, at most ``len − 1`` tokens, see
+        ``dsv4.cache.prefix``); on a hit the request starts with that prefix's blocks (shared) and the state at
+        its end, and ``num_tokens(request_id)`` (= ``cached_tokens(request_id)``) tells how many tokens are
+        already computed: the caller feeds the rest from there. The ids also let ``prepare_forward`` check the
+        tokens fed later (its ``token_ids``).
+
         Raises:
+            TypeError: the id is not a str, or ``token_ids`` is not a sequence of ints.
+            InvalidPlanError: a token id out of range, or more ids than ``cfg.max_position``.
             DuplicateRequestError: the id is already active.
             CacheFullError: no free state slot.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request ids are str, got {type(request_id).__name__} {request_id!r}")
+        ids = None if token_ids is None else as_token_ids(token_ids)
+        if ids is not None and len(ids) > self.cfg.max_position:
+            raise InvalidPlanError(
+                f"request {request_id!r}: {len(ids)} token ids exceed max_position {self.cfg.max_position}"
+            )
         if request_id in self._requests:
             raise DuplicateRequestError(f"request {request_id!r} is already active (slot {self._requests[request_id].slot})")
         self.steps.check_mutation("add_request")
@@ -201,19 +222,31 @@ class HybridCache:
             raise CacheFullError(
                 f"cannot add request {request_id!r}: all {self.state.max_requests} state slots are in use"
             )
+        self.prefix.apply_pending()
         slot = self.state.allocate_slot()  # resets the slot
         self.nonfinite[slot] = 0
-        self._requests[request_id] = RequestRecord(slot=slot)
+        rec = self._requests[request_id] = RequestRecord(slot=slot)
+        pr = self.prefix.register(request_id, ids)
+        if pr is not None:
+            self.prefix.attach_hit(rec, pr, self.prefix.lookup(pr.token_ids))
         self.steps.commit_mutation(f"add_request({request_id!r})", self._requests)
         return slot
 
-    def release(self, request_id: str) -> None:
-        """Free the request's blocks (decref) and its state slot (reset). Unknown id → ``UnknownRequestError``."""
-        self._release(request_id, f"release({request_id!r})")
+    def release(self, request_id: str, *, cache_prefix: bool = True) -> None:
+        """Free the request's blocks (decref) and its state slot (reset). Unknown id → ``UnknownRequestError``.
 
-    def _release(self, request_id: str, action: str) -> None:
+        Blocks other requests or the prefix cache still reference stay (shared blocks are only ever dropped by
+        their last reference). ``cache_prefix=False``: do not publish the request's last step into the prefix
+        cache — for a request whose last prepared step did not run through every layer (an abandoned step)."""
+        self._release(request_id, f"release({request_id!r})", cache_prefix)
+
+    def _release(self, request_id: str, action: str, cache_prefix: bool = True) -> None:
         rec = self._record(request_id)
+        if not cache_prefix:
+            self.prefix.drop_step(request_id)
+        self.prefix.apply_pending()
         self.allocator.decref(rec.blocks)
+        self.prefix.forget(request_id)
         self.state.free_slot(rec.slot)
         self.nonfinite[rec.slot] = 0
         del self._requests[request_id]
@@ -240,19 +273,81 @@ class HybridCache:
         """``save_request`` then ``release``: frees the request's slot and blocks, returns what restores it."""
         self._record(request_id)
         self.steps.check_mutation("preempt", request_id)
+        self.prefix.apply_pending()
         snapshot = save_request(self, request_id)
         self._release(request_id, f"preempt_request({request_id!r})")
         return snapshot
 
-    def prepare_forward(self, plan: Plan, *, max_blocks: int | None = None) -> StepBatch:
+    # ================================================================ prefix caching (see dsv4.cache.prefix)
+    def cached_tokens(self, request_id: str) -> int:
+        """Tokens the request got from the prefix cache when it was added (0: a miss or no token ids)."""
+        self._record(request_id)
+        pr = self.prefix.requests.get(request_id)
+        return pr.cached_tokens if pr is not None else 0
+
+    def publish_prefixes(self) -> None:
+        """Publish into the prefix cache what the steps prepared so far computed (their layers must have run).
+        Every mutating call does this first; call it to see those prefixes (e.g. in a scheduler's lookups)."""
+        self.prefix.apply_pending()
+
+    @property
+    def prefix_state_bytes(self) -> int:
+        """Bytes of one prefix state snapshot (the live state of every layer at a block boundary)."""
+        return prefix_state_bytes(self.schemas.values())
+
+    def prefix_cache_bytes(self) -> int:
+        """Memory only the prefix cache keeps alive: cached blocks no active request uses, plus the state
+        snapshots held (blocks shared with active requests are counted by ``memory_in_use`` as theirs)."""
+        return self.prefix.held_bytes()
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """Free blocks plus the cached prefix blocks no active request uses (evicted when blocks are needed)."""
+        return self.allocator.num_free + self.prefix.num_evictable()
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached prefix no active request uses; returns the blocks freed."""
+        self.prefix.apply_pending()
+        return self.prefix.clear()
+
+    def export_prefix(self, token_ids: Sequence[int] | Tensor) -> PrefixSnapshot | None:
+        """CPU copy of the longest cached prefix of ``token_ids`` that ends in a state snapshot (its blocks' pages,
+        the snapshot, its token ids), or ``None``; the cache is not changed. ``import_prefix`` puts it into a cache
+        of the same geometry (e.g. on another device, or after a restart)."""
+        return self.prefix.export(as_token_ids(token_ids))
+
+    def import_prefix(self, snapshot: PrefixSnapshot) -> int:
+        """Add an exported prefix to this cache's prefix cache (fresh blocks and a snapshot row; evicts unused
+        prefixes if needed). Returns the tokens it makes available, or 0 when the cache already holds a prefix
+        starting with the same block (a prefix is never assembled from two computations).
+
+        Raises (nothing changes):
+            IncompatibleSnapshotError: not a ``PrefixSnapshot``, taken from a cache of another geometry (config,
+                layers, block size, numerics), or tensors of the wrong shape / dtype.
+            InvalidPlanError: prefix caching is off.
+            CacheFullError: not enough free or evictable blocks.
+        """
+        ids = self.prefix.check_import(snapshot)
+        return self.prefix.import_(snapshot, ids)
+
+    def prepare_forward(
+        self, plan: Plan, *, max_blocks: int | None = None, token_ids: Mapping[str, Sequence[int] | Tensor] | None = None
+    ) -> StepBatch:
         """Schedule one step: ``plan`` maps request id → number of new tokens (plan order = token order).
 
         ``max_blocks`` pads the batch's device block table to that width, so batches of the same plan shape have
         identical tensor shapes (for CUDA-graph replay through ``StepBatch.copy_``; see ``dsv4.cache.batch``).
 
+        ``token_ids`` (optional): ``{request id: the ids of its new tokens}`` for some of the plan's requests. Ids
+        of positions the cache already knows (from ``add_request`` or earlier steps) must agree with them; new
+        ones extend them, so prefix caching can publish the blocks they fill (e.g. generated tokens).
+
+        Blocks are taken from the free list, then from cached prefixes no active request uses (least recently
+        used first, see ``dsv4.cache.prefix``).
+
         Validates everything first (non-empty plan; known ids, none twice; counts are ints ≥ 1; new lengths ≤
-        ``cfg.max_position``; at most ``max_step_tokens`` new tokens in all; enough free blocks for all requests
-        together), then grows each request's block table to ``blocks_for_tokens(end, m_min, block_size)`` blocks,
+        ``cfg.max_position``; at most ``max_step_tokens`` new tokens in all; token ids; enough free blocks for all
+        requests together), then grows each request's block table to ``blocks_for_tokens(end, m_min, block_size)`` blocks,
         advances its token count and returns the ``StepBatch`` on the cache's device. On any error nothing changes
         (docs/errors.md lists every error).
 
@@ -290,17 +385,22 @@ class HybridCache:
             raise InvalidPlanError(
                 f"plan schedules {step_tokens} new tokens in all but max_step_tokens is {self.max_step_tokens}"
             )
+        step_ids = self.prefix.check_step_ids(items, token_ids)
         total = sum(needs)
-        if total > self.allocator.num_free:
+        evictable = self.prefix.num_evictable() if total > self.allocator.num_free else 0
+        if total > self.allocator.num_free + evictable:
             detail = ", ".join(f"{rid!r}: {k}" for (rid, _), k in zip(items, needs) if k)
             raise CacheFullError(
                 f"step needs {total} new blocks ({detail}) but only {self.allocator.num_free} of "
-                f"{self.allocator.num_blocks} are free"
+                f"{self.allocator.num_blocks} are free" + (f" (+ {evictable} in unused cached prefixes)" if evictable else "")
             )
 
         # ---- commit (allocation is atomic; roll back if building the batch fails)
-        new_blocks = self.allocator.allocate(total)
         recs = [self._requests[rid] for rid, _ in items]
+        self.prefix.check_writable((rid, r.blocks, r.num_tokens) for (rid, _), r in zip(items, recs))
+        self.prefix.apply_pending()
+        self.prefix.ensure_free_blocks(total)
+        new_blocks = self.allocator.allocate(total)
         starts = [r.num_tokens for r in recs]
         tables, offset = [], 0
         for rec, k in zip(recs, needs):
@@ -327,6 +427,8 @@ class HybridCache:
             rec.num_tokens += int(n)
         self.steps.commit_mutation("prepare_forward", self._requests)
         batch.ticket = self.steps.open_step(self._requests, [(rid, int(n)) for rid, n in items])
+        self.prefix.after_step(items, step_ids)
+        batch.prefix_captures = self.prefix.plan_captures(items)
         return batch
 
     def claim_step(self, batch: StepBatch, layers: Iterable[int] | None = None) -> list[int]:
@@ -436,18 +538,26 @@ class HybridCache:
         )
 
     def memory_bytes(self) -> int:
-        """Bytes of every tensor the cache allocated (pool pages + state)."""
-        return self.pool.nbytes() + self.state.nbytes()
+        """Bytes of every tensor the cache allocated (pool pages + state + prefix state snapshots)."""
+        return self.pool.nbytes() + self.state.nbytes() + self.prefix.states.nbytes()
 
     def memory_in_use(self) -> int:
-        """Bytes of the blocks in use plus the state of active slots."""
-        return self.allocator.num_used * self.pool.bytes_per_block + len(self._requests) * self.state.bytes_per_slot
+        """Bytes of the blocks in use (cached prefixes included) plus the state of active slots and the prefix
+        state snapshots held."""
+        rows = self.prefix.states.num_rows - len(self.prefix.states.free_rows)
+        return (
+            self.allocator.num_used * self.pool.bytes_per_block + len(self._requests) * self.state.bytes_per_slot
+            + rows * self.prefix.states.bytes_per_row
+        )
 
     # ================================================================ checks and snapshots
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` on the first broken invariant: allocator consistency; every block's refcount
-        equals the number of table references to it; tables have exactly the blocks their token counts need;
-        slots are unique and disjoint from the free list; free slots hold reset state (host sync)."""
+        equals the number of table references to it plus one if a cached prefix holds it (so no block is freed
+        while referenced); tables have exactly the blocks their token counts need; slots are unique and disjoint
+        from the free list; free slots hold reset state (host sync); the prefix cache's own invariants — chains,
+        users, snapshot rows, no cached block in a request's writable blocks, and every cached block's bytes
+        unchanged since it was first checked (no write into a shared block; ``PrefixCache.check_invariants``)."""
         self.allocator.check_invariants()
         refs: Counter[int] = Counter()
         for rid, rec in self._requests.items():
@@ -459,10 +569,11 @@ class HybridCache:
             if not 0 <= rec.num_tokens <= self.cfg.max_position:
                 raise AssertionError(f"request {rid!r}: num_tokens {rec.num_tokens} out of range")
             refs.update(rec.blocks)
+        refs.update(self.prefix.cached_blocks())
         refcounts, _ = self.allocator.state()
         for b, rc in enumerate(refcounts):
             if refs[b] != rc:
-                raise AssertionError(f"block {b}: refcount {rc} but referenced by {refs[b]} table entries")
+                raise AssertionError(f"block {b}: refcount {rc} but referenced by {refs[b]} table / prefix entries")
         used_slots = [rec.slot for rec in self._requests.values()]
         free_slots = self.state.free_slots
         if len(set(used_slots)) != len(used_slots):
@@ -474,12 +585,14 @@ class HybridCache:
         for s in free_slots:
             if not self.state.is_reset(s):
                 raise AssertionError(f"free state slot {s} does not hold its reset values")
+        self.prefix.check_invariants()
 
     def _tensors(self) -> dict[tuple[str, int, str], Tensor]:
         """Every cache tensor (live, not copied) by ``("state" | "pool", layer, name)``, and the NaN flags."""
         out = {("state", layer, name): t for layer, d in self.state.tensors.items() for name, t in d.items()}
         out.update({("pool", layer, name): t for layer, d in self.pool.tensors.items() for name, t in d.items()})
         out[("flags", -1, "nonfinite")] = self.nonfinite
+        out.update({("prefix", layer, name): t for layer, d in self.prefix.states.tensors.items() for name, t in d.items()})
         return out
 
     def snapshot(self) -> CacheSnapshot:
@@ -491,6 +604,7 @@ class HybridCache:
             free_slots=self.state.free_slots,
             tensors=tensors,
             steps=self.steps.state(),
+            prefix=self.prefix.host_state(),
         )
 
     def differences(self, snap: CacheSnapshot) -> list[str]:
@@ -504,6 +618,8 @@ class HybridCache:
             diffs.append(f"free slots: {list(snap.free_slots)} -> {list(self.state.free_slots)}")
         if self.steps.state() != snap.steps:
             diffs.append(f"step accounting (generation, steps, open step): {snap.steps} -> {self.steps.state()}")
+        if self.prefix.host_state() != snap.prefix:
+            diffs.append("prefix cache records")
         now = self._tensors()  # live tensors, no copy
         for key, t in snap.tensors.items():
             if key not in now or not _same_bits(now[key], t):

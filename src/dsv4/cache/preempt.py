@@ -20,8 +20,11 @@ Integrity: ``save_request`` stores a checksum of the snapshot; ``restore_request
 the checksum and the values before it writes a byte (``check_snapshot``, ``dsv4.cache.integrity``).
 
 Pages are copied whole (the part of the last block that holds no entry yet is copied too, so a restored block is
-byte-for-byte the saved one). Blocks shared with other requests (reference count > 1) are saved as copies and
-restored as private blocks.
+byte-for-byte the saved one). Blocks shared with other requests (reference count > 1) are saved as copies. On
+restore, the leading blocks that came from the prefix cache (``dsv4.cache.prefix``) are shared again if the cache
+still holds them as the same publication (cached blocks are never written, so their bytes are the saved ones);
+the others are restored as private blocks. The request's known token ids travel with the snapshot, so a restored
+request keeps publishing its prefix.
 
 The other way to preempt without loss is to drop the request (``release``) and later recompute it: add it again
 and run its tokens through the layers (tested in ``tests/test_preemption.py``).
@@ -39,6 +42,7 @@ from ..config import ModelConfig
 from ..numerics import Numerics
 from .errors import CacheFullError, CorruptSnapshotError, DuplicateRequestError, IncompatibleSnapshotError
 from .integrity import snapshot_digest, value_problems
+from .prefix import as_token_ids
 from .schema import blocks_for_tokens
 
 if TYPE_CHECKING:
@@ -91,6 +95,9 @@ class RequestSnapshot:
         pages: ``{(layer_idx, name): CPU uint8 tensor [num_blocks, page_bytes]}`` for ``kv_pages`` (CSA/HCA) and
             ``index_pages`` (CSA): row j is the page of logical block j (token positions
             ``j·block_size … (j+1)·block_size−1``) in the layer's storage format.
+        token_ids: the request's known token ids (``None``: it was added without).
+        prefix_nodes: ``(chain key, publication uid)`` of its leading blocks that came from / went into the prefix
+            cache (restore shares those blocks again while the cache still holds them).
         checksum: SHA-256 (hex) of every field above and every tensor's bytes, taken at save time
             (``dsv4.cache.integrity`` says exactly what it covers); ``restore_request`` refuses a snapshot that no
             longer matches it.
@@ -105,6 +112,8 @@ class RequestSnapshot:
     geometry: CacheGeometry
     state: dict[tuple[int, str], Tensor]
     pages: dict[tuple[int, str], Tensor]
+    token_ids: tuple[int, ...] | None = None
+    prefix_nodes: tuple[tuple[bytes, int], ...] = ()
     checksum: str = ""
     missing: str | None = None
 
@@ -142,6 +151,9 @@ def save_request(cache: HybridCache, request_id: str) -> RequestSnapshot:
     }
     missing = rec.missing or cache.steps.unwritten(request_id)
     geometry = CacheGeometry.of(cache)
+    pr = cache.prefix.requests.get(request_id)
+    token_ids = tuple(pr.token_ids) if pr is not None else None
+    prefix_nodes = cache.prefix.published_nodes(request_id)
     return RequestSnapshot(
         request_id=request_id,
         num_tokens=rec.num_tokens,
@@ -149,7 +161,10 @@ def save_request(cache: HybridCache, request_id: str) -> RequestSnapshot:
         geometry=geometry,
         state=state,
         pages=pages,
-        checksum=snapshot_digest(request_id, rec.num_tokens, len(rec.blocks), missing, geometry, state, pages),
+        token_ids=token_ids,
+        prefix_nodes=prefix_nodes,
+        checksum=snapshot_digest(request_id, rec.num_tokens, len(rec.blocks), missing, geometry, state, pages,
+                                 (token_ids, prefix_nodes)),
         missing=missing,
     )
 
@@ -204,10 +219,23 @@ def check_snapshot(cache: HybridCache, snapshot: RequestSnapshot) -> None:
             problems.append(f"{k[0]} {k[1:]} is {list(t.shape)} {t.dtype}, want {list(shape)} {dtype}")
         elif t.device not in devices:
             problems.append(f"{k[0]} {k[1:]} is on {t.device}, want " + " or ".join(sorted({"cpu", str(cache.device)})))
+    if snapshot.token_ids is not None:
+        try:
+            ids = as_token_ids(snapshot.token_ids, "token_ids")
+        except (TypeError, ValueError) as e:
+            problems.append(str(e))
+        else:
+            if len(snapshot.prefix_nodes) * cache.block_size > min(len(ids), snapshot.num_tokens):
+                problems.append(f"prefix_nodes cover more than its {len(ids)} token ids / {snapshot.num_tokens} tokens")
+    nodes = snapshot.prefix_nodes
+    if not isinstance(nodes, tuple) or not all(
+        isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], bytes) and isinstance(n[1], int) for n in nodes
+    ):
+        problems.append("prefix_nodes must be (chain key, uid) pairs")
     if problems:
         raise IncompatibleSnapshotError(f"snapshot of {rid!r} does not fit this cache: " + "; ".join(sorted(problems)))
     digest = snapshot_digest(rid, snapshot.num_tokens, snapshot.num_blocks, snapshot.missing, snapshot.geometry,
-                             snapshot.state, snapshot.pages)
+                             snapshot.state, snapshot.pages, (snapshot.token_ids, snapshot.prefix_nodes))
     if digest != snapshot.checksum:
         raise CorruptSnapshotError(
             f"snapshot of {rid!r} fails its checksum: its tensors or fields changed after save_request "
@@ -242,28 +270,41 @@ def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapsh
         raise CacheFullError(
             f"cannot restore request {request_id!r}: all {cache.state.max_requests} state slots are in use"
         )
-    if snapshot.num_blocks > cache.allocator.num_free:
+    token_ids = None if snapshot.token_ids is None else as_token_ids(snapshot.token_ids)
+    shared = [] if token_ids is None else cache.prefix.reusable(snapshot.prefix_nodes, token_ids, snapshot.pages)
+    need = snapshot.num_blocks - len(shared)
+    unused = {id(n) for n in shared if n.users == 0}
+    evictable = cache.prefix.num_evictable() - len(unused) if need > cache.allocator.num_free else 0
+    if need > cache.allocator.num_free + evictable:
         raise CacheFullError(
-            f"cannot restore request {request_id!r}: it needs {snapshot.num_blocks} blocks but only "
+            f"cannot restore request {request_id!r}: it needs {need} blocks but only "
             f"{cache.allocator.num_free} of {cache.allocator.num_blocks} are free"
+            + (f" (+ {evictable} in unused cached prefixes)" if evictable else "")
         )
 
     slot = cache.state.allocate_slot()
     cache.nonfinite[slot] = 0
-    blocks = cache.allocator.allocate(snapshot.num_blocks)
+    cache.prefix.attach_restored(request_id, token_ids, shared)  # now used: publication and eviction keep them
+    kept = [n.block for n in shared]
+    cache.allocator.incref(kept)
+    cache.prefix.apply_pending()
+    cache.prefix.ensure_free_blocks(need)
+    fresh = cache.allocator.allocate(need)
     try:
         for (layer, name), row in snapshot.state.items():
             cache.state.tensors[layer][name][slot].copy_(row)
-        if blocks:
-            idx = torch.tensor(blocks, dtype=torch.int64, device=cache.device)
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.int64, device=cache.device)
             for (layer, name), pages in snapshot.pages.items():
-                cache.pool.tensors[layer][name].index_copy_(0, idx, pages.to(cache.device))
+                cache.pool.tensors[layer][name].index_copy_(0, idx, pages[len(kept) :].to(cache.device))
     except BaseException:  # e.g. a device error: give the slot and blocks back (free-list order restored)
-        cache.allocator.decref(reversed(blocks))
+        cache.allocator.decref(reversed(fresh))
+        cache.allocator.decref(kept)
+        cache.prefix.forget(request_id)
         cache.state.free_slot(slot)
         raise
     cache._requests[request_id] = RequestRecord(
-        slot=slot, num_tokens=snapshot.num_tokens, blocks=blocks, missing=snapshot.missing
+        slot=slot, num_tokens=snapshot.num_tokens, blocks=kept + fresh, missing=snapshot.missing
     )
     cache.steps.commit_mutation(f"restore_request({request_id!r})", cache._requests)
     return slot

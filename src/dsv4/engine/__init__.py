@@ -1,10 +1,12 @@
 """The runner: a stack of attention layers over one ``HybridCache`` with continuous batching.
 
-* ``requests``  — ``Request`` (prompt / generation lengths, progress), ``LengthSpec`` (fixed or distributions),
-  ``make_requests``;
+* ``requests``  — ``Request`` (prompt / generation lengths, prompt token ids, progress), ``LengthSpec`` (fixed or
+  distributions), ``make_requests`` (seeded prompts, optionally sharing a prefix per group);
 * ``scheduler`` — ``Scheduler``: decode first, chunked prefill under a token budget, admission when slots and
   blocks (reserved for each request's whole length) allow; finished requests release their cache;
-* ``hidden``    — token hidden states (no embeddings in scope): ``HashHidden`` or any deterministic callback;
+* ``hidden``    — token hidden states (no embeddings in scope): ``TokenHidden`` (a seeded embedding per token id)
+  or any deterministic callback of the token id;
+* ``prefix_plan`` — ``PrefixPlanner``: where prefill chunks end and which requests wait, for prefix caching;
 * ``runner``    — ``Engine`` / ``EngineConfig``: builds the layers (random, shared-random or checkpoint weights),
   the cache and the scheduler; runs steps; ``RunStats.summary()`` gives throughput, latency and memory;
 * ``graphs``    — CUDA-graph decode (one graph per decode batch-size bucket; ``prepare_forward`` outside);
@@ -12,7 +14,8 @@
 """
 
 from .check import SpotCheckRow, spot_check
-from .hidden import HashHidden
+from .hidden import HashHidden, TokenHidden
+from .prefix_plan import PrefixPlanner
 from .requests import LengthSpec, Request, make_requests
 from .runner import DENSE_BF16_BYTES_PER_TOKEN_LAYER, Engine, EngineConfig, RunStats, StepRecord, Trace, pick_device
 from .scheduler import RequestTooLargeError, ScheduledStep, Scheduler, SchedulerConfig
@@ -23,6 +26,7 @@ __all__ = [
     "EngineConfig",
     "HashHidden",
     "LengthSpec",
+    "PrefixPlanner",
     "Request",
     "RequestTooLargeError",
     "RunStats",
@@ -31,6 +35,7 @@ __all__ = [
     "SchedulerConfig",
     "SpotCheckRow",
     "StepRecord",
+    "TokenHidden",
     "Trace",
     "make_requests",
     "pick_device",

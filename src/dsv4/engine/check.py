@@ -2,7 +2,10 @@
 
 For each traced request and layer, the reference runs the layer over the request's whole sequence (positions
 ``0 … L−1``) with exactly the inputs the engine fed that layer (recorded by ``Engine.trace``), and its output is
-compared with the engine's, token by token. Layers are checked one at a time, so a difference cannot propagate
+compared with the engine's, token by token. A request that started from a cached prefix is checked over its whole
+sequence too: its prefix rows come from the traced request that computed them (``Trace.prefix_from``), so its own
+rows — computed on the restored blocks, window and compressor state — are compared with a reference that
+recomputes everything from the inputs. Layers are checked one at a time, so a difference cannot propagate
 from one layer into the next one's check.
 
 CSA top-k: the engine selects from its own index scores, which differ from the reference's by more than BF16
@@ -111,6 +114,11 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
     for rid, tr in engine.traces.items():
         if tr.filled < tr.length:
             raise RuntimeError(f"traced request {rid!r} recorded {tr.filled} of {tr.length} tokens (did it finish?)")
+        if tr.missing:
+            raise RuntimeError(
+                f"traced request {rid!r} started from a cached prefix of {tr.missing} tokens that no traced request "
+                "computed: trace the request that computed it too (e.g. the first request of its prefix group)"
+            )
         for li in tr.x:
             kind = engine.cfg.layer_kind(li)
             w = engine.weights[li].to(dev)

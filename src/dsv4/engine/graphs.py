@@ -133,7 +133,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     batch: StepBatch
     h_in: Tensor
-    nums: Tensor
+    ids: Tensor
     h_out: Tensor
     kept: dict[int, tuple[Tensor, Tensor, Tensor]]
 
@@ -171,12 +171,13 @@ class DecodeGraphs:
         return next((c for c in self.sizes if c >= num_requests and c in self.captured), None)
 
     def can_run(self, plan: ScheduledStep, batch: StepBatch) -> bool:
-        """A decode-only step of ``w``-token requests that fits a captured bucket."""
+        """A decode-only step of ``w``-token requests that fits a captured bucket (and takes no prefix snapshot)."""
         return (
             plan.is_decode_only
             and all(n == self.w for _, n in plan.plan)
             and self.bucket(len(plan.plan)) is not None
             and batch.block_tables.shape[1] <= self.max_blocks
+            and not batch.prefix_captures  # prefix snapshots inside the step: host-built, run eagerly
         )
 
     def _static(self, capacity: int) -> StepBatch:
@@ -192,9 +193,9 @@ class DecodeGraphs:
         for c in sorted(self.sizes, reverse=True):
             batch = self._static(c)
             T = batch.num_tokens
-            nums = torch.zeros(c + 1, dtype=torch.int64, device=dev)
+            ids = torch.zeros(T, dtype=torch.int64, device=dev)
             h_in = torch.zeros(T, eng.cfg.hidden_size, dtype=torch.float32, device=dev)
-            h_in.copy_(eng.hidden(nums[batch.token_request.long()], batch.positions))
+            h_in.copy_(eng.hidden(ids))
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
@@ -205,7 +206,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 h_out, kept = eng.forward_layers(batch, h_in, self.keep)
-            self.captured[c] = _Captured(c, graph, batch, h_in, nums, h_out, kept)
+            self.captured[c] = _Captured(c, graph, batch, h_in, ids, h_out, kept)
             # The graph holds the addresses of the cache's workspace buffers as they are now. A later eager step
             # (a large prefill) may grow a buffer, i.e. replace it; keep the captured ones alive so a replay never
             # touches memory the allocator has handed to someone else.
@@ -214,11 +215,12 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run(
-        self, batch: StepBatch, numbers: Sequence[int], keep: Iterable[int] = ()
+        self, batch: StepBatch, token_ids: Tensor, keep: Iterable[int] = ()
     ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor, Tensor]]]:
-        """Replay the bucket for a prepared decode step. Returns ``h [T, d]`` and the kept layers' outputs
-        (views of the graph's static outputs, valid until the next replay). The step is claimed for every layer
-        (``HybridCache.claim_step``) before the replay: the graph runs no Python, so the layers cannot."""
+        """Replay the bucket for a prepared decode step of ``token_ids`` (int64 ``[T]`` on the device, plan order).
+        Returns ``h [T, d]`` and the kept layers' outputs (views of the graph's static outputs, valid until the
+        next replay). The step is claimed for every layer (``HybridCache.claim_step``) before the replay: the graph
+        runs no Python, so the layers cannot."""
         c = self.bucket(batch.num_requests)
         assert c is not None
         cap = self.captured[c]
@@ -227,11 +229,11 @@ class DecodeGraphs:
         )
         self.cache.claim_step(batch)
         copy_step_batch(cap.batch, padded)
-        nums = torch.tensor(list(numbers) + [0] * (c + 1 - len(numbers)), dtype=torch.int64)
-        cap.nums.copy_(nums, non_blocking=True)
-        cap.h_in.copy_(self.engine.hidden(cap.nums[cap.batch.token_request.long()], cap.batch.positions))
-        cap.graph.replay()
         T = batch.num_tokens
+        cap.ids[:T].copy_(token_ids)
+        cap.ids[T:].zero_()
+        cap.h_in.copy_(self.engine.hidden(cap.ids))
+        cap.graph.replay()
         keep = set(keep)
         kept = {li: (x[:T], y[:T], idx[:T]) for li, (x, y, idx) in cap.kept.items() if li in keep}
         return cap.h_out[:T], kept

@@ -1,19 +1,23 @@
 """Where token hidden states come from.
 
 Embeddings, MoE and the LM head are out of scope, so the engine asks a *hidden-state source* for the input of
-every token it feeds: ``source(request_numbers, positions) -> x``, with
+every token it feeds: ``source(token_ids) -> x``, with
 
-* ``request_numbers``: int64 ``[T]`` each token's ``Request.number``;
-* ``positions``: int64 ``[T]`` each token's absolute position in its request;
+* ``token_ids``: int64 ``[T]`` each token's id (prompt tokens as submitted, generated ones from
+  ``generated_token_ids``);
 * returns float32 ``[T, hidden]`` on the same device.
 
-A source must be a pure function of ``(number, position)`` (the same token always gets the same vector, however
-the steps are chunked); the spot check relies on it only through the engine's own recorded inputs, so any
-deterministic callback works.
+A source must be a pure function of the token id — a seeded embedding table — so identical prompts (and identical
+prompt prefixes) feed identical hidden states: what prefix caching relies on. The spot check uses the engine's
+own recorded inputs, so any deterministic callback works.
 
-``HashHidden`` (the default) is counter-based: a 32-bit integer hash of ``(seed, number, position, channel)``
-turned into a standard normal by Box–Muller. It runs on any device with identical results, needs no state, and
-costs a few elementwise ops per value.
+``TokenHidden`` (the default) is counter-based: a 32-bit integer hash of ``(seed, token id, channel)`` turned into
+a standard normal by Box–Muller. It runs on any device with identical results, needs no table, and costs a few
+elementwise ops per value. ``HashHidden`` is the same keyed by ``(request number, position)`` (every token of
+every request distinct; kept for callers that want that).
+
+Generated tokens need ids too (there is no LM head to sample them): ``generated_token_ids`` draws them from
+``(seed, request number, position)``, so they differ between requests and never depend on chunking.
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["HashHidden", "HiddenSource", "hash32"]
+__all__ = ["HashHidden", "HiddenSource", "TokenHidden", "generated_token_ids", "hash32"]
 
 _M32 = 0xFFFFFFFF
 
 
 class HiddenSource(Protocol):
-    def __call__(self, request_numbers: Tensor, positions: Tensor) -> Tensor: ...
+    def __call__(self, token_ids: Tensor) -> Tensor: ...
 
 
 def hash32(x: Tensor) -> Tensor:
@@ -43,7 +47,50 @@ def hash32(x: Tensor) -> Tensor:
     return (x >> 16) ^ x
 
 
-class HashHidden:
+def _channel_keys(cache: dict[torch.device, Tensor], hidden_size: int, device: torch.device) -> Tensor:
+    """int64 ``[2·hidden]`` per-channel hash keys (one set per device, computed once)."""
+    chan = cache.get(device)
+    if chan is None:
+        chan = cache[device] = hash32(torch.arange(2 * hidden_size, device=device, dtype=torch.int64) * 0x9E3779B1)
+    return chan
+
+
+def _standard_normal(keys: Tensor, chan: Tensor, hidden_size: int) -> Tensor:
+    """Box–Muller over 24-bit uniforms hashed from ``keys`` int64 ``[T]`` × ``chan``: float32 ``[T, hidden]``."""
+    bits = hash32(keys[:, None] ^ chan[None, :])  # [T, 2d] uniform 32-bit
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 bits: exact in float32
+    u1, u2 = u[:, :hidden_size], u[:, hidden_size:]
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+
+
+class _HashedNormal:
+    """Shared state of the counter-based sources: ``hidden_size``, ``seed`` and the per-device channel keys."""
+
+    def __init__(self, hidden_size: int, seed: int = 0) -> None:
+        self.hidden_size = int(hidden_size)
+        self.seed = int(seed)
+        self._chan: dict[torch.device, Tensor] = {}
+
+    def _normal(self, keys: Tensor) -> Tensor:
+        """float32 ``[T, hidden]`` standard normals of ``keys`` int64 ``[T]`` (on their device)."""
+        return _standard_normal(keys, _channel_keys(self._chan, self.hidden_size, keys.device), self.hidden_size)
+
+
+class TokenHidden(_HashedNormal):
+    """Deterministic standard-normal hidden states from ``(seed, token id, channel)``: a seeded embedding.
+
+    Args:
+        hidden_size: d.
+        seed: mixes into every value.
+    """
+
+    def __call__(self, token_ids: Tensor) -> Tensor:
+        """``token_ids`` int64 ``[T]`` → float32 ``[T, hidden]`` on the same device."""
+        ids = token_ids.long()
+        return self._normal(hash32(hash32(ids * 0x2545F491 + (self.seed & _M32)) ^ ((ids >> 32) & _M32)))
+
+
+class HashHidden(_HashedNormal):
     """Deterministic standard-normal hidden states from ``(seed, request number, position, channel)``.
 
     Args:
@@ -51,24 +98,17 @@ class HashHidden:
         seed: mixes into every value.
     """
 
-    def __init__(self, hidden_size: int, seed: int = 0) -> None:
-        self.hidden_size = int(hidden_size)
-        self.seed = int(seed)
-        self._chan: dict[torch.device, Tensor] = {}
-
     def __call__(self, request_numbers: Tensor, positions: Tensor) -> Tensor:
-        dev = positions.device
-        chan = self._chan.get(dev)
-        if chan is None:
-            chan = self._chan[dev] = hash32(torch.arange(2 * self.hidden_size, device=dev, dtype=torch.int64) * 0x9E3779B1)
-        tok = hash32(hash32(request_numbers.long() * 0x632BE5AB + (self.seed & _M32)) ^ (positions.long() & _M32))
-        bits = hash32(tok[:, None] ^ chan[None, :])  # [T, 2d] uniform 32-bit
-        u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 bits: exact in float32
-        u1, u2 = u[:, : self.hidden_size], u[:, self.hidden_size :]
-        z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
-        return z
+        return self._normal(hash32(hash32(request_numbers.long() * 0x632BE5AB + (self.seed & _M32)) ^ (positions.long() & _M32)))
 
 
-def as_source(fn: Callable[[Tensor, Tensor], Tensor] | None, hidden_size: int, seed: int) -> Callable[[Tensor, Tensor], Tensor]:
-    """``fn`` or the default ``HashHidden(hidden_size, seed)``."""
-    return fn if fn is not None else HashHidden(hidden_size, seed)
+def generated_token_ids(seed: int, number: int, positions: Tensor, vocab: int) -> Tensor:
+    """Ids of a request's generated tokens (no LM head in scope): int64 ``[n]`` in ``[0, vocab)``, a hash of
+    ``(seed, request number, position)`` for each of ``positions`` int64 ``[n]``."""
+    key = hash32(torch.full_like(positions, (number * 0x632BE5AB + seed * 0x9E3779B1 + 0x7F4A7C15) & _M32))
+    return hash32(key ^ (positions & _M32)) % vocab
+
+
+def as_source(fn: Callable[[Tensor], Tensor] | None, hidden_size: int, seed: int) -> Callable[[Tensor], Tensor]:
+    """``fn`` or the default ``TokenHidden(hidden_size, seed)``."""
+    return fn if fn is not None else TokenHidden(hidden_size, seed)

@@ -1,8 +1,10 @@
-"""Requests and their length distributions.
+"""Requests, their length distributions and their prompts' token ids.
 
 A request feeds ``prompt_len`` tokens through the stack in prefill chunks, then ``gen_len`` decode tokens, a few
 per step (``decode_tokens``, 1 normally, up to 4 for speculative/MTP decoding). With no embeddings or LM head in
-scope, every token's hidden state comes from the engine's hidden-state source (``dsv4.engine.hidden``).
+scope, every token's hidden state comes from the engine's hidden-state source (``dsv4.engine.hidden``), a function
+of the token id: prompts are seeded random token ids, and requests of one *prefix group* begin with the same
+``shared_prefix`` ids (a system prompt), so prefix caching can reuse what the first of them computed.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ import random
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 from ..validate import require_int
 
-__all__ = ["LengthSpec", "Request", "make_requests"]
+__all__ = ["DEFAULT_VOCAB", "LengthSpec", "Request", "make_requests", "prompt_token_ids"]
+
+#: Token ids are drawn from ``[0, DEFAULT_VOCAB)`` (DeepSeek-V3 / V4's tokenizer size).
+DEFAULT_VOCAB = 129_280
 
 
 @dataclass
@@ -26,8 +33,10 @@ class Request:
         prompt_len: prompt tokens (≥ 1), fed in prefill chunks.
         gen_len: generated tokens (≥ 0), fed in decode steps after the prompt.
         arrival_step: the first engine step at which the request may be admitted (0: from the start).
-        number: stable integer id (submission order), the key of the hidden-state generator.
-        num_computed: tokens fed so far (prefill + decode).
+        number: stable integer id (submission order), the key of its generated tokens' ids.
+        token_ids: the prompt's ``prompt_len`` token ids (``None``: the engine draws unique ones from its seed).
+        num_computed: tokens fed so far (prefill + decode), including those restored from the prefix cache.
+        cached_tokens: prompt tokens restored from the prefix cache on admission (0: computed them all).
         admitted_step / prefill_done_step / finished_step: engine step numbers (``None`` until reached).
         admitted_s / first_token_s / finished_s: wall-clock seconds since the run started.
     """
@@ -37,7 +46,9 @@ class Request:
     gen_len: int
     arrival_step: int = 0
     number: int = -1
+    token_ids: list[int] | None = field(default=None, repr=False)
     num_computed: int = 0
+    cached_tokens: int = 0
     admitted_step: int | None = None
     prefill_done_step: int | None = None
     finished_step: int | None = None
@@ -52,6 +63,10 @@ class Request:
         require_int(f"request {self.request_id!r}: prompt_len", self.prompt_len, 1)
         require_int(f"request {self.request_id!r}: gen_len", self.gen_len, 0)
         require_int(f"request {self.request_id!r}: arrival_step", self.arrival_step, 0)
+        if self.token_ids is not None and len(self.token_ids) != self.prompt_len:
+            raise ValueError(
+                f"request {self.request_id!r}: {len(self.token_ids)} token ids for a prompt of {self.prompt_len}"
+            )
 
     @property
     def total_len(self) -> int:
@@ -164,6 +179,13 @@ class LengthSpec:
         return f"{self.kind}:" + sep.join(f(x) for x in self.params)
 
 
+def prompt_token_ids(seed: int, stream: int, n: int, vocab: int = DEFAULT_VOCAB) -> list[int]:
+    """``n`` seeded random token ids in ``[0, vocab)`` of one stream (a request's own tokens or a group's shared
+    prefix), deterministic in ``(seed, stream)``."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + stream) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
 def make_requests(
     num: int,
     prompt_len: str | int | LengthSpec,
@@ -171,23 +193,33 @@ def make_requests(
     seed: int = 0,
     prefix: str = "req",
     max_total: int | None = None,
+    shared_prefix: int = 0,
+    prefix_groups: int = 1,
+    vocab: int = DEFAULT_VOCAB,
 ) -> list[Request]:
-    """``num`` requests with lengths drawn from the specs (deterministic in ``seed``).
+    """``num`` requests with lengths drawn from the specs and seeded random prompt token ids (deterministic in
+    ``seed``).
 
-    ``max_total`` caps ``prompt_len + gen_len`` (e.g. ``cfg.max_position``): longer draws are clipped, prompt
-    first kept ≥ 1.
+    ``shared_prefix`` > 0: request i belongs to prefix group ``i % prefix_groups`` and its prompt is the group's
+    ``shared_prefix`` token ids followed by ``prompt_len`` ids of its own. ``max_total`` caps the whole prompt plus
+    ``gen_len`` (e.g. ``cfg.max_position``): longer draws are clipped, prompt first kept ≥ 1.
     """
     require_int("number of requests", num, 1)
     require_int("seed", seed)
     if max_total is not None:
         require_int("max_total", max_total, 1)
+    require_int("shared_prefix", shared_prefix, 0)
+    require_int("prefix_groups", prefix_groups, 1)
     p_spec, g_spec = LengthSpec.parse(prompt_len, 1), LengthSpec.parse(gen_len, 0)
     rng = random.Random(seed)
+    groups = [prompt_token_ids(seed, -1 - k, shared_prefix, vocab) for k in range(prefix_groups)] if shared_prefix else []
     out = []
     for i in range(num):
-        p, g = p_spec.sample(rng), g_spec.sample(rng)
+        p, g = p_spec.sample(rng) + shared_prefix, g_spec.sample(rng)
         if max_total is not None and p + g > max_total:
             p = max(1, min(p, max_total - 1))
             g = max(0, max_total - p)
-        out.append(Request(f"{prefix}{i}", p, g, number=i))
+        head = groups[i % prefix_groups][:p] if groups else []
+        ids = head + prompt_token_ids(seed, i, p - len(head), vocab)
+        out.append(Request(f"{prefix}{i}", p, g, number=i, token_ids=ids))
     return out

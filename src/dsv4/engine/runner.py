@@ -5,11 +5,17 @@ Per step (``Engine.step``)::
     plan   = scheduler.schedule()                    host: decodes + prefill chunks under the token budget,
                                                      admission when slots and blocks allow
     batch  = cache.prepare_forward(plan)             host: blocks, positions, StepBatch (outside any graph)
-    h      = hidden(request_numbers, positions)      [T, d] float32 residual stream (no embeddings in scope)
+    h      = hidden(token_ids)                       [T, d] float32 residual stream: a seeded embedding per token
+                                                     id (no embeddings in scope); prompt ids as submitted,
+                                                     generated ones drawn per (request, position)
     for each layer l:                                the stack; MoE / mHC are out of scope, so the
         x  = rms_norm(h) → act dtype                 residual is h ← h + attn_l(norm(h))
         h  = h + Attention_l(x, batch, cache)
     scheduler.commit(plan)                           advance requests, release finished ones (blocks, slot)
+
+With prefix caching (``EngineConfig.prefix_caching``) the cache gets every request's prompt token ids and each
+step's ids; a request admitted on a cached prefix starts at its end (``Request.cached_tokens``), and the scheduler
+holds admissions so a shared prefix is computed once (``dsv4.engine.prefix_plan``).
 
 Decode-only steps run as CUDA-graph replays when the device is CUDA and every layer's backend is graph-safe
 (``dsv4.engine.graphs``); ``prepare_forward`` always runs eagerly on the host first.
@@ -43,9 +49,9 @@ from ..ops import StepPlan
 from ..reference.primitives import rms_norm
 from ..validate import require_bool, require_choice, require_device, require_instance, require_int
 from ..weights import AttentionWeights
-from .hidden import HashHidden
+from .hidden import TokenHidden, generated_token_ids
 from .jit_clock import JitClock
-from .requests import Request
+from .requests import DEFAULT_VOCAB, Request, prompt_token_ids
 from .scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace"]
@@ -87,10 +93,14 @@ class EngineConfig:
             decode batches run eagerly). ``None``: powers of two up to ``max_running``.
         weights: ``"random"`` (distinct random weights per layer), ``"shared"`` (one random set per layer kind,
             shared by every layer of that kind: less memory, faster start) or a checkpoint directory.
-        seed: weights and hidden states.
+        seed: weights, hidden states, and the token ids of requests submitted without them.
         check_finite: check every step's output for NaN/Inf (a device sync per step; on by default on the CPU), and
             what the layers leave in the cache (their ``nan_policy``: ``"raise"`` on the CPU — a step that would
             leave NaN/Inf is rolled back —, ``"flag"`` on CUDA — checked at the end of the step).
+        prefix_caching: reuse cached prompt prefixes (``dsv4.cache.prefix``; see ``dsv4.engine.scheduler``).
+        prefix_states: state snapshots the prefix cache keeps (default ``2 · max_running``; each
+            ``HybridCache.prefix_state_bytes``, out of ``cache_memory`` when that is given).
+        vocab: token ids of requests without them, and generated ones, are drawn from ``[0, vocab)``.
     """
 
     backend: str = "auto"
@@ -107,6 +117,9 @@ class EngineConfig:
     weights: str = "random"
     seed: int = 0
     check_finite: bool | None = None
+    prefix_caching: bool = False
+    prefix_states: int | None = None
+    vocab: int = DEFAULT_VOCAB
 
     def __post_init__(self) -> None:
         """Validate every field: ``TypeError`` / ``ValueError`` naming it (nothing is truncated or defaulted)."""
@@ -151,6 +164,7 @@ class StepRecord:
     cache_bytes_in_use: int
     jit_seconds: float = 0.0
     jit_kernels: int = 0
+    prefix_bytes: int = 0
 
     @property
     def kind(self) -> str:
@@ -179,6 +193,7 @@ class RunStats:
     graph_capture_s: float
     cache_bytes_allocated: int
     num_layers: int
+    prefix: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """Throughput, latency and memory figures as a flat-ish dict (JSON-serialisable).
@@ -192,7 +207,11 @@ class RunStats:
           ``decode_tok_s_without_jit``: the throughputs with that time taken out;
         * ``ttft_s`` / ``e2e_s``: time to first token (end of prefill) and to finish, from the run's start;
         * cache: peak bytes in use, tokens cached at that moment, and what a dense BF16 cache of those tokens
-          would need (``DENSE_BF16_BYTES_PER_TOKEN_LAYER`` per token and layer).
+          would need (``DENSE_BF16_BYTES_PER_TOKEN_LAYER`` per token and layer);
+        * prefix caching: ``prompt_tokens`` submitted, ``prefix_cached_tokens`` restored from the cache (so
+          ``prefill_tokens`` = computed), ``prefix_hit_rate`` (their ratio), ``prefix_requests_hit``, and the memory
+          only the prefix cache held (``prefix_cache_bytes_peak`` / ``_end``: unused cached blocks + snapshots)
+          with the cache's figures at the end (``prefix``).
         """
         pre = [s for s in self.steps if s.prefill_tokens]
         dec = [s for s in self.steps if not s.prefill_tokens and s.decode_tokens]
@@ -206,6 +225,8 @@ class RunStats:
         peak = max(self.steps, key=lambda s: s.cache_bytes_in_use, default=None)
         tokens_peak = peak.tokens_cached if peak else 0
         done = [r for r in self.requests if r.finished_s is not None]
+        prompt = sum(r.prompt_len for r in self.requests)
+        cached = sum(r.cached_tokens for r in self.requests)
         return {
             "steps": len(self.steps),
             "decode_steps": len(dec),
@@ -235,6 +256,13 @@ class RunStats:
             "cache_bytes_peak": peak.cache_bytes_in_use if peak else 0,
             "tokens_cached_at_peak": tokens_peak,
             "dense_bf16_bytes_at_peak": tokens_peak * self.num_layers * DENSE_BF16_BYTES_PER_TOKEN_LAYER,
+            "prompt_tokens": prompt,
+            "prefix_cached_tokens": cached,
+            "prefix_hit_rate": cached / prompt if prompt else 0.0,
+            "prefix_requests_hit": sum(r.cached_tokens > 0 for r in self.requests),
+            "prefix_cache_bytes_peak": max((s.prefix_bytes for s in self.steps), default=0),
+            "prefix_cache_bytes_end": self.prefix.get("held_bytes", 0),
+            "prefix": dict(self.prefix),
         }
 
 
@@ -242,11 +270,17 @@ class RunStats:
 class Trace:
     """A traced request's per-layer inputs and outputs, filled as its tokens run (positions ``0 … L−1``).
 
+    A request that started from a cached prefix of P tokens never ran them: its rows ``0 … P−1`` are copied from
+    a traced request that computed the same prefix (``prefix_from``; the same token ids give the same inputs and
+    outputs there), else ``missing`` = P and the spot check refuses it.
+
     Attributes:
         x: ``{layer: [L, d]}`` act dtype, the layer's input (``rms_norm`` of the residual).
         y: ``{layer: [L, d]}`` act dtype, the layer's output.
         entry_idx: ``{layer: [L, K]}`` int64 compressed entries attended (CSA layers only; −1 padded).
         filled: tokens recorded so far.
+        prefix_from: the traced request whose rows ``0 … P−1`` were copied.
+        missing: leading rows no traced request computed (0: complete).
     """
 
     request_id: str
@@ -255,6 +289,8 @@ class Trace:
     y: dict[int, Tensor] = field(default_factory=dict)
     entry_idx: dict[int, Tensor] = field(default_factory=dict)
     filled: int = 0
+    prefix_from: str | None = None
+    missing: int = 0
 
 
 def _engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) -> AttentionWeights:
@@ -304,8 +340,8 @@ class Engine:
         config: ``EngineConfig``.
         weights: per-layer weights overriding ``config.weights``: a mapping ``{layer: AttentionWeights}`` or a
             callable ``layer -> AttentionWeights``.
-        hidden: hidden-state source ``(request_numbers [T] int64, positions [T] int64) -> [T, d] float32``
-            (default ``HashHidden(d, config.seed)``).
+        hidden: hidden-state source ``(token_ids [T] int64) -> [T, d] float32``, a pure function of the token id
+            (default ``TokenHidden(d, config.seed)``).
         progress: show a progress bar while building the layers.
 
     Usage::
@@ -323,7 +359,7 @@ class Engine:
         layers: Sequence[int] | None = None,
         config: EngineConfig | None = None,
         weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None = None,
-        hidden: Callable[[Tensor, Tensor], Tensor] | None = None,
+        hidden: Callable[[Tensor], Tensor] | None = None,
         progress: bool = False,
     ) -> None:
         require_config(cfg)
@@ -346,7 +382,8 @@ class Engine:
         if config.backend == "triton" and self.device.type != "cuda":
             raise ValueError("the triton backend needs a CUDA device (use --backend torch on the CPU)")
         layer_schemas(cfg, self.layer_ids, self.numerics, config.block_size)  # validates block_size early
-        self.hidden = hidden if hidden is not None else HashHidden(cfg.hidden_size, config.seed)
+        self.hidden = hidden if hidden is not None else TokenHidden(cfg.hidden_size, config.seed)
+        self._ids: dict[str, Tensor] = {}  # request id -> int64 [total_len] token ids (CPU), prompt + generated
         self.check_finite = config.check_finite if config.check_finite is not None else self.device.type == "cpu"
         t0 = time.perf_counter()
         self.weights = self._build_weights(weights, progress)
@@ -487,9 +524,21 @@ class Engine:
         label = "decode" if decode else "prefill" if prefill else "mixed"
         self.plans_seen.setdefault(label, plan)
 
-    def _hidden_for(self, batch: StepBatch, numbers: Sequence[int]) -> Tensor:
-        nums = torch.tensor(list(numbers), dtype=torch.int64).to(self.device, non_blocking=True)
-        return self.hidden(nums[batch.token_request.long()], batch.positions)
+    def token_ids(self, request_id: str) -> Tensor:
+        """int64 ``[total_len]`` (CPU) every token id of a submitted request: its prompt's, then the generated
+        ones (``dsv4.engine.hidden.generated_token_ids``)."""
+        return self._ids[request_id]
+
+    def step_token_ids(self, plan: Sequence[tuple[str, int]], starts: Sequence[int]) -> Tensor:
+        """int64 ``[T]`` (CPU) the token ids of a step's tokens: ``plan``'s requests from ``starts`` on."""
+        return torch.cat([self._ids[rid][s : s + n] for (rid, n), s in zip(plan, starts)])
+
+    def _assign_token_ids(self, r: Request) -> None:
+        """Every token id of ``r``: its prompt's (drawn from the seed if it has none), then generated ones."""
+        if r.token_ids is None:
+            r.token_ids = prompt_token_ids(self.config.seed, r.number, r.prompt_len, self.config.vocab)
+        gen = generated_token_ids(self.config.seed, r.number, torch.arange(r.prompt_len, r.total_len), self.config.vocab)
+        self._ids[r.request_id] = torch.cat((torch.tensor(r.token_ids, dtype=torch.int64), gen))
 
     # ------------------------------------------------------------------ running
     def build_cache(self, requests: Sequence[Request]) -> HybridCache:
@@ -500,15 +549,18 @@ class Engine:
         use_graphs = self._want_graphs()
         extra_slot = 1 if use_graphs else 0
         max_requests = c.max_running + extra_slot
+        states = (c.prefix_states if c.prefix_states is not None else 2 * c.max_running) if c.prefix_caching else 0
         if c.cache_memory is not None:
             cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, memory_bytes=int(c.cache_memory),
-                                block_size=c.block_size, device=self.device, numerics=self.numerics)
+                                block_size=c.block_size, device=self.device, numerics=self.numerics,
+                                prefix_states=states)
         else:
             ratios = [cfg.ratio(li) for li in self.layer_ids if cfg.ratio(li)]
             per = blocks_for_tokens(max_len, min(ratios), c.block_size) if ratios else 0
             num_blocks = per * min(c.max_running, len(requests)) + (1 if use_graphs and ratios else 0)
             cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, num_blocks=num_blocks,
-                                block_size=c.block_size, device=self.device, numerics=self.numerics)
+                                block_size=c.block_size, device=self.device, numerics=self.numerics,
+                                prefix_states=states)
         return cache
 
     def _want_graphs(self) -> bool:
@@ -536,6 +588,7 @@ class Engine:
                 max_running=self.config.max_running,
                 decode_tokens=self.config.decode_tokens,
                 max_prefill_chunk=self.config.max_prefill_chunk,
+                prefix_caching=self.config.prefix_caching,
             ),
         )
         self.graphs = None
@@ -543,9 +596,11 @@ class Engine:
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_len=max(r.total_len for r in requests))
+        self._ids = {}
         for i, r in enumerate(requests):
             if r.number < 0:
                 r.number = i
+            self._assign_token_ids(r)
             self.scheduler.add(r)
         self._alloc_traces({r.request_id: r for r in requests})
         self._records = []
@@ -561,15 +616,23 @@ class Engine:
         if plan is None:
             sched.skip_step()
             return None
-        batch = self.cache.prepare_forward(plan.plan)
-        numbers = [sched.running[rid].number for rid, _ in plan.plan]
+        starts = [sched.running[rid].num_computed for rid, _ in plan.plan]
+        ids = self.step_token_ids(plan.plan, starts)
+        step_ids = None
+        if self.config.prefix_caching:  # the cache checks them against the prompts and publishes what they fill
+            step_ids, at = {}, 0
+            for rid, n in plan.plan:
+                step_ids[rid] = ids[at : at + n]
+                at += n
+        batch = self.cache.prepare_forward(plan.plan, token_ids=step_ids)
+        ids = ids.to(self.device, non_blocking=True)
         keep = self._trace_layers if any(rid in self.traces for rid, _ in plan.plan) else []
         used_graph = False
         if self.graphs is not None and self.graphs.can_run(plan, batch):
-            h, kept = self.graphs.run(batch, numbers, keep)
+            h, kept = self.graphs.run(batch, ids, keep)
             used_graph = True
         else:
-            h, kept = self.forward_layers(batch, self._hidden_for(batch, numbers), keep)
+            h, kept = self.forward_layers(batch, self.hidden(ids), keep)
         if self.check_finite:
             self._nonfinite |= ~torch.isfinite(h).all()
         self._record_traces(batch, kept)
@@ -591,6 +654,7 @@ class Engine:
             tokens_cached=tokens_cached, cache_bytes_in_use=in_use,
             jit_seconds=(clock.seconds - jit0) if clock is not None else 0.0,
             jit_kernels=(clock.kernels - kernels0) if clock is not None else 0,
+            prefix_bytes=self.cache.prefix_cache_bytes(),
         )
         self._records.append(rec)
         return rec
@@ -645,8 +709,29 @@ class Engine:
         wall = time.perf_counter() - t_start
         if self.device.type == "cpu":
             self.cache.check_invariants()
+        self._fill_prefix_traces(requests)
         return RunStats(
             steps=list(self._records), requests=list(requests), wall_s=wall, setup_s=self.setup_s,
             graph_capture_s=self.graph_capture_s, cache_bytes_allocated=self.cache.memory_bytes(),
-            num_layers=len(self.layer_ids),
+            num_layers=len(self.layer_ids), prefix=self.cache.prefix.stats(),
         )
+
+    def _fill_prefix_traces(self, requests: Sequence[Request]) -> None:
+        """Traced requests that started from a cached prefix: copy their rows ``0 … P−1`` from a traced request
+        with the same first P token ids whose rows there are complete (see ``Trace``)."""
+        by_id = {r.request_id: r for r in requests}
+        for rid in sorted((rid for rid in self.traces if by_id[rid].cached_tokens), key=lambda r: by_id[r].cached_tokens):
+            tr, P = self.traces[rid], by_id[rid].cached_tokens
+            donor = next((d for d, t in self.traces.items() if d != rid and P <= t.filled
+                          and (by_id[d].cached_tokens == 0 or t.prefix_from is not None)
+                          and torch.equal(self._ids[d][:P], self._ids[rid][:P])), None)
+            if donor is None:
+                tr.missing = P
+                continue
+            src = self.traces[donor]
+            for li in tr.x:
+                tr.x[li][:P] = src.x[li][:P]
+                tr.y[li][:P] = src.y[li][:P]
+                if li in tr.entry_idx:
+                    tr.entry_idx[li][:P] = src.entry_idx[li][:P]
+            tr.prefix_from = donor

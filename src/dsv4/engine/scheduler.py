@@ -16,6 +16,13 @@ even in an empty cache is rejected when it is added (``RequestTooLargeError``). 
 request at the head of the queue is not starved by smaller ones behind it.
 
 Plan order (= token order in the step): decodes first, then prefill chunks.
+
+With prefix caching (``SchedulerConfig.prefix_caching``, a cache with ``prefix_states``), a request is added to the
+cache with its prompt's token ids and starts at the cached prefix it hits (``Request.cached_tokens``); its
+admission reserves only the blocks it will allocate (plus the cached ones it takes out of the evictable pool), and
+a request waits while a running request computes a longer prefix of its prompt than the cache holds
+(``dsv4.engine.prefix_plan``). Cached prefix blocks no running request uses count as available: the cache evicts
+them when blocks are needed.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache import HybridCache, blocks_for_tokens
+from .prefix_plan import PrefixPlanner
 from .requests import Request
 
 __all__ = ["RequestTooLargeError", "ScheduledStep", "Scheduler", "SchedulerConfig"]
@@ -42,12 +50,15 @@ class SchedulerConfig:
         max_running: most requests admitted at once (default: the cache's free state slots).
         decode_tokens: tokens per decode step per request (1; 2–4 model speculative / MTP decoding).
         max_prefill_chunk: largest prefill chunk of one request in one step (default: the budget).
+        prefix_caching: add requests with their prompts' token ids, reuse cached prefixes, hold admissions for a
+            prefix another request is computing (the cache needs ``prefix_states`` > 0).
     """
 
     max_batched_tokens: int = 2048
     max_running: int | None = None
     decode_tokens: int = 1
     max_prefill_chunk: int | None = None
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
@@ -106,6 +117,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_no = 0
         self._blocked_reason: str | None = None
+        if self.config.prefix_caching and not cache.prefix.enabled:
+            raise ValueError("prefix_caching needs a cache with prefix_states > 0")
+        self.prefix = PrefixPlanner(cache) if self.config.prefix_caching else None
 
     # ------------------------------------------------------------------ capacity
     def blocks_needed(self, num_tokens: int) -> int:
@@ -120,8 +134,8 @@ class Scheduler:
         )
 
     def available_blocks(self) -> int:
-        """Free blocks not promised to running requests."""
-        return self.cache.num_free_blocks - self.reserved_blocks()
+        """Free (or evictable cached) blocks not promised to running requests."""
+        return self.cache.num_reclaimable_blocks - self.reserved_blocks()
 
     @property
     def max_running(self) -> int:
@@ -145,7 +159,9 @@ class Scheduler:
                 f"request {request.request_id!r}: {request.prompt_len} + {request.gen_len} tokens exceeds "
                 f"max_position {cfg.max_position}"
             )
-        usable = self.cache.num_free_blocks + sum(len(self.cache.block_table(r)) for r in self.running)
+        if self.prefix is not None and request.token_ids is None:
+            raise ValueError(f"request {request.request_id!r}: prefix caching needs the prompt's token ids")
+        usable = self.cache.num_reclaimable_blocks + sum(len(self.cache.block_table(r)) for r in self.running)
         need = self.blocks_needed(request.total_len)
         if need > usable:
             raise RequestTooLargeError(
@@ -156,6 +172,8 @@ class Scheduler:
             request.number = len(self.requests)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.prefix is not None:
+            self.prefix.add(request)
 
     @property
     def has_work(self) -> bool:
@@ -173,6 +191,8 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_batched_tokens
         step = ScheduledStep(step=self.step_no, plan=[])
+        if self.prefix is not None:
+            self.cache.publish_prefixes()  # the last step ran: its prefixes can be hit from now on
         # 1. decode
         decoders = sorted(
             (r for r in self.running.values() if not r.in_prefill), key=lambda r: (r.last_scheduled, r.number)
@@ -195,9 +215,10 @@ class Scheduler:
                 step.plan.append((r.request_id, n))
                 step.num_prefill_tokens += n
                 budget -= n
-        # 3. admission (FCFS, no skipping)
+        # 3. admission (FCFS; with prefix caching, requests waiting for an in-flight prefix are passed over)
         self._blocked_reason = None
         avail = self.available_blocks()
+        passed: list[Request] = []
         while self.waiting and budget > 0:
             r = self.waiting[0]
             if r.arrival_step > self.step_no:
@@ -207,11 +228,20 @@ class Scheduler:
                 self._blocked_reason = "max running requests"
                 break
             need = self.blocks_needed(r.total_len)
+            if self.prefix is not None:
+                owner = self.prefix.waits_for(r, self.running.values())
+                if owner is not None:
+                    self._blocked_reason = f"waiting for the prefix request {owner!r} is computing"
+                    passed.append(self.waiting.popleft())
+                    continue
+                path = self.prefix.hit(r)
+                need += sum(n.users == 0 for n in path) - (len(path) if self.cache.min_ratio else 0)
             if need > avail:
                 self._blocked_reason = f"cache full ({avail} blocks free after reservations, {need} needed)"
                 break
             self.waiting.popleft()
-            self.cache.add_request(r.request_id)
+            self.cache.add_request(r.request_id, r.token_ids if self.prefix is not None else None)
+            r.cached_tokens = r.num_computed = self.cache.num_tokens(r.request_id)
             self.running[r.request_id] = r
             r.admitted_step = self.step_no
             avail -= need
@@ -220,6 +250,7 @@ class Scheduler:
             step.admitted.append(r.request_id)
             step.num_prefill_tokens += n
             budget -= n
+        self.waiting.extendleft(reversed(passed))
         if not step.plan:
             return None
         return step
@@ -240,6 +271,8 @@ class Scheduler:
                 r.finished_step = step.step
                 r.finished_s = now_s
                 self.cache.release(rid)
+                if self.prefix is not None:
+                    self.prefix.remove(rid)
                 del self.running[rid]
                 self.finished.append(r)
                 done.append(r)
