@@ -38,7 +38,6 @@ from dsv4.cache import (
     UnknownRequestError,
     plan_capacity,
 )
-from dsv4.cache.integrity import snapshot_digest
 from dsv4.config import InvalidConfigError
 from dsv4.engine import Engine, EngineConfig
 from dsv4.engine.graphs import pad_step_batch
@@ -286,8 +285,7 @@ def nan_x_unchecked(env: Env) -> list[Callable[[], object]]:
 def forged(snap: RequestSnapshot, **changes) -> RequestSnapshot:
     """A snapshot with ``changes`` and a freshly computed checksum (what a forger, or a bug, could produce)."""
     s = dataclasses.replace(snap, **changes)
-    return dataclasses.replace(s, checksum=snapshot_digest(s.request_id, s.num_tokens, s.num_blocks, s.missing,
-                                                            s.geometry, s.state, s.pages))
+    return dataclasses.replace(s, checksum=s.digest())
 
 
 def with_tensor(snap: RequestSnapshot, group: str, key: tuple, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:

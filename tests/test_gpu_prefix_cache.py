@@ -59,7 +59,7 @@ def run(cache: HybridCache, rid: str, ids: list[int], chunks: list[int]) -> dict
         step = {}
         for li in cache.layer_indices:
             res = layer(cache.cfg, li).forward_with_aux(x, batch, cache)
-            step[li] = (res.y, res.lse, res.entry_idx.sort(dim=1).values)  # top-k order is not part of the result
+            step[li] = (res.y, res.lse, res.attended_entries().sort(dim=1).values)  # top-k order is not part of the result
         parts.append(step)
         at += n
     return concat(parts)

@@ -72,7 +72,7 @@ def run(cache: HybridCache, rid: str, ids: list[int], chunks: list[int], feed_id
         step = {}
         for li in cache.layer_indices:
             res = layer(cfg, li).forward_with_aux(x, batch, cache)
-            step[li] = (res.y, res.lse, res.entry_idx)
+            step[li] = (res.y, res.lse, res.attended_entries())
         parts.append(step)
         at += n
     return concat(parts)

@@ -65,6 +65,8 @@ class LayerCache:
         index_pages: uint8 ``[num_blocks, index_page_bytes]`` indexer key pages (CSA only, else ``None``).
         state: per-slot tensors by name (``ring``, ``ring_positions``, ``tail_kv`` …; see ``dsv4.cache.state``).
         workspace: the cache's scratch buffers for kernels (shared by all layers; see ``dsv4.cache.workspace``).
+        prefix_states: the layer's prefix-cache state snapshot rows by name (``dsv4.cache.prefix_states``; empty
+            without prefix caching).
     """
 
     schema: LayerCacheSchema
@@ -72,6 +74,7 @@ class LayerCache:
     index_pages: Tensor | None
     state: Mapping[str, Tensor]
     workspace: Workspace
+    prefix_states: Mapping[str, Tensor] = field(default_factory=dict)
 
     @property
     def ring(self) -> Tensor:
@@ -535,6 +538,7 @@ class HybridCache:
             index_pages=pool.get("index_pages"),
             state=self.state.tensors[layer_idx],
             workspace=self.workspace,
+            prefix_states=self.prefix.states.tensors.get(layer_idx, {}),
         )
 
     def memory_bytes(self) -> int:

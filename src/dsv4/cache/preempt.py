@@ -32,6 +32,7 @@ and run its tokens through the layers (tested in ``tests/test_preemption.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,6 +118,12 @@ class RequestSnapshot:
     checksum: str = ""
     missing: str | None = None
 
+    def digest(self) -> str:
+        """SHA-256 (hex) of every field and tensor byte as they are now (``checksum`` holds the one taken at save
+        time; ``dsv4.cache.integrity.snapshot_digest`` says what it covers)."""
+        return snapshot_digest(self.request_id, self.num_tokens, self.num_blocks, self.missing, self.geometry,
+                               self.state, self.pages, (self.token_ids, self.prefix_nodes))
+
     @property
     def nbytes(self) -> int:
         """Host bytes held by the snapshot's tensors."""
@@ -154,19 +161,11 @@ def save_request(cache: HybridCache, request_id: str) -> RequestSnapshot:
     pr = cache.prefix.requests.get(request_id)
     token_ids = tuple(pr.token_ids) if pr is not None else None
     prefix_nodes = cache.prefix.published_nodes(request_id)
-    return RequestSnapshot(
-        request_id=request_id,
-        num_tokens=rec.num_tokens,
-        num_blocks=len(rec.blocks),
-        geometry=geometry,
-        state=state,
-        pages=pages,
-        token_ids=token_ids,
-        prefix_nodes=prefix_nodes,
-        checksum=snapshot_digest(request_id, rec.num_tokens, len(rec.blocks), missing, geometry, state, pages,
-                                 (token_ids, prefix_nodes)),
-        missing=missing,
+    snapshot = RequestSnapshot(
+        request_id=request_id, num_tokens=rec.num_tokens, num_blocks=len(rec.blocks), geometry=geometry,
+        state=state, pages=pages, token_ids=token_ids, prefix_nodes=prefix_nodes, missing=missing,
     )
+    return dataclasses.replace(snapshot, checksum=snapshot.digest())
 
 
 def check_snapshot(cache: HybridCache, snapshot: RequestSnapshot) -> None:
@@ -234,9 +233,7 @@ def check_snapshot(cache: HybridCache, snapshot: RequestSnapshot) -> None:
         problems.append("prefix_nodes must be (chain key, uid) pairs")
     if problems:
         raise IncompatibleSnapshotError(f"snapshot of {rid!r} does not fit this cache: " + "; ".join(sorted(problems)))
-    digest = snapshot_digest(rid, snapshot.num_tokens, snapshot.num_blocks, snapshot.missing, snapshot.geometry,
-                             snapshot.state, snapshot.pages, (snapshot.token_ids, snapshot.prefix_nodes))
-    if digest != snapshot.checksum:
+    if snapshot.digest() != snapshot.checksum:
         raise CorruptSnapshotError(
             f"snapshot of {rid!r} fails its checksum: its tensors or fields changed after save_request "
             f"(corrupted or edited); restore refused"

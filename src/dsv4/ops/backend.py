@@ -10,6 +10,7 @@ SPEC §3 in call order::
     c^Q  = query_latent(step, x)               RMSNorm(W_qa x)                                       [T, q_lora]
     q    = queries(step, c^Q)                   W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
     kv   = window_kv(step, x)                   RMSNorm(W_kv x)                                       [T, D]
+    capture_prefix_states(step, x, kv)          prefix caching: the state at block boundaries inside the step
     kv   = new_entries(step, x, kv)             the step's window entries (RoPE, rounded as stored); CSA/HCA also
                                                 every compressor: accumulate into the tails, pool every window
                                                 that closes, store its entries in the pool
@@ -36,7 +37,8 @@ __all__ = ["AttentionBackend", "OP_NAMES"]
 
 #: the ops of a layer step, in call order
 OP_NAMES = (
-    "query_latent", "queries", "window_kv", "new_entries", "indexer_queries", "indexer_weights",
+    "query_latent", "queries", "window_kv", "capture_prefix_states", "new_entries", "indexer_queries",
+    "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 )
 
@@ -58,6 +60,11 @@ class AttentionBackend(Protocol):
 
     def window_kv(self, step: LayerStep, x: Tensor) -> Tensor:
         """``RMSNorm_{kv_norm}(W_kv x)``. Returns ``[T, D]`` act dtype (before RoPE and rounding)."""
+
+    def capture_prefix_states(self, step: LayerStep, x: Tensor, kv: Tensor) -> None:
+        """Prefix caching: for each of ``step.batch.prefix_captures`` (a block boundary strictly inside a request's
+        new tokens) the state the layer would hold there, into its snapshot row — before any op writes the cache
+        (``ops.prefix_capture``, shared by both backends). x: ``[T, d]``; kv: ``window_kv``'s output."""
 
     def new_entries(self, step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
         """The step's new cache entries. Returns its window entries as stored (RoPE, then rounded to the KV

@@ -2,11 +2,11 @@
 
 A step of one request covering positions ``s … e−1`` crosses the block boundaries P (``s < P < e``) without the
 request's state ever being at P. For each ``(b, P, row)`` of ``StepBatch.prefix_captures`` a layer writes, before
-its own write ops change anything (``Attention.forward_with_aux`` calls this right after ``kv_in``), the state it
+its own write ops change anything (``Attention`` calls this op right after ``window_kv``), the state it
 would hold at P into row ``row`` of ``PrefixStates``:
 
 * ``ring`` / ``ring_positions``: the request's pre-step ring, with the slots of positions ``max(s, P − W) … P − 1``
-  replaced by those positions' window entries — ``torch_ops.window_entries`` (RoPE, rounding as stored) of the step's
+  replaced by those positions' window entries — the window entries (RoPE, rounding as stored) of the step's
   ``kv_in`` rows, elementwise per row, so the same values either backend's step computes — encoded by the layer's
   KV storage as the ring commit encodes them;
 * CSA ``prev_kv / prev_gate`` and ``index_prev_*``: the first half of window ``[P − m, P)``: projections of its rows
@@ -20,48 +20,33 @@ are built on the host: a step with captures is not graph-safe (CUDA-graph replay
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..cache.batch import StepBatch
 from ..config import LayerKind
-from ..numerics import Numerics
 from ..reference.compressor import project
-from . import torch_ops
+from ..reference.rope import apply_rope
+from .step import LayerStep
 
-if TYPE_CHECKING:
-    from ..cache.manager import HybridCache
-    from ..weights import AttentionWeights
 
 __all__ = ["capture_prefix_states"]
 
 
-def capture_prefix_states(
-    cache: HybridCache,
-    layer_idx: int,
-    batch: StepBatch,
-    x: Tensor,
-    kv_in: Tensor,
-    weights: AttentionWeights,
-    inv_freq: Tensor,
-    numerics: Numerics,
-    nope_dim: int,
-) -> None:
-    """Write layer ``layer_idx``'s state at each capture's boundary into its snapshot row (see the module doc).
+def capture_prefix_states(step: LayerStep, x: Tensor, kv_in: Tensor) -> None:
+    """Write the layer's state at each capture's boundary into its snapshot row (see the module doc).
 
     Args:
+        step: the layer's step (``step.batch.prefix_captures``; ``step.cache.prefix_states``: the snapshot rows).
         x: ``[T, d]`` the step's attention inputs (act dtype).
         kv_in: ``[T, D]`` ``RMSNorm(W_kv x)`` of the step's tokens (the input of the window entries).
-        weights: the layer's device weights (FP32 compressors).
-        inv_freq: float32 ``[R/2]`` the layer's RoPE frequencies.
     """
+    batch, layer, weights = step.batch, step.cache, step.weights
     caps = batch.prefix_captures
     if not caps:
         return
-    layer = cache.layer(layer_idx)
-    rows_t = cache.prefix.states.tensors[layer_idx]
+    rows_t = layer.prefix_states
     state, W, dev = layer.state, batch.window, x.device
     cu = list(itertools.accumulate(batch.num_new, initial=0))
     slot = batch.slots[torch.tensor([b for b, _, _ in caps], device=dev)]  # [C] state slot of each capture
@@ -78,7 +63,7 @@ def capture_prefix_states(
     if tok:
         tok_t, dst_t = torch.tensor(tok, device=dev), torch.tensor(dst, device=dev)
         pos = batch.positions[tok_t]
-        kv = torch_ops.window_entries(kv_in[tok_t], pos, inv_freq, numerics, nope_dim)
+        kv = step.numerics.qdq_kv(apply_rope(kv_in[tok_t], pos, step.inv_freq), step.cfg.nope_dim)  # as stored
         layer.schema.kv_storage.write(rows_t["ring"], dst_t, pos % W, kv.float())
         rows_t["ring_positions"][dst_t, pos % W] = pos.to(rows_t["ring_positions"].dtype)
     if layer.schema.kind is LayerKind.CSA:

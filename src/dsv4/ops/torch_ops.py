@@ -26,16 +26,19 @@ from ..reference.primitives import rms_norm
 from ..reference.rope import apply_rope
 from ..weights import CompressorWeights
 from . import projections
+from .prefix_capture import capture_prefix_states
 from .plan import StepPlan
 from .step import LayerStep
 
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
     # the ops, in call order (ops.backend.OP_NAMES)
-    "query_latent", "queries", "window_kv", "new_entries", "indexer_queries", "indexer_weights",
+    "query_latent", "queries", "window_kv", "capture_prefix_states", "new_entries", "indexer_queries",
+    "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
     # building blocks
-    "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries", "window_keys",
+    "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries",
+    "window_keys",
 ]
 
 NAME = "torch"

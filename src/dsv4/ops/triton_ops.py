@@ -25,12 +25,14 @@ from . import projections, triton_attention, triton_indexer
 from .triton_attention import attend
 from .triton_indexer import indexer_queries, indexer_topk
 from .plan import LayerPlan, StepPlan
+from .prefix_capture import capture_prefix_states
 from .step import LayerStep
 from .triton_write import append_swa, kernels_handle, new_entries, queries, query_latent, window_kv
 
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
-    "query_latent", "queries", "window_kv", "new_entries", "indexer_queries", "indexer_weights",
+    "query_latent", "queries", "window_kv", "capture_prefix_states", "new_entries", "indexer_queries",
+    "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 ]
 
