@@ -24,6 +24,7 @@ import torch
 from cache_oracle import one_thread  # noqa: F401
 
 import dsv4
+from dsv4.formats.block_fp8 import BlockFp8Weight
 from dsv4.cache import (
     CacheFullError,
     CorruptSnapshotError,
@@ -269,7 +270,8 @@ def nan_weights_after_build(env: Env) -> list[Callable[[], object]]:
     calls = []
     for li in LAYERS:
         layer = fresh_layer(env, li)
-        layer.weights.wkv[3, 5] = float("nan")  # after construction (which checked the weights)
+        wkv = layer.weights.wkv  # after construction (which checked the weights): a NaN block scale, or element
+        (wkv.scale if isinstance(wkv, BlockFp8Weight) else wkv)[0, 0] = float("nan")
         calls.append(lambda layer=layer: layer(env.x(), env.batch, env.cache))
     return calls
 
@@ -554,6 +556,8 @@ CK_LAYER = 1  # tiny layer 1 (CSA): every kind of tensor
 def _ck_key(name: str) -> str:
     from dsv4.checkpoint import OFFICIAL_NAMES
 
+    if name.endswith(".scale"):  # an FP8 projection's block scales
+        return f"layers.{CK_LAYER}.attn.{OFFICIAL_NAMES[name[: -len('.scale')]][0][: -len('.weight')]}.scale"
     return f"layers.{CK_LAYER}.attn.{OFFICIAL_NAMES[name][0]}"
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dsv4
+from dsv4.formats.block_fp8 import BlockFp8Weight
 from dsv4.checkpoint import CheckpointError, dequantize_fp8_blocks, quantize_fp8_blocks
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +44,11 @@ def tiny_causal_lm(seed: int = 0):
 
 
 def same_weights(a: dsv4.AttentionWeights, b: dsv4.AttentionWeights) -> bool:
-    ta, tb = dict(a.named_tensors()), dict(b.named_tensors())
+    """The same parameters and values (a block-scaled FP8 projection compared by its dequantized values)."""
+    def values(w):
+        return {k: v.dequantize() if isinstance(v, BlockFp8Weight) else v for k, v in w.named_parameters()}
+
+    ta, tb = values(a), values(b)
     return ta.keys() == tb.keys() and all(
         ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k]) for k in ta
     )
@@ -144,7 +149,7 @@ def test_official_fp8_checkpoint_dequantizes_exactly(tmp_path, ue8m0, scale_name
     layers = list(range(TINY.num_attention_layers))  # MTP block included (mtp.0.attn)
     src = {li: dsv4.AttentionWeights.from_hf_module(random_hf_attention(TINY, min(li, TINY.num_layers - 1), seed=li))
            for li in layers[: TINY.num_layers]}
-    src[TINY.num_layers] = dsv4.AttentionWeights.random(TINY, TINY.num_layers, seed=5)
+    src[TINY.num_layers] = dsv4.AttentionWeights.random(TINY, TINY.num_layers, seed=5, fp8=False)
     tensors, expected = official_tensors(src, ue8m0, prefix, scale_name, mtp_from=TINY.num_layers)
     assert tensors[f"{prefix}layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     write_checkpoint(tmp_path, tensors, shards)
@@ -162,14 +167,16 @@ def test_official_fp8_checkpoint_dequantizes_exactly(tmp_path, ue8m0, scale_name
                     params[hf_names[name][0]].copy_(t)
             via_hf = dsv4.AttentionWeights.from_hf_module(module)
             assert same_weights(got, via_hf)
-            assert torch.equal(dsv4.reference.attention(got, TINY, li, x, "official"),
-                               dsv4.reference.attention(via_hf, TINY, li, x, "official"))
-    if ue8m0:  # power-of-two scales: dividing by the block scale gives back the stored FP8 bytes exactly
+            # official numerics quantize a plain weight to UE8M0 blocks: the same FP8 weight as a UE8M0 checkpoint's
+            numerics = "official" if ue8m0 else "exact"
+            assert torch.equal(dsv4.reference.attention(got, TINY, li, x, numerics),
+                               dsv4.reference.attention(via_hf, TINY, li, x, numerics))
+    if ue8m0:  # the FP8 projections are kept as stored: the checkpoint's E4M3 bytes and block scales, not dequantized
         w = dsv4.AttentionWeights.from_checkpoint(tmp_path, 1, TINY)
         q = tensors[f"{prefix}layers.1.attn.wq_b.weight"]
         s = tensors[f"{prefix}layers.1.attn.wq_b.scale"].float()
-        rows, cols = torch.arange(q.shape[0])[:, None] // 128, torch.arange(q.shape[1])[None, :] // 128
-        assert torch.equal((w.wq_b / s[rows, cols]).to(torch.float8_e4m3fn).view(torch.uint8), q.view(torch.uint8))
+        assert isinstance(w.wq_b, BlockFp8Weight) and torch.equal(w.wq_b.scale, s)
+        assert torch.equal(w.wq_b.data.view(torch.uint8), q.view(torch.uint8))
 
 
 def test_dequantize_scale_encodings_agree() -> None:
@@ -188,7 +195,7 @@ def test_dequantize_scale_encodings_agree() -> None:
 
 
 def test_checkpoint_errors(tmp_path) -> None:
-    src = {li: dsv4.AttentionWeights.random(TINY, li, seed=li) for li in range(TINY.num_layers)}
+    src = {li: dsv4.AttentionWeights.random(TINY, li, seed=li, fp8=False) for li in range(TINY.num_layers)}
     tensors, _ = official_tensors(src, ue8m0=True)
     # FP8 weight without its scale
     broken = dict(tensors)

@@ -37,6 +37,8 @@ import torch
 from torch import Tensor
 
 from .config import LayerKind, ModelConfig
+from .formats.block_fp8 import WEIGHT_BLOCK, BlockFp8Weight
+from .weights import FP8_PROJECTIONS
 
 __all__ = [
     "HF_NAMES",
@@ -330,11 +332,13 @@ class CheckpointIndex:
 
 def read_attention_tensors(
     path: str | os.PathLike[str] | CheckpointIndex, layer_idx: int, cfg: ModelConfig
-) -> dict[str, Tensor]:
-    """The FP32 tensors of layer ``layer_idx``'s attention, under our (official) dotted names.
+) -> dict[str, Tensor | BlockFp8Weight]:
+    """The tensors of layer ``layer_idx``'s attention, under our (official) dotted names: FP32, except the
+    projections DeepSeek runs as FP8 GEMMs (``weights.FP8_PROJECTIONS``), which stay as the checkpoint stores them
+    when they are FP8 E4M3 in 128 × 128 blocks (a ``BlockFp8Weight``: no dequantization at load). Other FP8
+    weights are dequantized with their block scales.
 
     Main layers are ``layers.{i}``; ``layer_idx ≥ cfg.num_layers`` reads MTP block ``mtp.{layer_idx − num_layers}``.
-    FP8 weights are dequantized with their block scales.
 
     Raises:
         CheckpointError: missing layer / tensor / scale, or an FP8 tensor without scales.
@@ -385,7 +389,14 @@ def read_attention_tensors(
         if t.dtype in fp8:
             if field not in scale_keys:
                 raise CheckpointError(f"{key} is {t.dtype} but the checkpoint has no .scale / .weight_scale_inv for it")
-            out[field] = dequantize_fp8_blocks(t, raw[scale_keys[field]], index.block_size)
+            scale = raw[scale_keys[field]]
+            keep = (field in FP8_PROJECTIONS and t.dtype == torch.float8_e4m3fn and t.dim() == 2
+                    and tuple(index.block_size) == (WEIGHT_BLOCK, WEIGHT_BLOCK)
+                    and tuple(scale.shape) == (-(-t.shape[0] // WEIGHT_BLOCK), -(-t.shape[1] // WEIGHT_BLOCK)))
+            if keep:
+                out[field] = BlockFp8Weight(t.contiguous(), _scale_to_float(scale).contiguous())
+            else:
+                out[field] = dequantize_fp8_blocks(t, scale, index.block_size)
         else:
             if field in scale_keys and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise CheckpointError(f"{key}: unsupported quantized dtype {t.dtype}")

@@ -21,6 +21,7 @@ from .cache.errors import NonFiniteError
 from .cache.guard import nonfinite_requests, restore_rows, save_rows
 from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig, require_config
+from .numerics import Numerics
 from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
 from .reference.rope import rope_inv_freq
 from .validate import require_bool, require_choice, require_instance, require_int
@@ -101,7 +102,7 @@ class Attention:
         self.backend = backend
         self.check_inputs = check_inputs
         self.nan_policy = nan_policy
-        self._device_weights: dict[tuple[torch.device, torch.dtype | None], tuple[AttentionWeights, Tensor]] = {}
+        self._device_weights: dict[tuple[torch.device, Numerics], tuple[AttentionWeights, Tensor]] = {}
 
     def backend_for(self, device: torch.device) -> str:
         """The backend a step on ``device`` runs (resolves ``"auto"``)."""
@@ -124,12 +125,12 @@ class Attention:
     def __repr__(self) -> str:
         return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend})"
 
-    def _weights_on(self, device: torch.device, gemm_dtype: torch.dtype) -> tuple[AttentionWeights, Tensor]:
+    def _weights_on(self, device: torch.device, numerics: Numerics) -> tuple[AttentionWeights, Tensor]:
         """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused): the
-        compressors in FP32 (SPEC §4), the projection matrices in ``gemm_dtype`` (the numerics' activation dtype)."""
-        key = (device, gemm_dtype)
+        compressors in FP32 (SPEC §4), the projections as ``numerics`` computes them (``for_numerics``)."""
+        key = (device, numerics)
         if key not in self._device_weights:
-            w = self.weights.to(device).with_fp32_compressors().with_gemm_dtype(gemm_dtype)
+            w = self.weights.to(device).with_fp32_compressors().for_numerics(numerics)
             self._device_weights[key] = (w, rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[key]
 
@@ -170,7 +171,7 @@ class Attention:
 
     def layer_step(self, batch: StepBatch, cache: HybridCache, plan: StepPlan) -> LayerStep:
         """What this layer's ops read in the step (weights on the cache's device, its cache tensors, its plan)."""
-        w, inv_freq = self._weights_on(cache.device, cache.numerics.act_dtype)
+        w, inv_freq = self._weights_on(cache.device, cache.numerics)
         return LayerStep(self.cfg, self.layer_idx, self.kind, self.ratio, w, inv_freq, cache.numerics,
                          cache.layer(self.layer_idx), batch, plan.layer(self.kind))
 
@@ -221,7 +222,7 @@ class Attention:
         """Why a step is refused: the requests and parts affected, and the likely cause."""
         rids = [rid for rid, b in zip(batch.request_ids, bad.tolist()) if b]
         where = [name for name, flag in parts.items() if bool(flag)]
-        bad_w = [name for name, t in self.weights.named_tensors() if not bool(torch.isfinite(t).all())]
+        bad_w = self.weights.nonfinite()
         if bad_w:
             cause = f"the layer's weights now hold NaN/Inf in {bad_w} (changed after the layer was built)"
         elif not bool(torch.isfinite(x).all()):

@@ -2,7 +2,10 @@
 
 Two presets:
 
-* ``"official"`` — the DeepSeek reference (SPEC §7.1): BF16 activations; the 448 nope dims of every KV entry
+* ``"official"`` — the DeepSeek reference (SPEC §1.3, §7.1): BF16 activations; the projections ``wq_a``, ``wq_b``,
+  ``wkv``, ``wo_b`` and the indexer's ``wq_b`` as FP8 GEMMs (FP8 E4M3 weights with one power-of-two scale per
+  128 × 128 block, activations quantized per 1 × 128 block with UE8M0 scales, FP32 accumulation:
+  ``formats.block_fp8``); the 448 nope dims of every KV entry
   (window and compressed) through FP8 E4M3 with one power-of-two scale per 64 values, the 64 rope dims BF16;
   indexer queries and keys through the 128-point Hadamard rotation and MXFP4 (E2M1, power-of-two scale per 32);
   compressor projections and pooling in FP32; index scores rounded to BF16; attention probabilities cast to
@@ -47,6 +50,8 @@ class Numerics:
         index_format: storage format of indexer keys; indexer queries are rounded the same way.
         score_dtype: dtype index scores are rounded to before top-k.
         prob_dtype: dtype attention probabilities are cast to before the P·V product.
+        fp8_projections: the projections of SPEC §1.3 that DeepSeek runs as FP8 GEMMs do so here too
+            (``formats.block_fp8.fp8_linear``); else they run in ``act_dtype`` on dequantized weights.
     """
 
     name: str
@@ -55,6 +60,7 @@ class Numerics:
     index_format: str
     score_dtype: torch.dtype
     prob_dtype: torch.dtype
+    fp8_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_format not in KV_FORMATS:
@@ -64,7 +70,8 @@ class Numerics:
 
     @staticmethod
     def official() -> "Numerics":
-        return Numerics("official", torch.bfloat16, "fp8_ds_mla", "mxfp4", torch.bfloat16, torch.bfloat16)
+        return Numerics("official", torch.bfloat16, "fp8_ds_mla", "mxfp4", torch.bfloat16, torch.bfloat16,
+                        fp8_projections=True)
 
     @staticmethod
     def exact() -> "Numerics":

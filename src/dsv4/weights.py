@@ -1,7 +1,10 @@
 """Weights of one DeepSeek-V4 attention layer (SPEC §1.3), under the official inference names.
 
-Every tensor is held in FP32 on the host by default (``.to(device, dtype)`` moves them); the numerics decide
-what each op rounds to. Shapes (d = hidden, H = heads, D = head dim, G = o_groups, c = compressor width):
+The projections DeepSeek runs as FP8 GEMMs (``FP8_PROJECTIONS``: ``wq_a``, ``wq_b``, ``wkv``, ``wo_b``, the
+indexer's ``wq_b``) may be held as the checkpoints store them, a ``formats.block_fp8.BlockFp8Weight`` (E4M3 values +
+one power-of-two scale per 128 × 128 block: ``random`` makes them so by default, ``from_checkpoint`` keeps them so),
+or as plain tensors; every other tensor is a plain tensor (FP32 on the host by default; ``.to(device, dtype)``
+moves them). ``for_numerics`` makes the copy a layer computes with; the numerics decide what each op rounds to. Shapes (d = hidden, H = heads, D = head dim, G = o_groups, c = compressor width):
 
 ==========================  =====================================  ==========================================
 field                       shape                                  meaning
@@ -34,12 +37,19 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 
 from .config import LayerKind, ModelConfig, require_config
+from .formats.block_fp8 import BlockFp8Weight
+from .numerics import Numerics
 from .validate import describe, require_device, require_float_dtype, require_int
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointIndex
 
-__all__ = ["AttentionWeights", "CompressorWeights", "IndexerWeights"]
+__all__ = ["AttentionWeights", "CompressorWeights", "FP8_PROJECTIONS", "IndexerWeights", "Projection"]
+
+#: the projections the official model runs as FP8 GEMMs (SPEC §1.3), by their dotted names
+FP8_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b")
+#: a projection matrix ``[out, in]``: a plain tensor, or block-scaled FP8 as the checkpoints store it
+Projection = torch.Tensor | BlockFp8Weight
 
 
 @dataclass
@@ -56,7 +66,7 @@ class CompressorWeights:
 class IndexerWeights:
     """The lightning indexer of a CSA layer."""
 
-    wq_b: torch.Tensor  # [H_I * c_I, q_lora_rank]
+    wq_b: Projection  # [H_I * c_I, q_lora_rank]
     weights_proj: torch.Tensor  # [H_I, d]
     compressor: CompressorWeights
 
@@ -65,14 +75,14 @@ class IndexerWeights:
 class AttentionWeights:
     """All parameters of one attention layer. ``compressor``/``indexer`` are ``None`` where the kind has none."""
 
-    wq_a: torch.Tensor
+    wq_a: Projection
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: Projection
+    wkv: Projection
     kv_norm: torch.Tensor
     attn_sink: torch.Tensor
     wo_a: torch.Tensor
-    wo_b: torch.Tensor
+    wo_b: Projection
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
 
@@ -85,10 +95,13 @@ class AttentionWeights:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fp8: bool = True,
     ) -> "AttentionWeights":
         """Random weights with realistic scales: projections ~ N(0, 1/fan_in) (unit-scale activations), norm
         weights near 1, sinks and position biases O(1). Deterministic in ``seed``, ``layer_idx`` and the device
         type (``device="cuda"`` draws on the GPU: fast for full-size presets, a different stream than the CPU's).
+        ``fp8``: the ``FP8_PROJECTIONS`` are block-scaled FP8 as in the official checkpoints (drawn, then quantized:
+        a layer moves the real model's bytes); else plain ``dtype`` tensors.
 
         Raises ``TypeError`` / ``ValueError`` naming the argument (``cfg`` not a ``ModelConfig``, ``layer_idx`` /
         ``seed`` not an int, ``dtype`` not a floating dtype, a device that does not exist), ``IndexError`` for a
@@ -97,6 +110,8 @@ class AttentionWeights:
         layer_idx = require_int("layer_idx", layer_idx)
         seed = require_int("seed", seed, 0, 2**62)
         require_float_dtype("dtype", dtype)
+        if not isinstance(fp8, bool):
+            raise TypeError(f"fp8 must be True or False, got {describe(fp8)}")
         dev = require_device("device", device)
         if dev.type == "meta":
             raise ValueError("device 'meta' holds no values; random weights need 'cpu' or 'cuda'")
@@ -109,17 +124,21 @@ class AttentionWeights:
         def norm(n: int) -> torch.Tensor:
             return (1.0 + 0.1 * torch.randn(n, generator=g, device=dev)).to(dtype)
 
+        def proj(out_f: int, in_f: int) -> Projection:
+            w = lin(out_f, in_f)
+            return BlockFp8Weight.quantize(w) if fp8 else w
+
         d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         kind = cfg.layer_kind(layer_idx)
         w = cls(
-            wq_a=lin(cfg.q_lora_rank, d),
+            wq_a=proj(cfg.q_lora_rank, d),
             q_norm=norm(cfg.q_lora_rank),
-            wq_b=lin(H * D, cfg.q_lora_rank),
-            wkv=lin(D, d),
+            wq_b=proj(H * D, cfg.q_lora_rank),
+            wkv=proj(D, d),
             kv_norm=norm(D),
             attn_sink=(torch.randn(H, generator=g, device=dev) + 1.0).to(dtype),
             wo_a=lin(cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups),
-            wo_b=lin(d, cfg.o_groups * cfg.o_lora_rank),
+            wo_b=proj(d, cfg.o_groups * cfg.o_lora_rank),
         )
 
         def compressor(c: int, m: int, overlap: bool) -> CompressorWeights:
@@ -132,7 +151,7 @@ class AttentionWeights:
         if kind is LayerKind.CSA:
             w.compressor = compressor(D, cfg.csa_ratio, overlap=True)
             w.indexer = IndexerWeights(
-                wq_b=lin(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+                wq_b=proj(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
                 weights_proj=lin(cfg.index_n_heads, d),
                 compressor=compressor(cfg.index_head_dim, cfg.csa_ratio, overlap=True),
             )
@@ -200,9 +219,13 @@ class AttentionWeights:
 
     @classmethod
     def from_named(cls, tensors: "Mapping[str, torch.Tensor]", kind: LayerKind) -> "AttentionWeights":
-        """From ``{official dotted name: tensor}`` (the names ``named_tensors`` yields) for a layer of ``kind``.
-        Tensors are used as given (no copy, no cast)."""
+        """From ``{official dotted name: tensor}`` (the names ``named_tensors`` yields: an FP8 projection as ``name``
+        + ``name.scale``, or a ``BlockFp8Weight`` under ``name``) for a layer of ``kind``. Tensors are used as given
+        (no copy, no cast)."""
         t = dict(tensors)
+        for name in FP8_PROJECTIONS:
+            if f"{name}.scale" in t:
+                t[name] = BlockFp8Weight(t[name], t.pop(f"{name}.scale"))
 
         def comp(prefix: str) -> CompressorWeights:
             return CompressorWeights(
@@ -230,7 +253,8 @@ class AttentionWeights:
         """Layer ``layer_idx``'s attention weights from an HF-format safetensors checkpoint directory.
 
         Reads the official DeepSeek-V4 names (``layers.{i}.attn.wq_a.weight`` …, FP8 E4M3 weights with per-128×128
-        block ``.scale`` / ``.weight_scale_inv``, dequantized exactly) or ``transformers``' own names
+        block ``.scale`` / ``.weight_scale_inv``: the ``FP8_PROJECTIONS`` kept as ``BlockFp8Weight``, other FP8
+        tensors dequantized exactly) or ``transformers``' own names
         (``layers.{i}.self_attn.q_a_proj.weight`` …); see ``dsv4.checkpoint``. Only this layer's tensors are read.
 
         Args:
@@ -265,10 +289,20 @@ class AttentionWeights:
 
     # ------------------------------------------------------------------ utilities
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(dotted official name, tensor)`` for every parameter."""
+        """``(dotted official name, tensor)`` for every parameter; a ``BlockFp8Weight`` as its ``name`` (the E4M3
+        values, float8_e4m3fn) and ``name.scale`` (float32 block scales), as a checkpoint stores it."""
+        for name, v in self.named_parameters():
+            if isinstance(v, BlockFp8Weight):
+                yield name, v.data
+                yield f"{name}.scale", v.scale
+            else:
+                yield name, v
+
+    def named_parameters(self) -> Iterator[tuple[str, Projection]]:
+        """``(dotted official name, parameter)``: tensors, and ``BlockFp8Weight`` for FP8 projections."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, (torch.Tensor, BlockFp8Weight)):
                 yield f.name, v
         if self.compressor is not None:
             for f in dataclasses.fields(self.compressor):
@@ -279,12 +313,25 @@ class AttentionWeights:
             for f in dataclasses.fields(self.indexer.compressor):
                 yield f"indexer.compressor.{f.name}", getattr(self.indexer.compressor, f.name)
 
+    def nonfinite(self) -> list[str]:
+        """Names of the parameters holding NaN / Inf (FP8 values: their E4M3 NaN codes; scales: non-finite)."""
+        bad = []
+        for name, v in self.named_parameters():
+            if v.device.type == "meta":
+                continue
+            t = v.dequantize() if isinstance(v, BlockFp8Weight) else v
+            if not bool(torch.isfinite(t).all()):
+                bad.append(name)
+        return bad
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "AttentionWeights":
-        """A copy with every tensor moved/cast."""
+        """A copy with every tensor moved/cast (``BlockFp8Weight`` projections are only moved)."""
 
         def mv(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 return x.to(device=device, dtype=dtype)
+            if isinstance(x, BlockFp8Weight):  # stays FP8: its bytes are the checkpoint's
+                return x.to(device)
             if dataclasses.is_dataclass(x):
                 return dataclasses.replace(x, **{f.name: mv(getattr(x, f.name)) for f in dataclasses.fields(x)})
             return x
@@ -302,16 +349,22 @@ class AttentionWeights:
         indexer = None if self.indexer is None else dataclasses.replace(self.indexer, compressor=fp32(self.indexer.compressor))
         return dataclasses.replace(self, compressor=fp32(self.compressor), indexer=indexer)
 
-    def with_gemm_dtype(self, dtype: torch.dtype) -> "AttentionWeights":
-        """A copy whose projection matrices (``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b``, the indexer's ``wq_b``
-        and ``weights_proj``) hold ``dtype``, the GEMMs' operand dtype (``Numerics.act_dtype``): ``linear`` casts
-        its weight to that dtype on every call, so a device copy cast once spares every step the cast — for FP32
-        weights and BF16 GEMMs a full read and write of every matrix per layer and step (the values are
-        unchanged). Norms, sinks and the compressors keep their dtype."""
-        gemm = {name: getattr(self, name).to(dtype) for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")}
+    def for_numerics(self, numerics: Numerics) -> "AttentionWeights":
+        """The copy a layer computes with under ``numerics`` (cast once, so no step casts a weight): the
+        ``FP8_PROJECTIONS`` as ``BlockFp8Weight`` where ``numerics.fp8_projections`` (plain ones quantized the way
+        the checkpoints are), else dequantized to ``act_dtype``; ``wo_a`` and the indexer's ``weights_proj`` in
+        ``act_dtype`` (the official model holds them in BF16); norms, sinks and compressors as they are."""
+        act = numerics.act_dtype
+
+        def proj(v: Projection) -> Projection:
+            if numerics.fp8_projections:
+                return v if isinstance(v, BlockFp8Weight) else BlockFp8Weight.quantize(v)
+            return v.dequantize(act) if isinstance(v, BlockFp8Weight) else v.to(act)
+
+        gemm = {name: proj(getattr(self, name)) for name in ("wq_a", "wq_b", "wkv", "wo_b")}
         indexer = None if self.indexer is None else dataclasses.replace(
-            self.indexer, wq_b=self.indexer.wq_b.to(dtype), weights_proj=self.indexer.weights_proj.to(dtype))
-        return dataclasses.replace(self, indexer=indexer, **gemm)
+            self.indexer, wq_b=proj(self.indexer.wq_b), weights_proj=self.indexer.weights_proj.to(act))
+        return dataclasses.replace(self, indexer=indexer, wo_a=self.wo_a.to(act), **gemm)
 
     def check(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Raise ``ValueError`` naming every tensor whose shape does not fit ``cfg``'s layer ``layer_idx``."""
@@ -338,25 +391,28 @@ class AttentionWeights:
                 "indexer.compressor.wkv": (2 * ci, d), "indexer.compressor.wgate": (2 * ci, d),
                 "indexer.compressor.ape": (cfg.csa_ratio, 2 * ci), "indexer.compressor.norm": (ci,),
             })
-        have = dict(self.named_tensors())
+        have = dict(self.named_parameters())
         problems = []
         for name, shape in want.items():
+            v = have.get(name)
             if name not in have:
                 problems.append(f"{name} missing (a {kind.name} layer needs it)")
-            elif not isinstance(have[name], torch.Tensor):
-                problems.append(f"{name} is {describe(have[name])}, expected a tensor of shape {shape}")
-            elif not have[name].dtype.is_floating_point:
-                problems.append(f"{name} has dtype {have[name].dtype}, expected a floating-point tensor")
-            elif tuple(have[name].shape) != shape:
-                problems.append(f"{name} has shape {tuple(have[name].shape)}, expected {shape}")
+            elif isinstance(v, BlockFp8Weight):
+                if name not in FP8_PROJECTIONS:
+                    problems.append(f"{name} is block-scaled FP8, which only {list(FP8_PROJECTIONS)} may be")
+                elif tuple(v.shape) != shape:
+                    problems.append(f"{name} has shape {tuple(v.shape)}, expected {shape}")
+            elif not isinstance(v, torch.Tensor):
+                problems.append(f"{name} is {describe(v)}, expected a tensor of shape {shape}")
+            elif not v.dtype.is_floating_point or v.element_size() == 1:
+                problems.append(f"{name} has dtype {v.dtype}, expected a floating-point tensor of 16 or 32 bits "
+                                "(FP8 projections: a BlockFp8Weight)")
+            elif tuple(v.shape) != shape:
+                problems.append(f"{name} has shape {tuple(v.shape)}, expected {shape}")
         extra = sorted(set(have) - set(want))
         if extra:
             problems.append(f"unexpected tensors for a {kind.name} layer: {extra}")
-        bad = [
-            n for n, v in have.items()
-            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.device.type != "meta"
-            and not torch.isfinite(v).all()
-        ]
+        bad = [n for n in self.nonfinite() if have[n].device.type != "meta"] if not problems else []
         if bad:
             problems.append(f"non-finite values (NaN/Inf) in {bad}")
         if problems:

@@ -43,6 +43,7 @@ from ..cache import HybridCache, blocks_for_tokens, layer_schemas
 from ..cache.schema import resolve_layers
 from ..cache.batch import StepBatch
 from ..config import LayerKind, ModelConfig, require_config
+from ..formats.block_fp8 import BlockFp8Weight
 from ..layer import Attention
 from ..numerics import Numerics, resolve_numerics
 from ..ops import StepPlan
@@ -294,14 +295,17 @@ class Trace:
 
 
 def _engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) -> AttentionWeights:
-    """Weights as an engine holds them: matrices in the activation dtype (what the checkpoint ships in and the
-    GEMMs read: BF16 for the official numerics), vectors (norms, sinks) and the position biases in FP32."""
+    """Weights as an engine holds them: block-scaled FP8 projections as they are (the checkpoint's bytes), other
+    matrices in the activation dtype (what the checkpoint ships in and the GEMMs read: BF16 for the official
+    numerics), vectors (norms, sinks) and the position biases in FP32."""
 
     def cast(path: str, t: Tensor) -> Tensor:
         small = t.dim() < 2 or path.endswith("ape")
         return t.to(device=device, dtype=torch.float32 if small else act)
 
     def mv(x: Any, path: str) -> Any:
+        if isinstance(x, BlockFp8Weight):
+            return x.to(device)
         if isinstance(x, Tensor):
             return cast(path, x)
         if dataclasses.is_dataclass(x):

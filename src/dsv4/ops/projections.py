@@ -1,8 +1,11 @@
-"""The layer's projection GEMMs (SPEC §1.3, §3), shared by both backends: torch matmuls in the numerics'
-activation dtype (BF16 GEMMs with FP32 accumulation, or FP32), on the weights ``LayerStep.weights`` holds.
+"""The layer's projection GEMMs (SPEC §1.3, §3), shared by both backends, on the weights ``LayerStep.weights``
+holds (``AttentionWeights.for_numerics``).
 
-Each function takes the RMSNorm to apply where SPEC §3 has one, so that a backend passes its own (the Triton
-backend's is one launch per norm); the products themselves are the reference's (``reference.primitives.linear``).
+The five projections DeepSeek runs as FP8 GEMMs go through a ``Project`` — ``reference.primitives.project`` on the
+torch backend (the official numerics' FP8 quantization points, products summed in FP32), the Triton backend's
+FP8 GEMM on the GPU — and each function takes the RMSNorm to apply where SPEC §3 has one, so that a backend
+passes its own (the Triton backend's is one launch per norm). ``wo_a`` (grouped) and the indexer's ``weights_proj``
+are BF16 GEMMs in the official model and here.
 """
 
 from __future__ import annotations
@@ -12,38 +15,42 @@ from typing import Callable
 from torch import Tensor
 
 from ..reference.indexer import indexer_head_weights
+from ..numerics import Numerics
 from ..reference.layer import grouped_output
-from ..reference.primitives import linear
+from ..reference.primitives import project as reference_project
+from ..weights import Projection
 from .step import LayerStep
 
-__all__ = ["Norm", "indexer_query_projection", "indexer_weights", "output", "query_latent", "query_projection",
-           "window_kv"]
+__all__ = ["Norm", "Project", "indexer_query_projection", "indexer_weights", "output", "query_latent",
+           "query_projection", "window_kv"]
 
 #: a weighted RMSNorm ``(x [rows, C], weight [C], eps) -> [rows, C]`` in x's dtype
 Norm = Callable[[Tensor, Tensor, float], Tensor]
+#: one of the FP8-GEMM projections ``(x [..., in], weight [out, in], numerics) -> [..., out]`` in the act dtype
+Project = Callable[[Tensor, Projection, Numerics], Tensor]
 
 
-def query_latent(step: LayerStep, x: Tensor, norm: Norm) -> Tensor:
+def query_latent(step: LayerStep, x: Tensor, norm: Norm, project: Project = reference_project) -> Tensor:
     """``c^Q = RMSNorm_{q_norm}(W_qa x)``: x ``[T, d]`` → ``[T, q_lora_rank]`` act dtype."""
     w = step.weights
-    return norm(linear(x, w.wq_a, step.numerics.act_dtype), w.q_norm, step.cfg.norm_eps)
+    return norm(project(x, w.wq_a, step.numerics), w.q_norm, step.cfg.norm_eps)
 
 
-def query_projection(step: LayerStep, q_latent: Tensor) -> Tensor:
+def query_projection(step: LayerStep, q_latent: Tensor, project: Project = reference_project) -> Tensor:
     """``W_qb c^Q`` split into heads: ``[T, q_lora_rank]`` → ``[T, H, D]`` act dtype."""
     cfg = step.cfg
-    return linear(q_latent, step.weights.wq_b, step.numerics.act_dtype).unflatten(-1, (cfg.num_heads, cfg.head_dim))
+    return project(q_latent, step.weights.wq_b, step.numerics).unflatten(-1, (cfg.num_heads, cfg.head_dim))
 
 
-def window_kv(step: LayerStep, x: Tensor, norm: Norm) -> Tensor:
+def window_kv(step: LayerStep, x: Tensor, norm: Norm, project: Project = reference_project) -> Tensor:
     """``RMSNorm_{kv_norm}(W_kv x)``: x ``[T, d]`` → ``[T, D]`` act dtype."""
     w = step.weights
-    return norm(linear(x, w.wkv, step.numerics.act_dtype), w.kv_norm, step.cfg.norm_eps)
+    return norm(project(x, w.wkv, step.numerics), w.kv_norm, step.cfg.norm_eps)
 
 
-def indexer_query_projection(step: LayerStep, q_latent: Tensor) -> Tensor:
+def indexer_query_projection(step: LayerStep, q_latent: Tensor, project: Project = reference_project) -> Tensor:
     """``W_Iq c^Q``: ``[T, q_lora_rank]`` → ``[T, H_I · c_I]`` act dtype (heads not yet split)."""
-    return linear(q_latent, step.weights.indexer.wq_b, step.numerics.act_dtype)
+    return project(q_latent, step.weights.indexer.wq_b, step.numerics)
 
 
 def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
@@ -51,6 +58,6 @@ def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
     return indexer_head_weights(x, step.weights.indexer, step.cfg, step.numerics)
 
 
-def output(step: LayerStep, o: Tensor) -> Tensor:
+def output(step: LayerStep, o: Tensor, project: Project = reference_project) -> Tensor:
     """Grouped ``W_oa``, then ``W_ob``: o ``[T, H, D]`` (after the inverse RoPE) → ``[T, d]`` act dtype."""
-    return grouped_output(step.weights, step.cfg, o, step.numerics)
+    return grouped_output(step.weights, step.cfg, o, step.numerics, project)

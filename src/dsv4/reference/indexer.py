@@ -7,7 +7,7 @@ import torch
 from ..config import ModelConfig
 from ..numerics import Numerics
 from ..weights import IndexerWeights
-from .primitives import linear
+from .primitives import linear, project
 from .rope import apply_rope
 
 __all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "select_topk", "topk_differences", "topk_within"]
@@ -23,7 +23,7 @@ def indexer_queries(
     Returns:
         ``[T, H_I, c_I]`` float32 (values on the index format's grid).
     """
-    q = linear(q_latent, iw.wq_b, numerics.act_dtype).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+    q = project(q_latent, iw.wq_b, numerics).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
     return numerics.qdq_index(apply_rope(q, positions, inv_freq))
 
 

@@ -19,7 +19,7 @@ from ..weights import AttentionWeights
 from .compressor import compress
 from .core import attend_with_sink, window_indices
 from .indexer import index_scores, indexer_head_weights, indexer_queries, select_topk
-from .primitives import linear, rms_norm
+from .primitives import project, rms_norm
 from .rope import apply_rope, rope_inv_freq
 
 __all__ = ["ReferenceResult", "attention", "forward", "query_path", "query_projection", "window_kv", "output_projection", "grouped_output",
@@ -81,9 +81,8 @@ def query_projection(
     Returns:
         ``W_qb c^Q`` ``[T, H, D]`` and ``c^Q`` ``[T, q_lora_rank]`` (act dtype).
     """
-    act = numerics.act_dtype
-    q_latent = norm(linear(x, w.wq_a, act), w.q_norm, cfg.norm_eps)
-    return linear(q_latent, w.wq_b, act).unflatten(-1, (cfg.num_heads, cfg.head_dim)), q_latent
+    q_latent = norm(project(x, w.wq_a, numerics), w.q_norm, cfg.norm_eps)
+    return project(q_latent, w.wq_b, numerics).unflatten(-1, (cfg.num_heads, cfg.head_dim)), q_latent
 
 
 def window_kv(
@@ -94,7 +93,7 @@ def window_kv(
     Args:
         x: ``[T, d]``; positions: ``[T]``. Returns ``[T, D]`` act dtype (the token's window entry, key and value).
     """
-    kv = rms_norm(linear(x, w.wkv, numerics.act_dtype), w.kv_norm, cfg.norm_eps)
+    kv = rms_norm(project(x, w.wkv, numerics), w.kv_norm, cfg.norm_eps)
     return numerics.qdq_kv(apply_rope(kv, positions, inv_freq), cfg.nope_dim)
 
 
@@ -109,8 +108,12 @@ def output_projection(
     return grouped_output(w, cfg, apply_rope(o, positions, inv_freq, inverse=True), numerics)
 
 
-def grouped_output(w: AttentionWeights, cfg: ModelConfig, o: torch.Tensor, numerics: Numerics) -> torch.Tensor:
-    """SPEC §3 step 7: grouped ``W_oa`` (G contiguous head groups), then ``W_ob``.
+def grouped_output(
+    w: AttentionWeights, cfg: ModelConfig, o: torch.Tensor, numerics: Numerics,
+    proj: Callable[[torch.Tensor, object, Numerics], torch.Tensor] = project,
+) -> torch.Tensor:
+    """SPEC §3 step 7: grouped ``W_oa`` (G contiguous head groups; a BF16 GEMM in the official model), then ``W_ob``
+    (an FP8 GEMM: ``proj``, the reference's ``project`` or a backend's).
 
     Args:
         o: ``[T, H, D]`` attention output after the inverse RoPE. Returns ``[T, d]`` act dtype.
@@ -119,7 +122,7 @@ def grouped_output(w: AttentionWeights, cfg: ModelConfig, o: torch.Tensor, numer
     groups = o.reshape(o.shape[0], cfg.o_groups, -1).to(act)  # [T, G, H/G·D], heads contiguous per group
     wo_a = w.wo_a.to(o.device, act).unflatten(0, (cfg.o_groups, cfg.o_lora_rank))  # [G, o_lora, H/G·D]
     y_groups = torch.einsum("tgi,goi->tgo", groups, wo_a)
-    return linear(y_groups.flatten(1), w.wo_b, act)
+    return proj(y_groups.flatten(1), w.wo_b, numerics)
 
 
 def compressed_entry_indices(visible: torch.Tensor, n: int) -> torch.Tensor:

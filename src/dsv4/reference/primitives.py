@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm", "linear"]
+from ..formats.block_fp8 import BlockFp8Weight, fp8_linear
+from ..numerics import Numerics
+
+__all__ = ["rms_norm", "linear", "project"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -28,3 +31,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.T
         x: ``[..., in]``; weight: ``[out, in]``. Returns ``[..., out]`` in ``dtype``.
     """
     return torch.nn.functional.linear(x.to(dtype), weight.to(device=x.device, dtype=dtype))
+
+
+def project(x: torch.Tensor, weight: torch.Tensor | BlockFp8Weight, numerics: Numerics) -> torch.Tensor:
+    """One of the projections DeepSeek runs as FP8 GEMMs (``wq_a``, ``wq_b``, ``wkv``, ``wo_b``, the indexer's
+    ``wq_b``; SPEC §1.3), as ``numerics`` says: ``fp8_projections`` — ``x`` quantized per 1 × 128 block (UE8M0),
+    the weight as block-scaled FP8 (a plain weight is quantized the way the checkpoints are), products summed in
+    FP32 (``formats.block_fp8.fp8_linear``); else ``linear`` in the activation dtype on the dequantized weight.
+
+    Args:
+        x: ``[..., in]``; weight: ``[out, in]`` (a tensor or a ``BlockFp8Weight``). Returns ``[..., out]`` in
+        ``numerics.act_dtype``.
+    """
+    if numerics.fp8_projections:
+        w8 = weight if isinstance(weight, BlockFp8Weight) else BlockFp8Weight.quantize(weight)
+        return fp8_linear(x, w8, numerics.act_dtype)
+    if isinstance(weight, BlockFp8Weight):
+        weight = weight.dequantize()
+    return linear(x, weight, numerics.act_dtype)
