@@ -3,8 +3,9 @@
 Runs ``dsv4.ops.triton_attention.attend_layer`` with ``TRITON_INTERPRET=1`` (in a subprocess: the variable must be set
 before Triton compiles anything) on the tiny config's SWA / CSA / HCA layers, with stale and empty ring slots,
 −1 entries and forced key splits (requested, and forced into the plan with ``dataclasses.replace``), against the
-torch backend, plus the exact key dequantization probe (``test_gpu_attention.dequant_probe``, FP32 paths). The interpreter rounds FP32 → BF16 by truncation,
-so agreement is to ~5e-3 rather than BF16 rounding; numerics are checked on the GPU (``test_gpu_attention``).
+torch backend, plus the exact key dequantization probe (``support.attention.dequant_probe``, FP32 paths). The
+interpreter rounds FP32 → BF16 by truncation, so agreement is to ~5e-3 rather than BF16 rounding; numerics are
+checked on the GPU (``test_attention_gpu.py``).
 Skipped when Triton is not installed (CI).
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from kernel_test_util import run_interpreted
+
+from support.interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -37,7 +39,7 @@ SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     import torch, dsv4
     from dsv4.config import LayerKind
     from dsv4.kernels.attention.launch import sparse_attention_fwd
-    from test_gpu_attention import compare, dequant_probe, make_case, step_plan
+    from support.attention import compare, dequant_probe, make_case, step_plan
 
     for wide in (False, True):  # every E4M3 code, exact (the FP32 paths: the interpreter's BF16 is wrong)
         got, expected = dequant_probe("cpu", {}, wide)

@@ -2,7 +2,7 @@
 
 ``dsv4.kernels.ptx.DEQUANT_E4M3`` (and ``DEQUANT_E4M3_WORDS``, the same text with the warp-specialized kernel's
 operands) turns four E4M3 codes and a block's UE8M0 exponent into four BF16 values ``code · 2**(e − 127)``. Here the
-PTX text runs instruction by instruction (``test_indexer_ptx.run_ptx``) over every code in every byte position and
+PTX text runs instruction by instruction (``support.ptx.run_ptx``) over every code in every byte position and
 every exponent 0–254 (the word variant: the exponents around each branch of the scaling), against torch's own E4M3
 decode times the power of two, rounded to BF16 once.
 """
@@ -14,7 +14,8 @@ import torch
 import pytest
 
 from dsv4.kernels.ptx import DEQUANT_E4M3, DEQUANT_E4M3_WORDS
-from test_indexer_ptx import MASK32, run_ptx
+
+from support.ptx import MASK32, run_ptx
 
 
 def scale_pair(e: int) -> tuple[int, int]:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_oracle import one_thread  # noqa: F401
 
 import dsv4
 from dsv4.cache import (
@@ -44,10 +43,12 @@ from dsv4.engine.graphs import pad_step_batch
 from dsv4.layer import Attention
 from dsv4.planner import parse_bytes, plan_formats
 
+from support import REPO_ROOT
+
 TINY = dsv4.ModelConfig.preset("tiny")
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS = (0, 1, 2)  # SWA, CSA (ratio 4), HCA (ratio 16)
-DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOC = REPO_ROOT / "docs" / "errors.md"
 ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e
     for e in (

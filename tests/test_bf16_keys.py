@@ -4,7 +4,7 @@ Runs the Triton kernel under the interpreter on the CPU (it converts no FP8 in h
 from their bits) and on a GPU when there is one: every ring slot and every entry a request's tokens see, bit for
 bit equal to ``KVStorage.read`` (the exact FP32 decode) rounded once to BF16; zero rows beyond; the FP8 pages
 untouched. (That the attention kernel gives the same bits with these rows as with the pages: GPU tests in
-``test_gpu_attention.py``.)
+``test_attention_gpu.py``.)
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_test_util import run_interpreted, run_script
+from support.interpreter import run_interpreted, run_script
 
 pytest.importorskip("triton")
 
 _SCRIPT = r"""
 import sys, torch
-from test_gpu_attention import FLASH, PRO, make_case
+from support.attention import FLASH, PRO, make_case
 from dsv4.config import LayerKind
 from dsv4.kernels.attention.bf16_keys import bf16_keys
 

@@ -12,34 +12,12 @@ import dsv4
 from dsv4.checkpoint import CheckpointError, dequantize_fp8_blocks, quantize_fp8_blocks
 
 transformers = pytest.importorskip("transformers")
-from hf_util import random_hf_attention
-from safetensors.torch import save_file
+from safetensors.torch import save_file  # noqa: E402
+
+from support.hf import random_hf_attention, tiny_causal_lm  # noqa: E402
 
 TINY = dsv4.ModelConfig.preset("tiny")
 FP8_FIELDS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "indexer.wq_b")  # FP8 in the official checkpoint (SPEC §1.3)
-
-
-def tiny_causal_lm(seed: int = 0):
-    """A tiny transformers DeepseekV4ForCausalLM with realistic-scale attention weights (MoE kept tiny)."""
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    d = TINY.to_hf_dict()
-    d.update(vocab_size=32, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**d)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".self_attn." not in name:
-                continue
-            if p.dim() == 2:
-                p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
-            elif "position_bias" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            elif "sinks" in name:
-                p.copy_(torch.randn_like(p) + 1.0)
-            else:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    return model
 
 
 def same_weights(a: dsv4.AttentionWeights, b: dsv4.AttentionWeights) -> bool:

@@ -147,7 +147,7 @@ def test_bench_end_to_end_on_cpu(capsys) -> None:
 
 def test_run_from_checkpoint(tmp_path, capsys) -> None:
     pytest.importorskip("transformers")
-    from test_checkpoint import tiny_causal_lm
+    from support.hf import tiny_causal_lm
 
     tiny_causal_lm(seed=2).save_pretrained(tmp_path / "ckpt")
     rc = main(["run", "--checkpoint", str(tmp_path / "ckpt"), "--device", "cpu", "--requests", "2",

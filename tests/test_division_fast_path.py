@@ -4,7 +4,7 @@ divisor in ``[1, DIV_FAST_DEN_MAX]`` — the range the kernels send down that pa
 den``) — it must give the correctly rounded quotient, whatever the hardware reciprocal's last bit.
 
 The model: ``rcp.approx.ftz.f32`` is within 1 ulp of ``1/den`` (PTX ISA), so every fp32 value within 1 ulp is
-tried; each FMA is the exact ``a·b + c`` rounded once to fp32 (``scalar_model.fp32``). The GPU tests check the same
+tried; each FMA is the exact ``a·b + c`` rounded once to fp32 (``support.rounding.fp32``). The GPU tests check the same
 bits against torch on the device (``test_gpu_write_path.py::test_pooling_order_matches_torch``).
 """
 
@@ -16,7 +16,8 @@ from fractions import Fraction as Fr
 import pytest
 
 from dsv4.kernels.quant import DIV_FAST_DEN_MAX, DIV_FAST_MIN
-from scalar_model import floor_log2, fp32
+
+from support.rounding import floor_log2, fp32
 
 
 def _fma(a: Fr, b: Fr, c: Fr) -> Fr:

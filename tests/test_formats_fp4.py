@@ -18,7 +18,7 @@ from dsv4.formats import hadamard as H
 # --------------------------------------------------------------------------------------------------------------------
 
 
-from scalar_model import FLT_MAX, ceil_log2, floor_log2, fp32, neg, rne, to_float32  # noqa: E402,F401
+from support.rounding import FLT_MAX, ceil_log2, floor_log2, fp32, neg, rne, to_float32  # noqa: E402,F401
 
 
 E2M1_GRID = [Fr(0), Fr(1, 2), Fr(1), Fr(3, 2), Fr(2), Fr(3), Fr(4), Fr(6)]

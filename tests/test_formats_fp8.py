@@ -17,7 +17,7 @@ from dsv4.formats import fp8 as F8
 # --------------------------------------------------------------------------------------------------------------------
 
 
-from scalar_model import FLT_MAX, ceil_log2, floor_log2, fp32, neg, rne, to_float32  # noqa: E402,F401
+from support.rounding import FLT_MAX, ceil_log2, floor_log2, fp32, neg, rne, to_float32  # noqa: E402,F401
 
 
 def ref_e4m3(v: Fr) -> Fr:

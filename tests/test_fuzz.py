@@ -14,7 +14,7 @@ CSA and HCA layers (torch backend, CPU) with a random pool size, slot count, blo
   partly run, plans with unknown ids or zero counts, corrupted snapshots, duplicate or unknown ids.
 
 Every layer's output for every token a request ran is compared with ``dsv4.reference.forward`` of the request's
-whole sequence (``tests/cache_oracle.check_against_reference``: exact numerics to 1e-5, official to 5e-3; CSA
+whole sequence (``support.oracle.check_against_reference``: exact numerics to 1e-5, official to 5e-3; CSA
 top-k up to ties), when the request finishes, is preempted, or at the end of the workload.
 
 ``DSV4_FUZZ_WORKLOADS`` sets the number of workloads (default 200, the CI setting).
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from cache_oracle import check_against_reference, one_thread  # noqa: F401  (fixture)
 
 import dsv4
 from dsv4.cache import (
@@ -47,6 +46,8 @@ from dsv4.cache import (
     UnknownRequestError,
 )
 from dsv4.layer import Attention
+
+from support.oracle import check_against_reference
 
 TINY = dsv4.ModelConfig.preset("tiny")
 LAYERS = (0, 1, 2)  # SWA, CSA (ratio 4), HCA (ratio 16)

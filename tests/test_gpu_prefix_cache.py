@@ -11,22 +11,21 @@ agrees with a cold run to the chunking tolerance.
 
 from __future__ import annotations
 
-import functools
 from array import array
 
 import pytest
 import torch
-from test_prefix_cache import PREFIX_STATE_NAMES, Case, assert_same_outputs, block_pages, concat, state_rows
 
 import dsv4
 from dsv4.cache import HybridCache
-from dsv4.layer import Attention
+from dsv4.cache.prefix import PREFIX_STATE_NAMES
+
+from support.prefix import Case, assert_same_outputs, block_pages, concat, embedding, layer, prompt, state_rows
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 TINY = dsv4.ModelConfig.preset("tiny")
 FLASH = dsv4.ModelConfig.preset("v4-flash")
-VOCAB = 97
 
 CASES = [
     Case("tiny-all-bs16-P32", TINY, (0, 1, 2, 3, 4), 16, (7, 9, 16), (5, 3, 17, 1)),
@@ -37,28 +36,14 @@ CASES = [
 ]
 
 
-@functools.cache
-def embedding(cfg: dsv4.ModelConfig) -> torch.Tensor:
-    return torch.randn(VOCAB, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).cuda()
-
-
-@functools.cache
-def layer(cfg: dsv4.ModelConfig, li: int) -> Attention:
-    return Attention(dsv4.AttentionWeights.random(cfg, li, seed=60 + li, device="cuda"), cfg, li, backend="triton")
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def run(cache: HybridCache, rid: str, ids: list[int], chunks: list[int]) -> dict:
     parts, at = [], cache.num_tokens(rid)
     for n in chunks:
         batch = cache.prepare_forward({rid: n}, token_ids={rid: ids[at : at + n]})
-        x = embedding(cache.cfg)[torch.tensor(ids[at : at + n], device="cuda")]
+        x = embedding(cache.cfg, "cuda")[torch.tensor(ids[at : at + n], device="cuda")]
         step = {}
         for li in cache.layer_indices:
-            res = layer(cache.cfg, li).forward_with_aux(x, batch, cache)
+            res = layer(cache.cfg, li, "triton", "cuda").forward_with_aux(x, batch, cache)
             step[li] = (res.y, res.lse, res.attended_entries().sort(dim=1).values)  # top-k order is not part of the result
         parts.append(step)
         at += n

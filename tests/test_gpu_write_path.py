@@ -17,7 +17,8 @@ import torch
 import dsv4
 from dsv4.layer import Attention
 from dsv4.ops import torch_ops
-from write_path_util import differences, make_cache, write_step
+
+from support.write_path import differences, make_cache, write_step
 
 pytestmark = pytest.mark.gpu
 triton_ops = pytest.importorskip("dsv4.ops.triton_ops")

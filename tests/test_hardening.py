@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_oracle import one_thread  # noqa: F401  (fixture)
 
 import dsv4
 from dsv4.cache import HybridCache, NonFiniteError, StaleBatchError, StepOrderError

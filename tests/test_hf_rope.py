@@ -168,7 +168,7 @@ def test_reference_matches_transformers_with_default_rope(layer_idx: int) -> Non
     with ``from_hf`` of that config agree to FP32 rounding (the YaRN table the bug used: ~5e-4 apart at 45 tokens)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
-    from hf_util import run_hf_attention
+    from support.hf import run_hf_attention
 
     hc = DeepseekV4Config(**_base_dict())
     hc._attn_implementation = "eager"

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
+
+from support.interpreter import run_pytest_interpreted
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this process interprets: run the module itself")
 def test_indexer_kernels_in_the_interpreter() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-                        os.path.join(here, "test_gpu_indexer.py")],
-                       cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=900)
-    tail = r.stdout[-3000:] + r.stderr[-2000:]
-    assert r.returncode == 0, tail
-    assert " passed" in r.stdout and " failed" not in r.stdout, tail
+    run_pytest_interpreted(Path(__file__).with_name("test_gpu_indexer.py"))

@@ -17,7 +17,6 @@ import zlib
 
 import pytest
 import torch
-from cache_oracle import one_thread  # noqa: F401
 
 import dsv4
 from dsv4.cache import (
@@ -27,6 +26,8 @@ from dsv4.cache import (
     blocks_for_tokens,
 )
 from dsv4.layer import Attention
+
+from support.oracle import assert_bit_identical, rel_err
 
 TINY = dsv4.ModelConfig.preset("tiny")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,20 +88,6 @@ def uninterrupted(li: int, numerics: str) -> tuple[torch.Tensor, torch.Tensor, t
         outs.append(step(layer, cache, "a", x[at : at + n]))
         at += n
     return cat_outputs(outs)
-
-
-def assert_bit_identical(got, want, rows: slice, what: str) -> None:
-    for name, g, w in zip(("y", "lse", "entry_idx"), got, want):
-        w = w[rows]
-        if name == "entry_idx":
-            width = max(g.shape[1], w.shape[1])
-            g = torch.nn.functional.pad(g, (0, width - g.shape[1]), value=-1)
-            w = torch.nn.functional.pad(w, (0, width - w.shape[1]), value=-1)
-        assert g.shape == w.shape and torch.equal(g, w), f"{what}: {name} differs from the uninterrupted run"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ------------------------------------------------------------------------------------------------ save / restore

@@ -18,47 +18,27 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from cache_oracle import check_against_reference, one_thread  # noqa: F401
-from test_preemption import assert_bit_identical
 
 import dsv4
 from dsv4.cache import CacheFullError, HybridCache, IncompatibleSnapshotError, InvalidPlanError
 from dsv4.cache.prefix import PREFIX_STATE_NAMES, as_token_ids
-from dsv4.layer import Attention
+
+from support.oracle import check_against_reference
+from support.prefix import (
+    Case,
+    Outputs,
+    assert_same_outputs,
+    block_pages,
+    concat,
+    embedding,
+    layer,
+    prompt,
+    state_rows,
+)
 
 TINY = dsv4.ModelConfig.preset("tiny")
 TINY_W20 = TINY.replace(name="tiny-w20", window=20)
-VOCAB = 97
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@functools.cache
-def embedding(cfg: dsv4.ModelConfig) -> torch.Tensor:
-    """[VOCAB, d] the hidden state of each token id."""
-    return torch.randn(VOCAB, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
-
-
-@functools.cache
-def layer(cfg: dsv4.ModelConfig, li: int) -> Attention:
-    return Attention(dsv4.AttentionWeights.random(cfg, li, seed=60 + li), cfg, li, backend="torch")
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-Outputs = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # layer -> (y, lse, entry_idx)
-
-
-def concat(parts: list[Outputs]) -> Outputs:
-    """Outputs of consecutive steps as one (entry_idx padded with −1 to the widest)."""
-    out = {}
-    for li in parts[0]:
-        ys, lses, idx = zip(*(p[li] for p in parts))
-        width = max(i.shape[1] for i in idx)
-        out[li] = (torch.cat(ys), torch.cat(lses),
-                   torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1]), value=-1) for i in idx]))
-    return out
 
 
 def run(cache: HybridCache, rid: str, ids: list[int], chunks: list[int], feed_ids: bool = True) -> Outputs:
@@ -76,36 +56,6 @@ def run(cache: HybridCache, rid: str, ids: list[int], chunks: list[int], feed_id
         parts.append(step)
         at += n
     return concat(parts)
-
-
-def assert_same_outputs(got: Outputs, want: Outputs, rows: slice, what: str) -> None:
-    """Every layer's y, lse and entry_idx bit-identical to the cold run's ``rows``."""
-    for li in want:
-        assert_bit_identical(got[li], want[li], rows, f"{what} (layer {li}; 'uninterrupted' = the cold run)")
-
-
-def state_rows(cache: HybridCache, rid: str) -> dict[tuple[int, str], torch.Tensor]:
-    slot = cache.slot(rid)
-    return {(li, name): t[slot].clone() for li, d in cache.state.tensors.items() for name, t in d.items()}
-
-
-def block_pages(cache: HybridCache, rid: str, k: int) -> dict[tuple[int, str], torch.Tensor]:
-    table = cache.block_table(rid)[:k]
-    return {(li, name): t[table].clone() for li, d in cache.pool.tensors.items() for name, t in d.items()}
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    cfg: dsv4.ModelConfig
-    layers: tuple[int, ...]
-    block_size: int
-    before: tuple[int, ...]  # the owner's (and the cold run's) chunks up to the prefix end P = sum(before)
-    after: tuple[int, ...]  # the hit's (and the cold run's) chunks after P
-
-    @property
-    def point(self) -> int:
-        return sum(self.before)
 
 
 CASES = [

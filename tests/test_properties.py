@@ -37,14 +37,6 @@ from typing import ClassVar
 import hypothesis.strategies as st
 import pytest
 import torch
-from cache_oracle import (
-    bytes_per_block,
-    bytes_per_slot,
-    check_against_reference,
-    expected_blocks,
-    one_thread,  # noqa: F401  (fixture)
-    plausible_random_row,
-)
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -65,6 +57,14 @@ from dsv4.cache import (
 )
 from dsv4.cache.prefix import PREFIX_STATE_NAMES
 from dsv4.layer import Attention
+
+from support.oracle import (
+    bytes_per_block,
+    bytes_per_slot,
+    check_against_reference,
+    expected_blocks,
+    plausible_random_row,
+)
 
 TINY = dsv4.ModelConfig.preset("tiny")
 SCALE = float(os.environ.get("DSV4_PROPERTY_SCALE", "1"))

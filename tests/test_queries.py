@@ -12,7 +12,9 @@ import importlib.util
 
 import pytest
 import torch
-from kernel_test_util import check_queries, run_interpreted
+
+from support.bf16 import check_queries
+from support.interpreter import run_interpreted
 
 pytestmark_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -21,7 +23,7 @@ import torch
 from dsv4.kernels.project.queries import queries
 from dsv4.reference.primitives import rms_norm
 from dsv4.reference.rope import apply_rope
-from kernel_test_util import check_queries
+from support.bf16 import check_queries
 g = torch.Generator().manual_seed(3)
 T, H = 7, 3
 q = (torch.randn(T, H, 512, generator=g) * torch.exp(2 * torch.randn(T, H, 1, generator=g))).bfloat16()

@@ -6,7 +6,7 @@ import torch
 import dsv4
 
 transformers = pytest.importorskip("transformers")
-from hf_util import random_hf_attention, run_hf_attention  # noqa: E402
+from support.hf import random_hf_attention, run_hf_attention  # noqa: E402
 
 TINY = dsv4.ModelConfig.preset("tiny")  # window 16, CSA ratio 4, HCA ratio 16, top-k 8
 

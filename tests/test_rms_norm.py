@@ -12,13 +12,15 @@ import importlib.util
 
 import pytest
 import torch
-from kernel_test_util import check_close, run_interpreted
+
+from support.bf16 import check_close
+from support.interpreter import run_interpreted
 
 _SCRIPT = r"""
 import torch
 from dsv4.kernels.project.rms_norm import rms_norm
 from dsv4.reference import primitives
-from kernel_test_util import check_close
+from support.bf16 import check_close
 g = torch.Generator().manual_seed(5)
 for rows, C in ((3, 512), (20, 512), (5, 1536), (2, 96)):
     x = (torch.randn(rows, C, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).bfloat16()

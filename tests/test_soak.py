@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from cache_oracle import check_against_reference, one_thread  # noqa: F401
 
 import dsv4
 from dsv4.cache import CacheFullError, HybridCache, RequestSnapshot, blocks_for_tokens
 from dsv4.layer import Attention
+
+from support.oracle import check_against_reference
 
 TINY = dsv4.ModelConfig.preset("tiny")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,7 @@ from dsv4.config import LayerKind
 
 pytest.importorskip("transformers")
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf  # noqa: E402
-from hf_util import hf_config, random_hf_attention  # noqa: E402
+from support.hf import hf_config, random_hf_attention  # noqa: E402
 
 TINY = dsv4.ModelConfig.preset("tiny")
 

@@ -9,11 +9,10 @@ Skipped when triton is not installed. The GPU tests (test_gpu_write_path.py) che
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
+
+from support.interpreter import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -21,7 +20,7 @@ _SCRIPT = r"""
 import sys, torch, dsv4
 from dsv4.layer import Attention
 from dsv4.ops import torch_ops, triton_ops
-from write_path_util import differences, make_cache, write_step
+from support.write_path import differences, make_cache, write_step
 cfg = dsv4.ModelConfig.preset("tiny")
 li = int(sys.argv[1])
 launch = {}
@@ -42,7 +41,7 @@ for step, plan in enumerate(plans):
     nk = int((k1.view(torch.int16) != k2.view(torch.int16)).sum())
     d = differences(ca, cb, li)
     assert nk == 0 and not d, (li, step, nk, d)
-print("OK")
+print("ok")
 """
 
 
@@ -52,12 +51,8 @@ def test_interpreted_write_path_matches_torch(li: int, parts: int | str | None) 
     """``csa``: every entry and the window entries of a long step through ``csa_entries`` (their own launch);
     ``csa-fused``: as entry programs of the fused launch. ``hca16-split4``: every HCA entry pooled by 4 programs
     (channel slices), the last to arrive finishing it."""
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
     args = [str(li)] + ([] if parts is None else [str(parts)])
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(_SCRIPT, *args)
 
 
 _ROWS_SCRIPT = r"""
@@ -84,18 +79,14 @@ for N in (4, 8, 16):
     # the tile summed first, then added (another order) differs somewhere: the check above can fail
     other = (acc + t.sum(0, dtype=np.float32)).astype(np.float32)
     assert not np.array_equal(other, want) or N == 4
-print("OK")
+print("ok")
 """
 
 
 def test_seq_accumulate_rows_is_row_by_row() -> None:
     """``quant.seq_accumulate_rows`` (the compressors' softmax denominator over a tile of slots) adds the rows one
     by one in order: bit-identical to a row loop in FP32 on values whose sum depends on the order."""
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, "7"], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(_ROWS_SCRIPT, "7", timeout=300)
 
 
 _SUM_SQ_SCRIPT = r"""
@@ -144,7 +135,7 @@ for C, widths in ((512, (32, 64, 128)), (128, (32,))):
         orders_differ += len(got) > 1
     # the orders disagree on some of these rows, so the bitwise comparison above is order-sensitive
     assert orders_differ > 0, C
-print("OK")
+print("ok")
 """
 
 
@@ -152,12 +143,7 @@ print("OK")
 def test_torch_sum_sq_matches_reduction_model(seed: int) -> None:
     """``torch_order.torch_sum_sq`` (the compressors' RMSNorm sum of squares, read back from a scratch row) equals a
     plain-Python model of torch's block reduction: 32 / 64 / 128 threads per row for rows of 512, 32 for rows of 128."""
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _SUM_SQ_SCRIPT, str(seed)], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(_SUM_SQ_SCRIPT, str(seed), timeout=300)
 
 
 _WEIGHT_SCRIPT = r"""
@@ -177,15 +163,11 @@ out = torch.empty_like(e)
 _weight_kernel[(1,)](e, d, out, N=e.numel())
 same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
 assert bool(same.all()), (out.tolist(), want.tolist())
-print("OK")
+print("ok")
 """
 
 
 def test_softmax_weight_is_ieee_division() -> None:
     """``write.pool.softmax_weight``'s zero shortcut returns exactly what the division returns (bit for bit, signed
     zeros included) for zero numerators over positive, infinite, zero, negative and NaN denominators."""
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "src"), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _WEIGHT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(_WEIGHT_SCRIPT, timeout=300)

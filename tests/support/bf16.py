@@ -1,29 +1,8 @@
-"""Helpers shared by the kernel tests: a script under the Triton interpreter, and BF16-step comparisons."""
+"""BF16-step comparisons of a kernel's output with the torch backend's (which sums in another order)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import torch
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(script: str, *args: str, interpret: bool = True) -> None:
-    """Run ``script`` (with ``args``) in a subprocess with ``src`` and ``tests`` importable — by default under the
-    Triton interpreter (``TRITON_INTERPRET=1``) with no GPU, else as it is; it must exit 0 and print ``ok`` last."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(_ROOT, "src"), os.path.join(_ROOT, "tests")]))
-    if interpret:
-        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
-
-
-def run_interpreted(script: str, *args: str) -> None:
-    """``run_script`` under the Triton interpreter, no GPU."""
-    run_script(script, *args, interpret=True)
 
 
 def bf16_step(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Shared driver for the write-path tests (Triton vs torch backend): run the same steps through two caches and
-compare every byte the write path touches. Used by test_gpu_write_path.py and test_triton_interpret_write.py."""
+compare every byte the write path touches. Used by the write-path tests on the GPU and under the Triton
+interpreter."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Helpers to build and run ``transformers``' DeepseekV4Attention next to dsv4 (test-only dependency)."""
+"""Helpers to build and run ``transformers``' DeepSeek-V4 attention and a tiny causal LM next to dsv4 (test-only
+dependency)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -21,8 +24,29 @@ def random_hf_attention(cfg: dsv4.ModelConfig, layer_idx: int, seed: int):
 
     torch.manual_seed(seed)
     module = DeepseekV4Attention(hf_config(cfg), layer_idx).float().eval()
+    realistic_attention_weights(module.named_parameters())
+    return module
+
+
+def tiny_causal_lm(seed: int = 0):
+    """A tiny transformers DeepseekV4ForCausalLM (the ``tiny`` preset's attention, FP32) with realistic-scale
+    attention weights (MoE kept tiny)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    d = dsv4.ModelConfig.preset("tiny").to_hf_dict()
+    d.update(vocab_size=32, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**d)).float().eval()
+    realistic_attention_weights((n, p) for n, p in model.named_parameters() if ".self_attn." in n)
+    return model
+
+
+def realistic_attention_weights(params: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+    """Draw the attention parameters ``params`` (name, parameter) afresh from torch's global generator at the
+    scales of a trained model: matrices N(0, 1/fan_in), position biases N(0, 0.25), sinks N(1, 1), norm weights
+    N(1, 0.01)."""
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in params:
             if p.dim() == 2:
                 p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
             elif "position_bias" in name:
@@ -31,7 +55,6 @@ def random_hf_attention(cfg: dsv4.ModelConfig, layer_idx: int, seed: int):
                 p.copy_(torch.randn_like(p) + 1.0)
             else:  # norm weights
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    return module
 
 
 def run_hf_attention(module, cfg: dsv4.ModelConfig, x: torch.Tensor) -> torch.Tensor:

@@ -1,27 +1,16 @@
-"""Independent oracles shared by the reliability tests (test_properties, test_soak): what the cache should hold
-(brute-force block counts, byte accounting) and a tie-aware comparison of layer outputs with the stateless
-reference (``dsv4.reference.forward``)."""
+"""Independent oracles shared by the reliability and cache tests: what the cache should hold (brute-force block
+counts, byte accounting), a tie-aware comparison of layer outputs with the stateless reference
+(``dsv4.reference.forward``), and bit-identity of outputs with an uninterrupted run."""
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 import dsv4
 from dsv4.cache import HybridCache
 from dsv4.cache.integrity import canonical_ring_positions
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread for the duration of a test: these tests run many small tensor ops, which are faster on
-    one thread, and much faster on a shared, busy machine (no oversubscription)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def expected_blocks(num_tokens: int, m_min: int, block_size: int) -> int:
@@ -100,3 +89,15 @@ def check_against_reference(
     if keep.any():
         err = rel_err(y[keep].float(), ref.y[rows][keep].float())
         assert err <= tol, f"layer {layer_idx}: relative error {err:.3g} > {tol}"
+
+
+def assert_bit_identical(got, want, rows: slice, what: str) -> None:
+    """``got`` (y, lse, entry_idx of some steps) equals rows ``rows`` of ``want`` (an uninterrupted run's) bit for
+    bit; entry lists padded with −1 to the wider of the two first."""
+    for name, g, w in zip(("y", "lse", "entry_idx"), got, want):
+        w = w[rows]
+        if name == "entry_idx":
+            width = max(g.shape[1], w.shape[1])
+            g = torch.nn.functional.pad(g, (0, width - g.shape[1]), value=-1)
+            w = torch.nn.functional.pad(w, (0, width - w.shape[1]), value=-1)
+        assert g.shape == w.shape and torch.equal(g, w), f"{what}: {name} differs from the uninterrupted run"

@@ -1,6 +1,7 @@
 """Independent scalar model of binary floating-point rounding in exact rationals (no torch casts).
 
-Shared by the formats tests: the codecs under test are compared against these definitions bit for bit.
+Shared by the formats tests and the division fast path's: the arithmetic under test is compared against these
+definitions bit for bit.
 """
 
 from __future__ import annotations
