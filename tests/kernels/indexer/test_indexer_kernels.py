@@ -3,7 +3,7 @@ the torch backend.
 
 GPU tests are marked ``gpu``. The CPU tests run the same kernels in the Triton interpreter (``TRITON_INTERPRET=1``,
 small shapes; the MXFP4 key conversion takes its plain-integer path there) and skip when triton is absent. The
-interpreter must be chosen before any kernel is decorated, so ``tests/test_interpreted_indexer.py`` reruns this
+interpreter must be chosen before any kernel is decorated, so ``test_indexer_interpreter.py`` reruns this
 file's CPU tests in a fresh process with ``TRITON_INTERPRET=1`` (in the main process they skip; setting the variable
 here would leak into other modules). Tests that need a specific kernel or launch construct its plan
 (``dsv4.kernels.indexer.plan``) or ``dataclasses.replace`` the step's.

@@ -3,7 +3,7 @@
 Checks the kernels' logic (slot sources, tails, previous-window rotation, page addressing, byte layouts, the
 quantizers' bit arithmetic) without a GPU. The kernels reproduce torch's *CUDA* reduction orders; on the CPU
 torch sums in other orders, which could in principle differ in the last bit — these small cases agree exactly.
-Skipped when triton is not installed. The GPU tests (test_gpu_write_path.py) check bit-exactness on CUDA.
+Skipped when triton is not installed. The GPU tests (test_write_path_gpu.py) check bit-exactness on CUDA.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _sum_sq_kernel(x_ptr, out_ptr, C: tl.constexpr, BW: tl.constexpr):
     tl.store(out_ptr + tl.arange(0, 1), torch_sum_sq(x_ptr, C, BW))
 
 def model(x, BW, warp="halves"):
-    # torch's block reduction of x.pow(2) over one row (measured on an H200, torch 2.11; tests/diag_reduce_order.py):
+    # torch's block reduction of x.pow(2) over one row (measured on an H200, torch 2.11; tools/diag_reduce_order.py):
     # float4 loads, thread l takes vectors l, l + BW, ... into 4 accumulators; shared-memory halving down to 32
     # lanes; then the warp's shuffle-down tree, offsets 16 ... 1 (halves first). Every add rounded to fp32.
     f = np.float32

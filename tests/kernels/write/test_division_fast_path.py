@@ -5,7 +5,7 @@ den``) — it must give the correctly rounded quotient, whatever the hardware re
 
 The model: ``rcp.approx.ftz.f32`` is within 1 ulp of ``1/den`` (PTX ISA), so every fp32 value within 1 ulp is
 tried; each FMA is the exact ``a·b + c`` rounded once to fp32 (``support.rounding.fp32``). The GPU tests check the same
-bits against torch on the device (``test_gpu_write_path.py::test_pooling_order_matches_torch``).
+bits against torch on the device (``test_write_path_gpu.py::test_pooling_order_matches_torch``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ device memory is back to its baseline apart from the reusable workspace).
 
 * CI: ``test_soak_short`` (a few hundred steps, torch backend, CPU).
 * Long: ``test_soak_long`` is marked ``slow``; ``DSV4_SOAK_STEPS`` sets its steps (default 20,000):
-  ``DSV4_SOAK_STEPS=20000 python -m pytest -m slow tests/test_soak.py -s`` or
-  ``python tests/test_soak.py --steps 20000``.
+  ``DSV4_SOAK_STEPS=20000 python -m pytest -m slow tests/reliability/test_soak.py -s`` or
+  ``PYTHONPATH=src:tests python tests/reliability/test_soak.py --steps 20000``.
 * GPU: ``test_soak_gpu`` (marked ``gpu``) runs the same workload on CUDA with the torch and Triton backends.
 """
 
