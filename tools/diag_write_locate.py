@@ -2,23 +2,30 @@
 Triton write path and the torch backend differ, name the entry (request, entry index, column) and print the torch
 pipeline's values around it: the BF16 entry before quantization, the block scale, the scaled value and both codes.
 Also checks whether torch's own RMSNorm / pooling of that entry depends on how many entries are computed together.
+
+Usage: PYTHONPATH=src python3 tools/diag_write_locate.py [requests, default 256] (it imports the tests' write-path
+driver from tests/support).
 """
 import random
 import sys
+from pathlib import Path
 
 import torch
 
 import dsv4
 from dsv4.layer import Attention
-from dsv4.ops import torch_ops, triton_write
+from dsv4.ops import torch_ops, triton_ops
 from dsv4.reference.compressor import finish_entries, pool_windows
 import triton
 import triton.language as tl
-from dsv4.kernels.compressor import rms_norm_bf16, rope_last64, torch_sum_sq
 from dsv4.kernels.quant import bf16_round, rsqrtf
+from dsv4.kernels.torch_order import rms_norm_bf16, torch_sum_sq
+from dsv4.kernels.write.entry import rope_last64
 from dsv4.reference.primitives import rms_norm
 from dsv4.reference.rope import apply_rope
-from write_path_util import differences, make_cache, write_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.write_path import differences, make_cache, write_step  # noqa: E402
 
 
 @triton.jit
@@ -102,8 +109,8 @@ nblocks = 8 + sum(sum(p.values()) for p in plans) // 256 + 3 * batch_n
 ca = make_cache(CFG, [li], dev, batch_n, num_blocks=nblocks, block_size=256)
 cb = make_cache(CFG, [li], dev, batch_n, num_blocks=nblocks, block_size=256)
 g = torch.Generator(device=dev).manual_seed(batch_n)
-w, inv_freq = lay._weights_on(torch.device(dev))
 nm = ca.numerics
+w, inv_freq = lay._weights_on(torch.device(dev), nm.act_dtype)
 for step, plan in enumerate(plans):
     for rid in plan:
         if rid not in ca:
@@ -121,7 +128,7 @@ for step, plan in enumerate(plans):
             cb.state.tensors[li][k].copy_(t)
         for k, t in snap_pool.items():
             cb.pool.tensors[li][k].copy_(t)
-        write_step(triton_write, lay, cb, bb, x)
+        write_step(triton_ops, lay, cb, bb, x)
         runs.append(differences(ca, cb, li))
     print(f"step {step}: differences vs torch over 2 identical Triton runs: {runs}", flush=True)
     d = differences(ca, cb, li)
@@ -136,7 +143,11 @@ for step, plan in enumerate(plans):
         print(f"  {pname}: segments {storage.segments}, {len(bad)} differing bytes", flush=True)
         if not bad:
             continue
-        st = {k: t.clone() for k, t in state0.items()}
+        # torch's compressor step again from the state before the step (the cache's state put back afterwards),
+        # capturing the windows it pools
+        after = {k: t.clone() for k, t in ca.state.tensors[li].items()}
+        for k, t in state0.items():
+            ca.state.tensors[li][k].copy_(t)
         captured = []
 
         def capture(kv, gate):
@@ -144,9 +155,11 @@ for step, plan in enumerate(plans):
             return pool_windows(kv, gate)
 
         torch_ops.pool_windows = capture
-        entries = torch_ops.compressor_step(x.to(nm.act_dtype), cw, st, prefix, ba, M, True, inv_freq, CFG.norm_eps,
-                                            nm.act_dtype)
+        lstep = lay.layer_step(ba, ca, torch_ops.plan_step(ba, ca))
+        entries = torch_ops.compressor_step(lstep, x.to(nm.act_dtype), cw, prefix)
         torch_ops.pool_windows = pool_windows
+        for k, t in after.items():
+            ca.state.tensors[li][k].copy_(t)
         skv, sgate = captured[0]
         pooled = pool_windows(skv, sgate)
         check_finish(pooled, cw.norm, ba.emit_position[M], inv_freq, CFG.norm_eps, nm.act_dtype, pname)

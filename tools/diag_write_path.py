@@ -1,13 +1,19 @@
 """GPU diagnostics for the write path (not a test): which reduction orders torch's CUDA kernels use, whether the
-libdevice functions match torch's, and the write path vs torch on a few scenarios under both reduce models."""
+libdevice functions match torch's, and the write path vs torch on a few scenarios under both reduce models.
+
+Usage: PYTHONPATH=src python3 tools/diag_write_path.py (it imports the tests' write-path driver from tests/support)."""
 import random, sys, time
+from pathlib import Path
+
 import torch, triton, triton.language as tl
 import dsv4
-from dsv4.kernels import compressor as kc
 from dsv4.kernels.quant import expf, cosf, sinf, rsqrtf
+from dsv4.kernels.write import launch as write_launch, plan as write_plan
 from dsv4.layer import Attention
-from dsv4.ops import torch_ops, triton_write
-from write_path_util import make_cache, write_step, differences
+from dsv4.ops import torch_ops, triton_ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.write_path import make_cache, write_step, differences  # noqa: E402
 
 dev = "cuda"
 torch.manual_seed(0)
@@ -99,9 +105,15 @@ print("== libdevice vs torch mismatches (of 1M):", [int((o[k * N:(k + 1) * N] !=
 CFG = dsv4.ModelConfig.preset("v4-flash")
 lay = Attention(dsv4.AttentionWeights.random(CFG, 2, seed=7, device=dev), CFG, 2, backend="torch")
 
+def set_reduce_max_threads(n):
+    """The thread count the write path assumes torch's reduce kernels stop at (``torch_order.TORCH_REDUCE_MAX_THREADS``,
+    read by the write plan and the launch)."""
+    write_plan.TORCH_REDUCE_MAX_THREADS = write_launch.TORCH_REDUCE_MAX_THREADS = n
+
+
 def scenario(name, plans, B):
     for maxt in (512, 1024):
-        kc.TORCH_REDUCE_MAX_THREADS = maxt
+        set_reduce_max_threads(maxt)
         ca = make_cache(CFG, [2], dev, B, num_blocks=3 * B + 64, block_size=256)
         cb = make_cache(CFG, [2], dev, B, num_blocks=3 * B + 64, block_size=256)
         g = torch.Generator(device=dev).manual_seed(3)
@@ -111,7 +123,7 @@ def scenario(name, plans, B):
                 if r not in ca: ca.add_request(r); cb.add_request(r)
             ba, bb = ca.prepare_forward(plan), cb.prepare_forward(plan)
             x = torch.randn(ba.num_tokens, CFG.hidden_size, generator=g, device=dev)
-            k1 = write_step(torch_ops, lay, ca, ba, x); k2 = write_step(triton_write, lay, cb, bb, x)
+            k1 = write_step(torch_ops, lay, ca, ba, x); k2 = write_step(triton_ops, lay, cb, bb, x)
             d = differences(ca, cb, 2)
             nk = int((k1.view(torch.int16) != k2.view(torch.int16)).sum())
             detail = ""
@@ -127,7 +139,7 @@ def scenario(name, plans, B):
             for k, t in ca.state.tensors[2].items(): cb.state.tensors[2][k].copy_(t)
             for k, t in ca.pool.tensors[2].items(): cb.pool.tensors[2][k].copy_(t)
         print(f"== {name} MAXT={maxt}:", "; ".join(out), flush=True)
-    kc.TORCH_REDUCE_MAX_THREADS = 512
+    set_reduce_max_threads(512)
 
 rng = random.Random(101)
 scenario("csa prefill b1", [{"r0": n} for n in (7, 40, 333, 12, 1, 1, 1, 61)], 1)

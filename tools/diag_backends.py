@@ -1,8 +1,9 @@
 """Diagnostic (GPU): the same steps through the torch and the Triton backend on two caches, layer by layer.
 
 For each step prints the output's relative difference (Triton vs torch), the LSE difference, and which cache
-tensors' bytes differ, so a discrepancy can be pinned on the write path or on attention.
-Usage: PYTHONPATH=src:tests python3 benchmarks/diag_backends.py [--preset v4-flash] [--layers 2 3]
+tensors' bytes differ (``HybridCache.differences`` of the Triton cache against a snapshot of the torch one), so a
+discrepancy can be pinned on the write path or on attention.
+Usage: PYTHONPATH=src python3 tools/diag_backends.py [--preset v4-flash] [--layers 2 3]
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 
 import dsv4
 from dsv4.cache import HybridCache
-from write_path_util import differences
 
 
 def main() -> None:
@@ -46,9 +46,9 @@ def main() -> None:
             rel = ((b_out.y.float() - a_out.y.float()).norm() / a_out.y.float().norm()).item()
             row_rel = ((b_out.y.float() - a_out.y.float()).norm(dim=-1) / a_out.y.float().norm(dim=-1)).max().item()
             dlse = (b_out.lse - a_out.lse).abs().max().item()
-            diff = differences(caches[0], caches[1], li)
+            diff = caches[1].differences(caches[0].snapshot())
             print(f"layer {li} {cfg.layer_kind(li).name} step {s} T={x.shape[0]}: y rel {rel:.2e} (worst row {row_rel:.2e})"
-                  f" lse max|d| {dlse:.2e}; bytes differ: {diff}", flush=True)
+                  f" lse max|d| {dlse:.2e}; cache differs: {diff}", flush=True)
 
 
 if __name__ == "__main__":
