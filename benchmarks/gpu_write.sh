@@ -5,7 +5,7 @@
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u
-W=tests/test_gpu_write_path.py
+W=tests/kernels/write/test_write_path_gpu.py
 timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu "$W" --tb=short \
   -k "${TESTS_K:-order or 256-csa or graph or mixed or 16-hca or 3-csa}" > "$O/write_tests.log" 2>&1
 echo "== write tests rc=$?"; grep -E "^E |passed|failed|Error" "$O/write_tests.log" | head -30
