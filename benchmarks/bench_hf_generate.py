@@ -11,7 +11,7 @@ layers hold, dense BF16 window + compressed entries + compressor buffers) agains
 (pool blocks and state slots the rows hold; allocated in brackets). ``agree``: the fraction of generated tokens
 equal to ``dsv4-torch``'s (else the first variant's), row by row up to the first difference (BF16 rounding and
 top-k near-ties make long greedy runs of different kernels part ways; transformers' own padded rows also differ
-by its issue #45938 and its BF16 compressors, see tests/test_hf_generate.py).
+by its issue #45938 and its BF16 compressors, see tests/hf/test_hf_generate.py).
 
     python benchmarks/bench_hf_generate.py [--quick] [--out results.json]
     python benchmarks/bench_hf_generate.py --device cpu --preset tiny --quick --variants transformers dsv4-torch

@@ -12,7 +12,7 @@ for g in off on; do
 done
 timeout 50 $RUN --backend torch --cuda-graphs off --json "$O/smoke_torch.json" > "$O/smoke_torch.log" 2>&1
 echo "== smoke torch rc=$?"; grep -E "req|spot check" "$O/smoke_torch.log" | tail -8
-W=tests/test_gpu_write_path.py
+W=tests/kernels/write/test_write_path_gpu.py
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$W::test_decode_steps_match_torch[256-hca]" \
   "$W::test_decode_steps_match_torch[64-csa]" "$W::test_prefill_chunks_match_torch[16-hca]" \
   "$W::test_prefill_chunks_match_torch[3-csa]" "$W::test_cuda_graph_replay_matches_eager[csa]" \
@@ -22,7 +22,7 @@ timeout 200 python3 benchmarks/bench_write.py --quick --json "$O/write_bench.jso
 echo "== write bench rc=$?"; tail -16 "$O/write_bench.log"
 timeout 90 python3 benchmarks/bench_indexer.py --quick --no-sweep --json "$O/indexer_variants.json" > "$O/idx_bench.log" 2>&1
 echo "== indexer bench rc=$?"; grep -v '^ *$' "$O/idx_bench.log" | tail -30
-I=tests/test_gpu_indexer.py
+I=tests/kernels/indexer/test_indexer_kernels.py
 timeout 40 python3 -m pytest -q -p no:cacheprovider "$I::test_gpu_radix_topk_large" "$I::test_gpu_indexer_topk_variants" > "$O/idx_tests.log" 2>&1
 echo "== indexer tests rc=$?"; tail -3 "$O/idx_tests.log"
 V='[{}, {"impl": "triton"}, {"impl": "triton", "block_h": 32, "block_n": 32}]'

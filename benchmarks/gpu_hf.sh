@@ -12,7 +12,7 @@ export PYTHONPATH=src:tests:benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFER
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u
 python3 -c "import transformers; print('transformers', transformers.__version__)"
-timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_hf_generate.py --tb=short \
+timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/hf/test_hf_generate_gpu.py --tb=short \
   > "$O/hf_tests.log" 2>&1
 echo "== hf gpu test rc=$?"; grep -E "^E |passed|failed|skipped|Error" "$O/hf_tests.log" | head -20
 timeout ${BENCH_S:-300} python3 benchmarks/bench_hf_generate.py ${BENCH_ARGS:-} --out "$O/hf_bench.json" \

@@ -7,7 +7,7 @@
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git rev-parse --short HEAD 2>/dev/null
-I=tests/test_gpu_indexer.py
+I=tests/kernels/indexer/test_indexer_kernels.py
 timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu "$I" --tb=short ${TESTS_K:+-k "$TESTS_K"} \
   > "$O/idx_tests.log" 2>&1
 echo "== indexer tests rc=$?"; grep -E "^E |passed|failed|Error" "$O/idx_tests.log" | head -20

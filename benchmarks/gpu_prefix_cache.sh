@@ -6,7 +6,7 @@
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u
-timeout ${TEST_S:-420} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_prefix_cache.py --tb=short \
+timeout ${TEST_S:-420} python3 -m pytest -q -p no:cacheprovider -m gpu tests/cache/test_prefix_cache_gpu.py --tb=short \
   > "$O/prefix_tests.log" 2>&1
 echo "== prefix cache GPU tests rc=$?"; grep -E "^E |passed|failed|Error" "$O/prefix_tests.log" | head -30
 timeout ${BENCH_S:-540} python3 benchmarks/bench_prefix_cache.py --out "$O/prefix_cache.json" \

@@ -10,9 +10,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case "${1:-tests}" in
 tests)
   shift
-  T=${*:-tests/test_gpu_write_path.py tests/test_gpu_indexer.py tests/test_gpu_attention.py tests/test_bf16_keys.py \
-    tests/test_rms_norm.py tests/test_queries.py tests/test_engine.py tests/test_gpu_torch_backend.py \
-    tests/test_hardening.py tests/test_step_batch_graph.py tests/test_planner.py}
+  T=${*:-tests/kernels/write/test_write_path_gpu.py tests/kernels/indexer/test_indexer_kernels.py \
+    tests/kernels/attention/test_attention_gpu.py tests/kernels/attention/test_attention_bf16_keys.py \
+    tests/kernels/project/test_rms_norm.py tests/kernels/project/test_queries.py tests/engine/test_engine.py \
+    tests/layer/test_torch_backend_cuda.py tests/reliability/test_hardening.py tests/cache/test_step_batch_graph.py \
+    tests/cache/test_planner.py}
   PYTHONPATH=src:tests timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu $T --durations=12 \
     --junitxml="$O/gpu_tests.xml" > "$O/gpu_tests.log" 2>&1
   echo "== gpu tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$O/gpu_tests.log" | tail -25

@@ -7,7 +7,7 @@
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_indexer.py --tb=short -k "bisect or filter" > "$O/t.log" 2>&1
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/indexer/test_indexer_kernels.py --tb=short -k "bisect or filter" > "$O/t.log" 2>&1
 echo "tests rc=$?"; grep -E "^E |passed|failed|Error" "$O/t.log" | head -20
 timeout 200 python3 benchmarks/bench_indexer.py --topk-only --json "$O/topk.json" > "$O/b.log" 2>&1
 echo "bench rc=$?"; grep -E "graph\]" "$O/b.log" | cut -c1-80

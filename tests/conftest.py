@@ -1,4 +1,5 @@
-"""Shared test fixtures. GPU tests are marked ``gpu`` and skip cleanly when CUDA is absent.
+"""Shared test fixtures (helpers live in the ``support`` package). GPU tests are marked ``gpu`` and skip cleanly
+when CUDA is absent; ``one_thread`` runs a test on one intra-op thread.
 
 A GPU test still running after ``DSV4_GPU_TEST_TIMEOUT`` seconds (default 600; 0 disables) ends the pytest
 process with exit status 70 and every thread's traceback: a hung kernel blocks the test inside a CUDA call, where
@@ -50,3 +51,13 @@ def _gpu_hang_watchdog(request):
         yield
     finally:
         timer.cancel()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the duration of a test: these tests run many small tensor ops, which are faster on
+    one thread, and much faster on a shared, busy machine (no oversubscription)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -27,7 +27,7 @@ the others are restored as private blocks. The request's known token ids travel 
 request keeps publishing its prefix.
 
 The other way to preempt without loss is to drop the request (``release``) and later recompute it: add it again
-and run its tokens through the layers (tested in ``tests/test_preemption.py``).
+and run its tokens through the layers (tested in ``tests/cache/test_cache_preemption.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Inline-PTX texts and their constants, importable without triton (the kernels wrap them in ``tl.constexpr``).
 
-Kept apart from the kernel modules so that ``tests/test_indexer_ptx.py`` can run the PTX through a small CPU
-interpreter on installs without triton (CI).
+Kept apart from the kernel modules so that ``tests/kernels/indexer/test_indexer_ptx.py`` can run the PTX through a
+small CPU interpreter on installs without triton (CI).
 """
 
 from __future__ import annotations

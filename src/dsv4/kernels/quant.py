@@ -219,8 +219,8 @@ def e4m3_round_cvt(y):
     """``e4m3_round_bits`` by the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32``, whose saturation is the
     clamp, then the exact E4M3 → fp32 widening): the same codes and values for every fp32 but NaN (a NaN stays NaN,
     0x7F / 0xFF, where the clamp would make it ±448; checked on every fp32 by
-    ``tests/test_gpu_write_path.py::test_e4m3_conversion_is_the_bit_arithmetic``), in ~3 instructions per element
-    instead of ~17."""
+    ``tests/kernels/write/test_write_path_gpu.py::test_e4m3_conversion_is_the_bit_arithmetic``), in ~3 instructions per
+    element instead of ~17."""
     f8 = y.to(tl.float8e4nv)
     return f8.to(tl.uint8, bitcast=True).to(tl.int32), f8.to(tl.float32)
 

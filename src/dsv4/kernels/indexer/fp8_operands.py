@@ -13,7 +13,8 @@ contribution is below 2**-11 of the largest block's).
 The conversion of packed key bytes is one inline-PTX function (``unpack_keys_asm``, ``ptx.UNPACK_KEYS``): each
 block's shift is added once to an 8-entry table of E4M3 bytes (``block_lookup_tables``), and ``prmt`` looks four
 magnitudes up at a time (9 instructions per four packed bytes). Under the Triton interpreter the same bytes come
-from plain integer arithmetic (``unpack_keys_int``); ``tests/test_indexer_ptx.py`` executes the PTX itself on the CPU.
+from plain integer arithmetic (``unpack_keys_int``); ``tests/kernels/indexer/test_indexer_ptx.py`` executes the PTX
+itself on the CPU.
 
 Channel order. Packed E2M1 nibbles put channel ``2i`` in the low and ``2i + 1`` in the high nibble of byte ``i``;
 four packed bytes are eight consecutive channels. The conversion turns each four bytes into two E4M3 words, the
@@ -93,7 +94,7 @@ def unpack_keys_int(x, lo, hi, BLOCK_N: tl.constexpr):
 
 
 #: PTX of ``unpack_keys_asm`` (``dsv4.kernels.ptx.UNPACK_KEYS``, a triton-free module so that
-#: ``tests/test_indexer_ptx.py`` can execute it on any CPU install).
+#: ``tests/kernels/indexer/test_indexer_ptx.py`` can execute it on any CPU install).
 UNPACK_KEYS_PTX: tl.constexpr = tl.constexpr(ptx.UNPACK_KEYS)
 
 

@@ -9,8 +9,8 @@ once and writes them once.
 Numerics: the same operations as the torch backend in the same precision (libdevice ``rsqrtf`` / ``cosf`` /
 ``sinf``, no FMA contraction), except the order of the 512-term sum of squares, which is Triton's tree instead of
 torch's reduce kernel's: a query may differ from the torch backend's in the last BF16 bit where the two sums round
-apart, and a rotated pair by as much at its norm (tests/test_queries.py: within one BF16 step on the nope dims, two
-at the pair's norm on the rope dims, 99% of the elements equal).
+apart, and a rotated pair by as much at its norm (tests/kernels/project/test_queries.py: within one BF16 step on the
+nope dims, two at the pair's norm on the rope dims, 99% of the elements equal).
 """
 
 from __future__ import annotations

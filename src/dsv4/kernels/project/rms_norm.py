@@ -6,9 +6,10 @@ products, the cast back), each a pass over the rows. Here one program normalizes
 * 512 channels (the window KV ``RMSNorm(W_kv x)``, which the cache stores): one warp per row, the sum of squares
   in the order of torch's CUDA reduce kernel for ``rows`` rows (``csa_entries.add_chunk_squares`` /
   ``entry_rms_scale``, the compressor entries' RMSNorm) — the same bits as the torch backend
-  (``tests/test_gpu_write_path.py::test_rms_norm_lanes_order_matches_torch`` checks that order, 1 to 9,438 rows);
+  (``tests/kernels/write/test_write_path_gpu.py::test_rms_norm_lanes_order_matches_torch`` checks that order, 1 to
+  9,438 rows);
 * other widths (``c^Q``, 1,536 channels for V4-Flash): Triton's summation order — within one BF16 step of the torch
-  backend's (``tests/test_rms_norm.py``).
+  backend's (``tests/kernels/project/test_rms_norm.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""``rms_norm`` (the layer's weighted RMSNorm of ``c^Q`` and of the window KV): the Triton kernel vs the torch backend.
+
+512 channels (the window KV, which the cache stores) follow torch's CUDA summation order: on the GPU the same bits
+as the torch backend for every row count (the order depends on it). Other widths (``c^Q``: 1,536 for V4-Flash) sum
+in Triton's order: within one BF16 step, nearly all equal. On the CPU the Triton interpreter checks the logic
+against torch's CPU result (whose sums run in yet another order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from support.bf16 import check_close
+from support.interpreter import run_interpreted
+
+_SCRIPT = r"""
+import torch
+from dsv4.kernels.project.rms_norm import rms_norm
+from dsv4.reference import primitives
+from support.bf16 import check_close
+g = torch.Generator().manual_seed(5)
+for rows, C in ((3, 512), (20, 512), (5, 1536), (2, 96)):
+    x = (torch.randn(rows, C, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).bfloat16()
+    w = 1 + 0.1 * torch.randn(C, generator=g)
+    check_close(rms_norm(x, w, 1e-6), primitives.rms_norm(x, w, 1e-6))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_rms_norm_kernel_in_interpreter() -> None:
+    run_interpreted(_SCRIPT)
+
+
+def test_rms_norm_kernel_rejects_bad_input() -> None:
+    pytest.importorskip("triton")
+    from dsv4.kernels.project.rms_norm import rms_norm
+
+    with pytest.raises(ValueError, match=r"bf16 \[rows, C\]"):
+        rms_norm(torch.zeros(2, 512), torch.ones(512), 1e-6)
+    with pytest.raises(ValueError, match=r"weight must be \[512\]"):
+        rms_norm(torch.zeros(2, 512, dtype=torch.bfloat16), torch.ones(256), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 64, 300, 8192])
+def test_rms_norm_512_is_the_torch_backend_bit_for_bit(rows: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    from dsv4.kernels.project.rms_norm import rms_norm
+    from dsv4.reference import primitives
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 512, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))
+    x = x.bfloat16()
+    w = 1 + 0.1 * torch.randn(512, generator=g, device="cuda")
+    got, want = rms_norm(x, w, 1e-6), primitives.rms_norm(x, w, 1e-6)
+    bad = (got.view(torch.int16) != want.view(torch.int16)).any(1)
+    assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 8192])
+def test_rms_norm_1536_within_one_step_on_gpu(rows: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    from dsv4.kernels.project.rms_norm import rms_norm
+    from dsv4.reference import primitives
+
+    g = torch.Generator(device="cuda").manual_seed(rows + 1)
+    x = torch.randn(rows, 1536, generator=g, device="cuda") * torch.exp(torch.randn(rows, 1, generator=g,
+                                                                                    device="cuda"))
+    w = 1 + 0.1 * torch.randn(1536, generator=g, device="cuda")
+    check_close(rms_norm(x.bfloat16(), w, 1e-6), primitives.rms_norm(x.bfloat16(), w, 1e-6))
