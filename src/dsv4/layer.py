@@ -125,12 +125,17 @@ class Attention:
     def __repr__(self) -> str:
         return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend})"
 
+    def reload_weights(self) -> None:
+        """Forget the device copies of the weights: the next step copies ``self.weights`` again (after changing
+        them in place; a step computes with the copy made at the layer's first step on a device)."""
+        self._device_weights.clear()
+
     def _weights_on(self, device: torch.device, numerics: Numerics) -> tuple[AttentionWeights, Tensor]:
-        """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused): the
-        compressors in FP32 (SPEC §4), the projections as ``numerics`` computes them (``for_numerics``)."""
+        """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused), as
+        ``numerics`` computes with them (``AttentionWeights.for_numerics``)."""
         key = (device, numerics)
         if key not in self._device_weights:
-            w = self.weights.to(device).with_fp32_compressors().for_numerics(numerics)
+            w = self.weights.to(device).for_numerics(numerics)
             self._device_weights[key] = (w, rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[key]
 

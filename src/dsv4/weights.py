@@ -100,8 +100,9 @@ class AttentionWeights:
         """Random weights with realistic scales: projections ~ N(0, 1/fan_in) (unit-scale activations), norm
         weights near 1, sinks and position biases O(1). Deterministic in ``seed``, ``layer_idx`` and the device
         type (``device="cuda"`` draws on the GPU: fast for full-size presets, a different stream than the CPU's).
-        ``fp8``: the ``FP8_PROJECTIONS`` are block-scaled FP8 as in the official checkpoints (drawn, then quantized:
-        a layer moves the real model's bytes); else plain ``dtype`` tensors.
+        ``fp8``: the ``FP8_PROJECTIONS`` are block-scaled FP8 and the compressors' matrices BF16 values, as in the
+        official checkpoints (drawn, then rounded: a layer moves the real model's bytes); else plain ``dtype``
+        tensors.
 
         Raises ``TypeError`` / ``ValueError`` naming the argument (``cfg`` not a ``ModelConfig``, ``layer_idx`` /
         ``seed`` not an int, ``dtype`` not a floating dtype, a device that does not exist), ``IndexError`` for a
@@ -141,10 +142,14 @@ class AttentionWeights:
             wo_b=proj(d, cfg.o_groups * cfg.o_lora_rank),
         )
 
+        def comp_lin(out_f: int, in_f: int) -> torch.Tensor:  # BF16 in the official checkpoints
+            w = lin(out_f, in_f)
+            return w.to(torch.bfloat16).to(dtype) if fp8 else w
+
         def compressor(c: int, m: int, overlap: bool) -> CompressorWeights:
             width = 2 * c if overlap else c
             return CompressorWeights(
-                wkv=lin(width, d), wgate=lin(width, d), ape=(0.5 * torch.randn(m, width, generator=g, device=dev)).to(dtype),
+                wkv=comp_lin(width, d), wgate=comp_lin(width, d), ape=(0.5 * torch.randn(m, width, generator=g, device=dev)).to(dtype),
                 norm=norm(c),
             )
 
@@ -338,22 +343,13 @@ class AttentionWeights:
 
         return mv(self)
 
-    def with_fp32_compressors(self) -> "AttentionWeights":
-        """A copy whose compressors (main and indexer) hold FP32 tensors: they compute in FP32 (SPEC §4), so a
-        device copy cast once spares every step the cast (the values are unchanged)."""
-        def fp32(c: CompressorWeights | None) -> CompressorWeights | None:
-            if c is None:
-                return None
-            return dataclasses.replace(c, **{f.name: getattr(c, f.name).float() for f in dataclasses.fields(c)})
-
-        indexer = None if self.indexer is None else dataclasses.replace(self.indexer, compressor=fp32(self.indexer.compressor))
-        return dataclasses.replace(self, compressor=fp32(self.compressor), indexer=indexer)
-
     def for_numerics(self, numerics: Numerics) -> "AttentionWeights":
         """The copy a layer computes with under ``numerics`` (cast once, so no step casts a weight): the
         ``FP8_PROJECTIONS`` as ``BlockFp8Weight`` where ``numerics.fp8_projections`` (plain ones quantized the way
         the checkpoints are), else dequantized to ``act_dtype``; ``wo_a`` and the indexer's ``weights_proj`` in
-        ``act_dtype`` (the official model holds them in BF16); norms, sinks and compressors as they are."""
+        ``act_dtype`` (the official model holds them in BF16), as are the compressors' projection matrices (their
+        GEMMs form FP32 products of the operands either way: ``ops.projections.compressor_projections``); norms,
+        sinks, position biases in FP32."""
         act = numerics.act_dtype
 
         def proj(v: Projection) -> Projection:
@@ -361,10 +357,18 @@ class AttentionWeights:
                 return v if isinstance(v, BlockFp8Weight) else BlockFp8Weight.quantize(v)
             return v.dequantize(act) if isinstance(v, BlockFp8Weight) else v.to(act)
 
+        def comp(c: CompressorWeights | None) -> CompressorWeights | None:
+            if c is None:
+                return None
+            return dataclasses.replace(c, wkv=c.wkv.to(act), wgate=c.wgate.to(act), ape=c.ape.float(),
+                                       norm=c.norm.float())
+
         gemm = {name: proj(getattr(self, name)) for name in ("wq_a", "wq_b", "wkv", "wo_b")}
         indexer = None if self.indexer is None else dataclasses.replace(
-            self.indexer, wq_b=proj(self.indexer.wq_b), weights_proj=self.indexer.weights_proj.to(act))
-        return dataclasses.replace(self, indexer=indexer, wo_a=self.wo_a.to(act), **gemm)
+            self.indexer, wq_b=proj(self.indexer.wq_b), weights_proj=self.indexer.weights_proj.to(act),
+            compressor=comp(self.indexer.compressor))
+        return dataclasses.replace(self, indexer=indexer, wo_a=self.wo_a.to(act), compressor=comp(self.compressor),
+                                   **gemm)
 
     def check(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Raise ``ValueError`` naming every tensor whose shape does not fit ``cfg``'s layer ``layer_idx``."""

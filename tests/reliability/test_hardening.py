@@ -82,6 +82,7 @@ def test_flag_policy_records_the_request_without_a_sync_and_spares_the_others(we
 def test_flag_policy_detects_weights_changed_after_build(weights) -> None:
     cache, layers = busy(weights, nan_policy="flag")
     layers[2].weights.compressor.wkv[0, 0] = float("inf")
+    layers[2].reload_weights()  # a step computes with the device copy made at its first step
     batch = cache.prepare_forward({"a": 16})  # closes HCA windows: entries reach the pool
     for li in LAYERS:
         layers[li](torch.randn(16, TINY.hidden_size), batch, cache)

@@ -100,23 +100,30 @@ class DeviceFacts:
         sm90: a Hopper GPU with Gluon (the ``*_sm90`` kernels run).
         resident_clusters: ``n -> how many clusters of n one-multiprocessor programs the device holds at once``
             (``None``: never merge split partials in clusters).
+        fp8_gemm: how the FP8 projections' GEMM runs there (``kernels.project.fp8_gemm.GEMMS``: ``"scaled_mm"``
+            where torch takes the blockwise recipe, else ``"bf16"``; ``None`` off CUDA: the torch reference).
     """
 
     kernels: bool
     sm_count: int
     sm90: bool
     resident_clusters: Callable[[int], int] | None = None
+    fp8_gemm: str | None = None
 
 
 def facts(device: torch.device | str) -> DeviceFacts:
     """The facts of ``device`` (cheap after the first call: every query is cached)."""
     device = torch.device(device)
     sm90 = is_sm90(device)
-    clusters = None
+    clusters = fp8_gemm = None
     if sm90:
         from .attention import sm90_serial  # compiles one kernel when a plan first asks
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         clusters = functools.partial(sm90_serial.resident_clusters, index)
+    if device.type == "cuda":
+        from .project.fp8_gemm import scaled_mm_works  # one probe per device
+
+        fp8_gemm = "scaled_mm" if scaled_mm_works(device) else "bf16"
     return DeviceFacts(kernels=device.type == "cuda" or interpreting(), sm_count=sm_count(device), sm90=sm90,
-                       resident_clusters=clusters)
+                       resident_clusters=clusters, fp8_gemm=fp8_gemm)

@@ -69,7 +69,7 @@ def capture_prefix_states(step: LayerStep, x: Tensor, kv_in: Tensor) -> None:
     if layer.schema.kind is LayerKind.CSA:
         m = layer.schema.ratio
         for cw, prefix in ((weights.compressor, ""), (weights.indexer.compressor, "index_")):
-            _capture_prev_half(x, cw, state, rows_t, prefix, batch, caps, cu, slot, rows, m)
+            _capture_prev_half(x, cw, state, rows_t, prefix, batch, caps, cu, slot, rows, m, step.numerics.act_dtype)
 
 
 def _capture_prev_half(
@@ -84,6 +84,7 @@ def _capture_prev_half(
     slot: Tensor,
     rows: Tensor,
     m: int,
+    weight_dtype: torch.dtype,
 ) -> None:
     """CSA: ``{prefix}prev_kv / prev_gate`` ``[m, c]`` at each capture's P = first half of window ``[P − m, P)``."""
     tail_kv, tail_gate = state[f"{prefix}tail_kv"], state[f"{prefix}tail_gate"]
@@ -105,7 +106,7 @@ def _capture_prev_half(
     gate = torch.empty_like(kv)
     if step_tok:
         tok = torch.tensor(step_tok, device=dev)
-        a, z = project(x[tok], cw, batch.positions[tok])
+        a, z = project(x[tok], cw, batch.positions[tok], weight_dtype)
         d = torch.tensor(step_dst, device=dev)
         kv[d], gate[d] = a[:, :c], z[:, :c]
     if tail_dst:

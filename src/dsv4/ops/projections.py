@@ -12,17 +12,19 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from torch import Tensor
 
 from ..reference.indexer import indexer_head_weights
 from ..numerics import Numerics
 from ..reference.layer import grouped_output
 from ..reference.primitives import project as reference_project
-from ..weights import Projection
+from ..weights import CompressorWeights, Projection
 from .step import LayerStep
 
-__all__ = ["Norm", "Project", "indexer_query_projection", "indexer_weights", "output", "query_latent",
-           "query_projection", "window_kv"]
+__all__ = ["Norm", "Project", "compressor_projections", "indexer_query_projection", "indexer_weights", "output",
+           "query_latent", "query_projection", "window_kv"]
 
 #: a weighted RMSNorm ``(x [rows, C], weight [C], eps) -> [rows, C]`` in x's dtype
 Norm = Callable[[Tensor, Tensor, float], Tensor]
@@ -61,3 +63,27 @@ def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
 def output(step: LayerStep, o: Tensor, project: Project = reference_project) -> Tensor:
     """Grouped ``W_oa``, then ``W_ob``: o ``[T, H, D]`` (after the inverse RoPE) → ``[T, d]`` act dtype."""
     return grouped_output(step.weights, step.cfg, o, step.numerics, project)
+
+
+def compressor_projections(step: LayerStep, x: Tensor, cw: CompressorWeights) -> tuple[Tensor, Tensor]:
+    """A compressor's projections ``a = x W_kvᵀ`` and ``z_raw = x W_gateᵀ`` (no position bias), float32
+    ``[T, width]`` each (SPEC §4: FP32 products and sums).
+
+    With BF16 activations on CUDA (the official numerics; the checkpoint's compressor weights are BF16) they run on
+    BF16 tensor cores with FP32 accumulation and FP32 output: the same products as an FP32 GEMM of the same operands,
+    summed in another order. Elsewhere (the CPU, the exact numerics) an FP32 GEMM. Both backends call this, so they
+    compute the same bits on a device."""
+    if x.is_cuda and step.numerics.act_dtype == torch.bfloat16:
+        xb = x.to(torch.bfloat16)
+        return _bf16_mm_fp32_out(xb, cw.wkv), _bf16_mm_fp32_out(xb, cw.wgate)
+    xf = x.float()
+    return xf @ cw.wkv.float().T, xf @ cw.wgate.float().T
+
+
+def _bf16_mm_fp32_out(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ wᵀ`` of BF16 operands with FP32 output (``torch.mm(..., out_dtype=)`` where torch has it)."""
+    w = w.to(torch.bfloat16)
+    try:
+        return torch.mm(x, w.T, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        return x.float() @ w.float().T

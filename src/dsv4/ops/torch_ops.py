@@ -19,7 +19,7 @@ from ..cache.manager import HybridCache, LayerCache
 from ..cache.storage import EntryStorage
 from ..config import LayerKind
 from ..numerics import Numerics
-from ..reference.compressor import finish_entries, pool_windows, project
+from ..reference.compressor import finish_entries, pool_windows
 from ..reference.core import attend_with_sink, window_indices
 from ..reference.indexer import index_scores, indexer_queries as _reference_indexer_queries, select_topk
 from ..reference.primitives import rms_norm
@@ -119,7 +119,8 @@ def compressor_step(
     tail_kv, tail_gate = state[f"{prefix}tail_kv"], state[f"{prefix}tail_gate"]
     R, width = tail_kv.shape[0], tail_kv.shape[-1]
     T = batch.num_tokens
-    a, z = project(x, cw, batch.positions)  # [T, width] fp32, gate biased at p mod m
+    a, z_raw = projections.compressor_projections(step, x, cw)  # [T, width] fp32 (reference.compressor.project's)
+    z = z_raw + cw.ape.float()[batch.positions % m]  # the gate biased at p mod m
 
     E = batch.num_emit[m]
     entries = x.new_zeros((0, cw.norm.shape[0]), dtype=step.numerics.act_dtype)

@@ -32,6 +32,7 @@ from ..reference.indexer import index_scores as _reference_scores
 from ..reference.rope import apply_rope
 from . import projections, torch_ops
 from .step import LayerStep
+from .triton_project import projector
 
 __all__ = ["IndexerQueries", "head_pad", "indexer_plan", "indexer_queries", "indexer_topk", "mxfp4_operand_channels",
            "queries_from_float", "queries_from_projection", "score_buffer", "topk_layer"]
@@ -121,7 +122,7 @@ def queries_from_float(values: Tensor, fmt: str) -> IndexerQueries:
 
 def indexer_queries(step: LayerStep, q_latent: Tensor) -> IndexerQueries:
     """See ``backend.AttentionBackend.indexer_queries``."""
-    q = projections.indexer_query_projection(step, q_latent)
+    q = projections.indexer_query_projection(step, q_latent, projector(step))
     return queries_from_projection(q, step.positions, step.inv_freq, step.cfg, step.numerics)
 
 

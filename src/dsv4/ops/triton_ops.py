@@ -27,6 +27,7 @@ from .triton_indexer import indexer_queries, indexer_topk
 from .plan import LayerPlan, StepPlan
 from .prefix_capture import capture_prefix_states
 from .step import LayerStep
+from .triton_project import projector
 from .triton_write import append_swa, kernels_handle, new_entries, queries, query_latent, window_kv
 
 __all__ = [
@@ -65,7 +66,9 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
         if dev.kernels and kind is LayerKind.CSA:
             indexer = triton_indexer.indexer_plan(cache.layer(schema.layer_idx), batch, m, cfg.index_topk,
                                                   cfg.index_n_heads, nm.score_dtype, dev)
-        layers[kind] = LayerPlan(kind, kernels=kernels, write=write, indexer=indexer, attention=attention)
+        projection = dev.fp8_gemm if kernels and nm.fp8_projections else None
+        layers[kind] = LayerPlan(kind, kernels=kernels, projection=projection, write=write, indexer=indexer,
+                                 attention=attention)
     summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"
     return StepPlan(NAME, layers, summary, batch.shape_key())
 
@@ -80,8 +83,6 @@ def visible_entries(step: LayerStep) -> Tensor:
     return step.batch.visible_entries[step.ratio]
 
 
-
-
 def output(step: LayerStep, o: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.output``."""
-    return projections.output(step, o)
+    """See ``backend.AttentionBackend.output``: grouped ``W_oa``, then ``W_ob`` as the plan's FP8 GEMM."""
+    return projections.output(step, o, projector(step))

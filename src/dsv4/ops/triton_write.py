@@ -23,6 +23,7 @@ from ..numerics import Numerics
 from ..reference.primitives import rms_norm as torch_rms_norm
 from ..weights import CompressorWeights
 from . import projections, torch_ops
+from .triton_project import projector
 from .step import LayerStep
 
 __all__ = ["append_swa", "kernels_handle", "new_entries", "queries", "query_latent", "rms_norm", "window_kv"]
@@ -48,20 +49,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def query_latent(step: LayerStep, x: Tensor) -> Tensor:
     """See ``backend.AttentionBackend.query_latent``."""
-    return projections.query_latent(step, x, rms_norm)
+    return projections.query_latent(step, x, rms_norm, projector(step))
 
 
 def queries(step: LayerStep, q_latent: Tensor) -> Tensor:
     """See ``backend.AttentionBackend.queries``: the projection, then the per-head RMSNorm + RoPE in one launch."""
     if not step.plan.kernels:
         return torch_ops.queries(step, q_latent)
-    q = projections.query_projection(step, q_latent)
+    q = projections.query_projection(step, q_latent, projector(step))
     return query_kernels.queries(q.contiguous(), step.positions, step.inv_freq.float().contiguous(), step.cfg.norm_eps)
 
 
 def window_kv(step: LayerStep, x: Tensor) -> Tensor:
     """See ``backend.AttentionBackend.window_kv`` (the norm: the torch backend's bits)."""
-    return projections.window_kv(step, x, rms_norm)
+    return projections.window_kv(step, x, rms_norm, projector(step))
 
 
 def _window_entries(step: LayerStep, kv: Tensor) -> Tensor:
@@ -69,11 +70,11 @@ def _window_entries(step: LayerStep, kv: Tensor) -> Tensor:
     return window_kernels.window_entries(kv, step.positions, step.inv_freq.float().contiguous())
 
 
-def _compressor_args(step: LayerStep, xf: Tensor, cw: CompressorWeights, prefix: str, pages: Tensor) -> CompressorArgs:
+def _compressor_args(step: LayerStep, x: Tensor, cw: CompressorWeights, prefix: str, pages: Tensor) -> CompressorArgs:
     st = step.cache.state
+    a, z_raw = projections.compressor_projections(step, x, cw)  # the torch backend's GEMMs (bias: in the kernel)
     return CompressorArgs(
-        # the same GEMMs as reference.compressor.project (the bias is added inside the kernel)
-        a=xf @ cw.wkv.T, z_raw=xf @ cw.wgate.T, ape=cw.ape.contiguous(), norm=cw.norm.contiguous(),
+        a=a, z_raw=z_raw, ape=cw.ape.float().contiguous(), norm=cw.norm.float().contiguous(),
         tail_kv=st[f"{prefix}tail_kv"], tail_gate=st[f"{prefix}tail_gate"],
         prev_kv=st.get(f"{prefix}prev_kv"), prev_gate=st.get(f"{prefix}prev_gate"), pages=pages,
     )
@@ -87,10 +88,9 @@ def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
         return torch_ops.new_entries(step, x, kv)
     if plan.ratio == 0:
         return _window_entries(step, kv)
-    layer, w = step.cache, step.weights  # the compressors' weights are FP32 on the device (LayerStep.weights)
-    xf = x.float()
-    main = _compressor_args(step, xf, w.compressor, "", layer.kv_pages)
-    index = (_compressor_args(step, xf, w.indexer.compressor, "index_", layer.index_pages) if plan.has_index
+    layer, w = step.cache, step.weights
+    main = _compressor_args(step, x, w.compressor, "", layer.kv_pages)
+    index = (_compressor_args(step, x, w.indexer.compressor, "index_", layer.index_pages) if plan.has_index
              else None)
     scratch = layer.workspace.get("compressor.rms_scratch", (plan.scratch_rows, 512), torch.float32)
     arrivals = layer.workspace.get("compressor.arrivals", (plan.scratch_rows,), torch.int32, zero=True)

@@ -17,20 +17,24 @@ from .rope import apply_rope
 __all__ = ["project", "overlap_slots", "pool_windows", "finish_entries", "compress"]
 
 
-def project(x: torch.Tensor, cw: CompressorWeights, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def project(
+    x: torch.Tensor, cw: CompressorWeights, positions: torch.Tensor, weight_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 projections of each token and its biased gate.
 
     Args:
         x: ``[S, d]`` attention input (any float dtype; promoted to FP32).
         cw: compressor weights; ``ape`` is ``[m, width]``.
         positions: ``[S]`` absolute positions; the bias row is ``ape[t mod m]`` (offset in the token's own window).
+        weight_dtype: the dtype the projection matrices hold (the numerics' activation dtype: BF16 in the official
+            model, whose checkpoints store them so); the products and sums are FP32 either way.
     Returns:
         ``a``: ``[S, width]`` float32 projected features; ``z``: ``[S, width]`` float32 gate logits + position bias.
     """
     xf = x.float()
     m = cw.ape.shape[0]
-    a = xf @ cw.wkv.to(xf.device, torch.float32).T
-    z = xf @ cw.wgate.to(xf.device, torch.float32).T + cw.ape.to(xf.device, torch.float32)[positions % m]
+    a = xf @ cw.wkv.to(xf.device, weight_dtype).float().T
+    z = xf @ cw.wgate.to(xf.device, weight_dtype).float().T + cw.ape.to(xf.device, torch.float32)[positions % m]
     return a, z
 
 
@@ -95,7 +99,7 @@ def compress(
     if n == 0:
         return x.new_zeros((0, c), dtype=act_dtype)
     positions = torch.arange(n * m, device=x.device)
-    a, z = project(x[: n * m], cw, positions)
+    a, z = project(x[: n * m], cw, positions, act_dtype)
     if overlap:
         kv, gate = overlap_slots(a, z, m)
     else:

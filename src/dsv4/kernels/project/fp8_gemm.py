@@ -1,0 +1,119 @@
+"""The official FP8 projections on the GPU (SPEC §1.3; ``formats.block_fp8`` defines them): activations quantized
+per 1 × 128 block with UE8M0 scales in one launch (``quantize_activations``), then a block-scaled FP8 GEMM.
+
+Two ways to run the GEMM, the same products (every product of two E4M3 values and two powers of two is exact in
+FP32) summed in FP32, so results differ only in summation order:
+
+* ``"scaled_mm"`` — ``torch._scaled_mm`` with blockwise scales (FP8 tensor cores; the activation scales as a
+  column-major ``[M, K/128]``, the weight scales as the transpose of their ``[N/128, K/128]``), where the device
+  and torch take that recipe (``scaled_mm_works``: one probe per device);
+* ``"bf16"`` — a BF16 tensor-core GEMM over the quantized activations' values and the weight's values (both exact
+  in BF16); the weight's BF16 copy is made once per weight.
+
+The plan (``ops.plan.LayerPlan.projection``) picks one per device; a projection whose K or N is not a multiple of
+128 (the tiny preset's) takes ``"bf16"``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...formats.block_fp8 import ACT_BLOCK, BlockFp8Weight
+from ..quant import exp2i, fp8_block_qdq
+
+__all__ = ["GEMMS", "fp8_linear", "quantize_activations", "scaled_mm_works"]
+
+GEMMS = ("scaled_mm", "bf16")
+#: 128-value blocks per program of the quantization launch
+BLOCKS_PER_PROGRAM = 4
+
+
+@triton.jit
+def _quantize_activations_kernel(x_ptr, stride_x, out_ptr, scale_ptr, M, K, NB, VALUES: tl.constexpr,
+                                 BLOCKS: tl.constexpr):
+    """Row ``pid0``, blocks ``pid1·BLOCKS …`` of ``x`` ``[M, K]``: E4M3 codes (uint8 ``[M, K]``) or, ``VALUES``, their
+    values (bf16 ``[M, K]``); the block scales (fp32, column-major ``[NB, M]``: ``scale_ptr + b·M + row``)."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    code, val, ebyte = fp8_block_qdq(x, 1)
+    if VALUES:
+        tl.store(out_ptr + row * K + cols, val.to(tl.bfloat16), mask=ok)
+    else:
+        tl.store(out_ptr + row * K + cols, code.to(tl.uint8), mask=ok)
+    tl.store(scale_ptr + blk.to(tl.int64) * M + row, exp2i(ebyte - 127), mask=blk < NB)
+
+
+def quantize_activations(x: Tensor, values: bool = False) -> tuple[Tensor, Tensor]:
+    """The official ``act_quant`` of ``x`` ``[M, K]`` (bit for bit ``formats.block_fp8.quantize_activations``).
+
+    Returns:
+        ``(q, scales)``: ``q`` float8_e4m3fn ``[M, K]`` codes — or, ``values``, bf16 ``[M, K]`` their values (exact) —
+        and float32 scales ``[M, ⌈K/128⌉]``, column-major (a transposed view of a contiguous ``[⌈K/128⌉, M]``).
+    """
+    M, K = x.shape
+    nb = -(-K // ACT_BLOCK)
+    out = torch.empty((M, K), dtype=torch.bfloat16 if values else torch.uint8, device=x.device)
+    scales = torch.empty((nb, M), dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_activations_kernel[(M, triton.cdiv(nb, BLOCKS_PER_PROGRAM))](
+            x, x.stride(0), out, scales, M, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
+            enable_fp_fusion=False)
+    return (out if values else out.view(torch.float8_e4m3fn)), scales.t()
+
+
+def _bf16_weight(w: BlockFp8Weight) -> Tensor:
+    """The weight's values in BF16 (exact), made once per weight."""
+    cached = getattr(w, "_bf16", None)
+    if cached is None:
+        cached = w.dequantize(torch.bfloat16)
+        object.__setattr__(w, "_bf16", cached)
+    return cached
+
+
+def fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, gemm: str) -> Tensor:
+    """``x @ wᵀ`` with the official FP8 quantization points (``formats.block_fp8.fp8_linear``'s math).
+
+    Args:
+        x: ``[..., K]`` (BF16 activations). w: ``[N, K]`` block-scaled FP8. gemm: ``"scaled_mm"`` or ``"bf16"``
+            (``GEMMS``; ``"scaled_mm"`` needs K and N multiples of 128).
+    Returns:
+        ``[..., N]`` in ``out_dtype``.
+    """
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    N = w.shape[0]
+    if gemm == "scaled_mm" and K % ACT_BLOCK == 0 and N % ACT_BLOCK == 0:
+        q, s = quantize_activations(x2)
+        y = torch._scaled_mm(q, w.data.t(), scale_a=s, scale_b=w.scale.t(), out_dtype=out_dtype)
+    else:
+        xq, _ = quantize_activations(x2, values=True)
+        y = torch.nn.functional.linear(xq, _bf16_weight(w)).to(out_dtype)
+    return y.reshape(*lead, N)
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_mm_works(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes the blockwise recipe on ``device`` and matches the BF16 way on a probe
+    (M = 1 and 32, K = N = 256): checked once per device."""
+    if device.type != "cuda":
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        w = BlockFp8Weight.quantize(torch.randn(256, 256, generator=g, device=device) * 0.05)
+        for m in (1, 32):
+            x = torch.randn(m, 256, generator=g, device=device).bfloat16()
+            a = fp8_linear(x, w, torch.bfloat16, "scaled_mm").float()
+            b = fp8_linear(x, w, torch.bfloat16, "bf16").float()
+            if not torch.allclose(a, b, rtol=2e-2, atol=1e-2):
+                return False
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
