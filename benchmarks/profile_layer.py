@@ -1,25 +1,36 @@
-"""Where one layer's decode step spends its GPU time: every kernel of ``dsv4.Attention.forward`` under the torch
-profiler, summed by kernel name, per layer kind.
+"""One whole layer step of each kind against its roofline: time (CUDA-graph replays and eager), launches, and the
+kernels that take the time.
 
-One V4-Flash (or ``--preset``) layer of each kind, a cache with ``--batch`` requests advanced to ``--context``
-tokens (positions only: the pool holds garbage, which does not change the kernels' work), then one decode step
-(one token per request) profiled eagerly after a warm-up step. Kernel times are the GPU's; a CUDA-graph replay
-runs the same kernels without the host gaps.
+One ``--preset`` layer of each kind (random weights as the checkpoints hold them: FP8 projections, BF16
+compressors), a cache with ``--batch`` requests advanced to ``--context`` tokens (positions only: the pages hold
+garbage, which does not change the kernels' work), then one decode step (``--prefill N``: one chunk of N tokens
+per request). The step is timed as the user runs it — ``Attention.forward`` with the step's plan — replayed from a
+CUDA graph and called eagerly (the host's work included), and profiled once for its kernels.
 
-    python benchmarks/profile_layer.py [--preset v4-flash] [--batch 64] [--context 2048] [--backend triton]
-    python benchmarks/profile_layer.py --batch 1 --context 8192 --prefill 8192   # one 8K prefill chunk
+Roofline of a layer step: the bytes it must move — its weights once (as stored: FP8 projections, BF16 matrices)
+plus the cache bytes the step reads (each token's window, its CSA top-k entries and every indexer key it scores,
+HCA's visible entries) — at the device copy bandwidth measured in the same run.
+
+    python benchmarks/profile_layer.py [--preset v4-flash] [--batch 64 4] [--context 8192] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 
 import torch
 
 import dsv4
+from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
 from dsv4.cache import HybridCache
+from dsv4.config import LayerKind
+from dsv4.formats.block_fp8 import BlockFp8Weight
+from dsv4.formats.layouts import KV_ENTRY_BYTES, MXFP4_KEY_BYTES
+
+REQUIRES_CUDA = True
 
 
 def _short(name: str) -> str:
@@ -29,59 +40,103 @@ def _short(name: str) -> str:
     return name.split("::")[-1][:60]
 
 
-def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, backend: str,
-                 prefill: int = 0) -> list[tuple[str, int, float]]:
-    """``(kernel, calls, µs)`` of one decode step of layer ``li`` (``prefill``: instead one chunk of that many tokens
-    per request), largest first."""
+def weight_bytes(w: dsv4.AttentionWeights) -> int:
+    """Bytes of a layer's device weights as a step reads them (``BlockFp8Weight``: values + scales)."""
+    return sum(v.nbytes if isinstance(v, BlockFp8Weight) else v.numel() * v.element_size()
+               for _, v in w.named_parameters())
+
+
+def cache_bytes(cfg: dsv4.ModelConfig, kind: LayerKind, batch: int, context: int, new: int) -> int:
+    """The cache bytes one step reads: per token its window (ring entries), CSA its top-k entries and every indexer
+    key it scores, HCA its visible entries."""
+    tokens = batch * new
+    per_token = min(context + new, cfg.window) * KV_ENTRY_BYTES
+    m = cfg.csa_ratio if kind is LayerKind.CSA else cfg.hca_ratio
+    visible = (context + new) // m
+    if kind is LayerKind.CSA:
+        per_token += min(cfg.index_topk, visible) * KV_ENTRY_BYTES
+        keys = batch * visible * MXFP4_KEY_BYTES  # scored once per request's step (decode: one query each)
+        return tokens * per_token + keys * (new if new == 1 else 1)
+    if kind is LayerKind.HCA:
+        per_token += visible * KV_ENTRY_BYTES
+    return tokens * per_token
+
+
+def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefill: int, copy_bw: float) -> dict:
+    """Time, launches and roofline of one step of layer ``li``."""
+    kind = cfg.layer_kind(li)
     w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
-    layer = dsv4.Attention(w, cfg, li, backend=backend)
-    blocks = batch * ((context + 3 * max(prefill, 1)) // 256 + 4) + 8
+    layer = dsv4.Attention(w, cfg, li, backend="triton", check_inputs=False, nan_policy="off")
+    new = max(prefill, 1)
+    blocks = batch * ((context + 2 * new) // 256 + 2) + 8
     cache = HybridCache(cfg, layers=[li], max_requests=batch, num_blocks=blocks, block_size=256, device="cuda")
     for r in range(batch):
         cache.add_request(f"r{r}")
     if context:
-        # positions only: claim_step records the step as run (its data stays empty), so the layer accepts the requests
-        cache.claim_step(cache.prepare_forward({f"r{r}": context for r in range(batch)}))
-    new = max(prefill, 1)
+        cache.claim_step(cache.prepare_forward({f"r{r}": context for r in range(batch)}))  # positions only
+    step = cache.repeatable(cache.prepare_forward({f"r{r}": new for r in range(batch)}))
     x = torch.randn(batch * new, cfg.hidden_size, device="cuda").bfloat16()
-    for _ in range(2):  # compile and warm up
-        layer.forward(x, cache.prepare_forward({f"r{r}": new for r in range(batch)}), cache)
-    torch.cuda.synchronize()
-    step = cache.prepare_forward({f"r{r}": new for r in range(batch)})
+    plan = layer.plan_step(step, cache)
+
+    def run() -> None:
+        layer(x, step, cache, plan)
+
+    t_graph = time_cuda(run, warmup=3, iters=30, graph=True)
+    t_eager = time_cuda(run, warmup=3, iters=30)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer.forward(x, step, cache)
+        run()
         torch.cuda.synchronize()
     total: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    launches = 0
     for e in prof.events():
         if e.device_type.name == "CUDA" and e.device_time_total > 0:
             t = total[_short(e.name)]
             t[0] += 1
             t[1] += e.device_time_total
-    return sorted(((k, n, us) for k, (n, us) in total.items()), key=lambda r: -r[2])
+            launches += 1
+    nbytes = weight_bytes(layer._weights_on(cache.device, cache.numerics)[0]) + cache_bytes(cfg, kind, batch,
+                                                                                          context, new)
+    floor = nbytes / copy_bw
+    kernels = sorted(((k, n, us) for k, (n, us) in total.items()), key=lambda r: -r[2])
+    return {"layer": li, "kind": kind.name, "batch": batch, "context": context, "new_tokens": new,
+            "graph_us": t_graph * 1e6, "eager_us": t_eager * 1e6, "eager_over_graph": t_eager / t_graph,
+            "launches": launches, "bytes": nbytes, "roofline_us": floor * 1e6, "roofline_frac": floor / t_graph,
+            "plan": plan.describe(), "kernels": [{"name": k, "calls": n, "us": us} for k, n, us in kernels]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="v4-flash")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--backend", default="triton", choices=["triton", "torch"])
-    ap.add_argument("--top", type=int, default=25, help="kernels listed per layer kind")
-    ap.add_argument("--prefill", type=int, default=0, help="profile a prefill chunk of this many tokens per request")
+    ap.add_argument("--preset", default="v4-flash", help="model preset")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 4], help="requests per step (one row each)")
+    ap.add_argument("--context", type=int, default=8192, help="tokens each request holds before the step")
+    ap.add_argument("--prefill", type=int, default=0, help="a prefill chunk of this many tokens per request")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per layer kind (0: none)")
+    ap.add_argument("--json", help="write the rows (and the environment) here")
     a = ap.parse_args()
     cfg = dsv4.ModelConfig.preset(a.preset)
-    kinds = {}
+    kinds: dict[LayerKind, int] = {}
     for li in range(cfg.num_layers):
         kinds.setdefault(cfg.layer_kind(li), li)
+    bw = measure_copy_bandwidth("cuda")
     what = f"prefill chunk of {a.prefill} tokens" if a.prefill else "decode step"
-    print(f"{torch.cuda.get_device_name()}  {a.preset} {what}, B={a.batch}, context {a.context}, {a.backend}")
-    for kind, li in kinds.items():
-        rows = profile_kind(cfg, li, a.batch, a.context, a.backend, a.prefill)
-        print(f"\n== layer {li} ({kind.name}): {sum(r[2] for r in rows):.1f} us in {sum(r[1] for r in rows)} kernels")
-        for name, n, us in rows[: a.top]:
-            print(f"  {us:8.1f} us  {n:3d}x  {name}")
+    print(f"{torch.cuda.get_device_name()}  {a.preset} {what}, context {a.context}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'layer':<10}{'B':>5}{'graph us':>10}{'eager us':>10}{'eager/gr':>9}{'launches':>9}{'MB':>8}"
+          f"{'roof us':>9}{'roof %':>8}")
+    rows = []
+    for b in a.batch:
+        for kind, li in kinds.items():
+            r = profile_kind(cfg, li, b, a.context, a.prefill, bw)
+            rows.append(r)
+            print(f"{kind.name + ' ' + str(li):<10}{b:>5}{r['graph_us']:>10.1f}{r['eager_us']:>10.1f}"
+                  f"{r['eager_over_graph']:>9.2f}{r['launches']:>9}{r['bytes'] / 1e6:>8.1f}{r['roofline_us']:>9.1f}"
+                  f"{100 * r['roofline_frac']:>7.1f}%", flush=True)
+            for k in r["kernels"][: a.top]:
+                print(f"      {k['us']:8.1f} us {k['calls']:3d}x  {k['name']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"environment": environment("cuda"), "copy_bw": bw, "rows": rows}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -332,7 +332,10 @@ def build_step_batch(
 
     keep = positions >= end[req] - window
     dev = torch.device(device)
-    to = lambda t: t.to(dev)  # noqa: E731
+    if dev.type == "cuda":  # pinned staging: the copies never wait for the device's queue (a step in flight)
+        to = lambda t: t.pin_memory().to(dev, non_blocking=True)  # noqa: E731
+    else:
+        to = lambda t: t.to(dev)  # noqa: E731
     return StepBatch(
         request_ids=list(request_ids),
         num_new=[int(x) for x in num_new],

@@ -10,6 +10,7 @@ Every mutating call validates everything first and changes nothing when it raise
 from __future__ import annotations
 
 import copy
+import dataclasses
 import numbers
 from collections import Counter
 from dataclasses import dataclass, field
@@ -433,6 +434,13 @@ class HybridCache:
         self.prefix.after_step(items, step_ids)
         batch.prefix_captures = self.prefix.plan_captures(items)
         return batch
+
+    def repeatable(self, batch: StepBatch) -> StepBatch:
+        """``batch`` as a step the layers run without step accounting, as often as asked — for benchmarks that
+        time a layer step by repeating it (the rows it writes then hold whatever the last repetition left: use a
+        cache made for the benchmark). Raises ``StaleBatchError`` unless ``batch`` is this cache's current step."""
+        self.steps.check(batch, ())
+        return dataclasses.replace(batch, ticket=self.steps.pad_ticket(batch.ticket.step), plans={})
 
     def claim_step(self, batch: StepBatch, layers: Iterable[int] | None = None) -> list[int]:
         """Record that ``layers`` (default: every cached layer that has not run it yet) ran ``batch``'s step by

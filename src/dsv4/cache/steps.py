@@ -143,6 +143,10 @@ class StepLedger:
         self._open = _OpenStep(ticket, requests, tuple(n for _, n in plan), missing=missing)
         return ticket
 
+    def pad_ticket(self, step: int) -> StepTicket:
+        """A ticket layers run without accounting (CUDA-graph static batches; ``HybridCache.repeatable``)."""
+        return StepTicket(self.owner, -1, step, PAD)
+
     # ---------------------------------------------------------------- layers running a step
     def check(self, batch: StepBatch, layers: Iterable[int]) -> _OpenStep | None:
         """Raise unless every layer of ``layers`` may write ``batch``'s step now; returns the open step (``None``

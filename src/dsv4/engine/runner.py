@@ -102,6 +102,10 @@ class EngineConfig:
         prefix_states: state snapshots the prefix cache keeps (default ``2 · max_running``; each
             ``HybridCache.prefix_state_bytes``, out of ``cache_memory`` when that is given).
         vocab: token ids of requests without them, and generated ones, are drawn from ``[0, vocab)``.
+        overlap_host: on CUDA, let the host schedule and prepare the next step while the GPU runs this one (no
+            device synchronisation per step; each step's GPU time is measured with CUDA events and its wall time
+            is the interval between consecutive step completions). Default: on for CUDA. Off: every step ends
+            with a device synchronisation (latency of an isolated step).
     """
 
     backend: str = "auto"
@@ -121,6 +125,7 @@ class EngineConfig:
     prefix_caching: bool = False
     prefix_states: int | None = None
     vocab: int = DEFAULT_VOCAB
+    overlap_host: bool | None = None
 
     def __post_init__(self) -> None:
         """Validate every field: ``TypeError`` / ``ValueError`` naming it (nothing is truncated or defaulted)."""
@@ -148,12 +153,19 @@ class EngineConfig:
         require_int("seed", self.seed, 0)
         if self.check_finite is not None:
             require_bool("check_finite", self.check_finite)
+        if self.overlap_host is not None:
+            require_bool("overlap_host", self.overlap_host)
 
 
 @dataclass
 class StepRecord:
     """One engine step: tokens by phase, requests, wall seconds (``jit_seconds`` of them compiling Triton kernels,
-    measured inside ``Engine.run``), whether it replayed a CUDA graph."""
+    measured inside ``Engine.run``), whether it replayed a CUDA graph.
+
+    ``seconds``: the step's wall time — host start to device completion, or, with ``EngineConfig.overlap_host``,
+    from the previous step's completion to this one's (the period of the pipelined loop). ``host_seconds``: the
+    host's work for the step (scheduling, ``prepare_forward``, launches). ``gpu_seconds``: its GPU time (CUDA
+    events around its launches; ``nan`` on the CPU)."""
 
     step: int
     num_requests: int
@@ -166,10 +178,19 @@ class StepRecord:
     jit_seconds: float = 0.0
     jit_kernels: int = 0
     prefix_bytes: int = 0
+    host_seconds: float = math.nan
+    gpu_seconds: float = math.nan
 
     @property
     def kind(self) -> str:
         return "decode" if self.prefill_tokens == 0 else ("prefill" if self.decode_tokens == 0 else "mixed")
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the device's queue (pinned staging on CUDA)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def percentiles(values: Sequence[float], qs: Iterable[float] = (50, 90, 99)) -> dict[str, float]:
@@ -202,7 +223,8 @@ class RunStats:
         * ``prefill_tok_s``: prompt tokens / seconds of the steps that carried prefill (mixed steps included);
         * ``decode_tok_s``: decode tokens of decode-only steps / their seconds;
         * ``step_ms``: latency percentiles of decode-only steps (``decode``) and of steps with prefill
-          (``prefill``);
+          (``prefill``); ``decode_gpu_busy``: the GPU time of decode-only steps over their wall time, with
+          ``decode_host_ms`` / ``decode_gpu_ms`` (each step's host work and GPU time, CUDA);
         * ``jit_s`` / ``jit_kernels``: Triton JIT compilation inside the timed steps (first use of each kernel
           specialisation; seconds on a fresh machine), and ``prefill_tok_s_without_jit`` /
           ``decode_tok_s_without_jit``: the throughputs with that time taken out;
@@ -251,6 +273,9 @@ class RunStats:
                 "prefill": {k: v * 1e3 for k, v in percentiles([s.seconds for s in pre]).items()},
             },
             "decode_batch_mean": (sum(s.num_requests for s in dec) / len(dec)) if dec else math.nan,
+            "decode_gpu_busy": (sum(s.gpu_seconds for s in dec) / dec_s) if dec_s else math.nan,
+            "decode_host_ms": percentiles([s.host_seconds * 1e3 for s in dec], (50, 90)),
+            "decode_gpu_ms": percentiles([s.gpu_seconds * 1e3 for s in dec], (50, 90)),
             "ttft_s": percentiles([r.first_token_s for r in done if r.first_token_s is not None], (50, 90)),
             "e2e_s": percentiles([r.finished_s for r in done], (50, 90)),
             "cache_bytes_allocated": self.cache_bytes_allocated,
@@ -406,6 +431,9 @@ class Engine:
         self._trace_layers: list[int] = []
         self._records: list[StepRecord] = []
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+        cuda = self.device.type == "cuda"
+        self.overlap_host = cuda if config.overlap_host is None else (config.overlap_host and cuda)
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # per step record: GPU start / end
         self.graph_capture_s = 0.0
         self._jit_clock: JitClock | None = None  # set while run() runs
         self.plans_seen: dict[str, StepPlan] = {}  # first step plan of each kind of step (--explain)
@@ -608,6 +636,7 @@ class Engine:
             self.scheduler.add(r)
         self._alloc_traces({r.request_id: r for r in requests})
         self._records = []
+        self._events = []
 
     def step(self, t_start: float | None = None) -> StepRecord | None:
         """Schedule and run one step; ``None`` when nothing could run (waiting requests not yet arrived)."""
@@ -629,8 +658,12 @@ class Engine:
                 step_ids[rid] = ids[at : at + n]
                 at += n
         batch = self.cache.prepare_forward(plan.plan, token_ids=step_ids)
-        ids = ids.to(self.device, non_blocking=True)
+        ids = _to_device(ids, self.device)
         keep = self._trace_layers if any(rid in self.traces for rid, _ in plan.plan) else []
+        cuda = self.device.type == "cuda"
+        if cuda:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
         used_graph = False
         if self.graphs is not None and self.graphs.can_run(plan, batch):
             h, kept = self.graphs.run(batch, ids, keep)
@@ -640,8 +673,11 @@ class Engine:
         if self.check_finite:
             self._nonfinite |= ~torch.isfinite(h).all()
         self._record_traces(batch, kept)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if cuda:
+            ev1.record()
+            self._events.append((ev0, ev1))
+            if not self.overlap_host:
+                torch.cuda.synchronize(self.device)
         if self.check_finite and bool(self._nonfinite):
             raise FloatingPointError(f"step {plan.step}: the stack produced NaN/Inf")
         if self.nan_policy == "flag":
@@ -654,7 +690,7 @@ class Engine:
         sched.commit(plan, (t1 - t_start) if t_start is not None else None)
         rec = StepRecord(
             step=plan.step, num_requests=len(plan.plan), prefill_tokens=plan.num_prefill_tokens,
-            decode_tokens=plan.num_decode_tokens, seconds=t1 - t0, graph=used_graph,
+            decode_tokens=plan.num_decode_tokens, seconds=t1 - t0, host_seconds=t1 - t0, graph=used_graph,
             tokens_cached=tokens_cached, cache_bytes_in_use=in_use,
             jit_seconds=(clock.seconds - jit0) if clock is not None else 0.0,
             jit_kernels=(clock.kernels - kernels0) if clock is not None else 0,
@@ -688,6 +724,10 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, unit="tok", desc="run", leave=False, dynamic_ncols=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._t0_event = torch.cuda.Event(enable_timing=True)
+            self._t0_event.record()
         t_start = time.perf_counter()
         idle = 0
         try:
@@ -710,6 +750,9 @@ class Engine:
             self._jit_clock = None
             if bar is not None:
                 bar.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._device_timings(requests)
         wall = time.perf_counter() - t_start
         if self.device.type == "cpu":
             self.cache.check_invariants()
@@ -719,6 +762,26 @@ class Engine:
             graph_capture_s=self.graph_capture_s, cache_bytes_allocated=self.cache.memory_bytes(),
             num_layers=len(self.layer_ids), prefix=self.cache.prefix.stats(),
         )
+
+    def _device_timings(self, requests: Sequence[Request]) -> None:
+        """After a CUDA run: each step's GPU time from its events and, with ``overlap_host``, its wall time as the
+        interval between consecutive step completions on the device; requests' first-token and finish times at the
+        completion of the steps that produced them (the host ran ahead of the device)."""
+        ends = []
+        for rec, (ev0, ev1) in zip(self._records, self._events):
+            rec.gpu_seconds = ev0.elapsed_time(ev1) / 1e3
+            ends.append(self._t0_event.elapsed_time(ev1) / 1e3)
+        if not self.overlap_host:
+            return
+        prev = 0.0
+        for rec, end in zip(self._records, ends):
+            rec.seconds, prev = max(end - prev, rec.gpu_seconds), end
+        at = {rec.step: end for rec, end in zip(self._records, ends)}
+        for r in requests:
+            if r.prefill_done_step in at:
+                r.first_token_s = at[r.prefill_done_step]
+            if r.finished_step in at:
+                r.finished_s = at[r.finished_step]
 
     def _fill_prefix_traces(self, requests: Sequence[Request]) -> None:
         """Traced requests that started from a cached prefix: copy their rows ``0 … P−1`` from a traced request
