@@ -36,6 +36,8 @@ from .layer import Attention
 from .reference import forward, topk_differences
 from .weights import AttentionWeights
 
+_T_COMMAND = time.perf_counter()  # when main() began (reset there): the run reports its first step from it
+
 
 def _pick_device(name: str) -> torch.device:
     """``--device``: ``auto`` (CUDA when available) or a device that exists here (one-line error otherwise)."""
@@ -259,6 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             max_running=max_running, max_batched_tokens=budget, max_prefill_chunk=args.max_prefill_chunk,
             decode_tokens=args.decode_tokens, cache_memory=cache_memory, cuda_graphs=args.cuda_graphs,
             weights=weights_mode, seed=args.seed, prefix_caching=args.prefix_caching, prefix_states=args.prefix_states,
+            warmup={"auto": None, "on": True, "off": False}[args.warmup],
         )
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -305,6 +308,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         + (f", one arrival every {args.arrival_every} steps" if args.arrival_every else "")
         + ("; prefix caching on" if args.prefix_caching else ""))
 
+    if args.warmup_only:
+        return _warmup_only(args, engine, requests, say)
+
     # Spot-check requests: the longest and the shortest (distinct), plus more if asked.
     n_check = max(0, min(args.check_requests, n_req))
     check_layers: list[int] = []
@@ -328,6 +334,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stats = engine.run(requests, progress=not args.no_progress and not json_only)
     except Exception as e:  # the run itself failing is an error, not a FAIL of the check
         raise SystemExit(f"error: the run failed: {type(e).__name__}: {e}") from e
+    first_step = time.perf_counter() - stats.wall_s - _T_COMMAND
     s = stats.summary()
     cache = engine.cache
     assert cache is not None
@@ -349,7 +356,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     say(f"{'decode':<10}{dec_tok:>12,}{dec_s:>10.2f}{s['decode_tok_s']:>12,.0f}   "
         f"({s['decode_steps']} decode-only steps, mean batch {s['decode_batch_mean']:.1f}, {s['graph_steps']} graph replays)")
     say(f"{'total':<10}{s['prefill_tokens'] + s['decode_tokens']:>12,}{s['wall_s']:>10.2f}{s['total_tok_s']:>12,.0f}")
-    if s["jit_kernels"]:
+    if s["warmup"]:
+        from .engine.warmup import WarmupReport
+
+        say(WarmupReport(**s["warmup"]).describe())
+    s["cli_to_first_step_s"] = first_step
+    say(f"first step {first_step:.1f} s after the command started (weights {build_s:.1f} s, then warm-up, cache and "
+        f"graph capture {s['prepare_s']:.1f} s)")
+    if s["jit_kernels"] or s["warmup"]:
         say(f"Triton JIT compiles inside the timed steps: {s['jit_s']:.1f} s ({s['jit_kernels']} kernels, first use of "
             f"each specialisation); without them prefill {s['prefill_tok_s_without_jit']:,.0f} tokens/s, decode "
             f"{s['decode_tok_s_without_jit']:,.0f} tokens/s")
@@ -432,6 +446,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         _emit_json(_clean(out), args.json)
     return 1 if failures else 0
+
+
+def _warmup_only(args: argparse.Namespace, engine: Any, requests: list, say: Callable[..., None]) -> int:
+    """``dsv4 warmup``: compile the workload's kernels into the on-disk cache, run nothing else."""
+    from .engine.warmup import warm_up
+
+    if engine.device.type != "cuda" or engine.backend != "triton":
+        say(f"warm-up: nothing to compile (backend {engine.backend} on {engine.device}: no Triton kernels)")
+    report = warm_up(engine, requests, progress=not args.no_progress and args.json != "-")
+    say(report.describe())
+    if args.json:
+        from .bench.roofline import git_commit
+
+        _emit_json(_clean({"version": __version__, "command": "warmup", "device": str(engine.device),
+                           "warmup": report.as_dict(), "commit": git_commit(),
+                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}), args.json)
+    return 0
 
 
 # ==================================================================================================== dsv4 plan
@@ -708,58 +739,70 @@ def build_parser() -> argparse.ArgumentParser:
                        help="machine-readable JSON: to stdout alone (no PATH), or written to PATH next to the text "
                             "(its folder must exist)")
 
+    def run_args(r: argparse.ArgumentParser) -> None:
+        model_args(r, "model preset (default: tiny on the CPU, v4-flash on a GPU)")
+        r.add_argument("--layers", nargs="+", help="main (default) | all (MTP included) | kinds | indices, e.g. 0 2 5-9")
+        r.add_argument("--requests", type=_positive_int, help="number of requests (default: 16 CPU / 64 GPU)")
+        r.add_argument("--prompt-len", help="prompt length: N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEDIAN:SIGMA, "
+                                            "choice:A,B (default: uniform:64:384 CPU / 8192 GPU); prompt + generated "
+                                            "tokens must fit the model's max_position")
+        r.add_argument("--gen-len", help="generated tokens, same syntax (default: 32 CPU / 256 GPU)")
+        r.add_argument("--arrival-every", type=_nonneg_int, default=0, metavar="STEPS",
+                       help="request i arrives at step i*STEPS (0: all at the start)")
+        r.add_argument("--max-running", type=_positive_int, help="requests running at once (default: 8 CPU / 64 GPU)")
+        r.add_argument("--max-batched-tokens", type=_positive_int,
+                       help="token budget per step (default: 512 CPU / 8192 GPU)")
+        r.add_argument("--max-prefill-chunk", type=_positive_int,
+                       help="largest prefill chunk per request per step (default: the token budget)")
+        r.add_argument("--decode-tokens", type=int, default=1, choices=(1, 2, 3, 4),
+                       help="tokens per decode step per request (2-4: speculative / MTP decoding)")
+        r.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                       help="attention backend (auto: triton on a CUDA GPU, else torch)")
+        r.add_argument("--device", type=_device_arg, default="auto", help="auto | cpu | cuda | cuda:N")
+        r.add_argument("--numerics", default="official", choices=("official", "exact"),
+                       help="official: FP8 / MXFP4 cache and BF16 activations as DeepSeek; exact: FP32 everywhere")
+        r.add_argument("--block-size", type=_positive_int,
+                       help="tokens per pool block, a multiple of every compression ratio (default 256; 64 for windows "
+                            "under 128, e.g. the tiny preset)")
+        r.add_argument("--cache-memory", type=_byte_size, metavar="BYTES",
+                       help="cache budget, e.g. 20GiB or 4e9 (default: enough for --max-running requests of the longest "
+                            "length; smaller budgets make requests wait)")
+        r.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                       help="decode steps as CUDA graph replays (auto: when the backend is graph-safe)")
+        r.add_argument("--weights", default="random", choices=("random", "shared"),
+                       help="random per layer, or one random set per layer kind shared by its layers")
+        r.add_argument("--checkpoint", help="HF-format safetensors checkpoint directory (official or transformers names)")
+        r.add_argument("--prefix-caching", action="store_true",
+                       help="reuse cached prompt prefixes: shared whole blocks + the state snapshot at their end")
+        r.add_argument("--shared-prefix", type=_nonneg_int, default=0, metavar="N",
+                       help="every prompt starts with N tokens shared by its prefix group, then --prompt-len of its own")
+        r.add_argument("--prefix-groups", type=_positive_int, default=1, metavar="G",
+                       help="request i belongs to prefix group i %% G (with --shared-prefix)")
+        r.add_argument("--prefix-states", type=_positive_int, metavar="N",
+                       help="state snapshots the prefix cache keeps (default: 2 x --max-running)")
+        r.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the weights, lengths and hidden states")
+        r.add_argument("--check-requests", type=_nonneg_int, default=2,
+                       help="requests spot-checked against the reference (0: none)")
+        r.add_argument("--check-layers", nargs="+", help="layers spot-checked (default: all if <= 8 layers, else kinds)")
+        r.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's; 1 helps on a busy machine)")
+        r.add_argument("--no-progress", action="store_true", help="no progress bars")
+        r.add_argument("--explain", action="store_true",
+                       help="print the launch plan of the first prefill, decode and mixed step (kernels, splits, grids)")
+        json_arg(r)
+        r.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
+                       help="compile every kernel the run launches before its first step, in parallel over the CPU "
+                            "cores (auto: with the triton backend)")
+        r.add_argument("--triton-cache", metavar="DIR",
+                       help="Triton's on-disk kernel cache (default: $TRITON_CACHE_DIR, else ~/.triton/cache)")
+
     r = sub.add_parser("run", help="the main job: the engine over many requests, figures, spot check vs the reference",
                        formatter_class=fmt)
-    model_args(r, "model preset (default: tiny on the CPU, v4-flash on a GPU)")
-    r.add_argument("--layers", nargs="+", help="main (default) | all (MTP included) | kinds | indices, e.g. 0 2 5-9")
-    r.add_argument("--requests", type=_positive_int, help="number of requests (default: 16 CPU / 64 GPU)")
-    r.add_argument("--prompt-len", help="prompt length: N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEDIAN:SIGMA, "
-                                        "choice:A,B (default: uniform:64:384 CPU / 8192 GPU); prompt + generated "
-                                        "tokens must fit the model's max_position")
-    r.add_argument("--gen-len", help="generated tokens, same syntax (default: 32 CPU / 256 GPU)")
-    r.add_argument("--arrival-every", type=_nonneg_int, default=0, metavar="STEPS",
-                   help="request i arrives at step i*STEPS (0: all at the start)")
-    r.add_argument("--max-running", type=_positive_int, help="requests running at once (default: 8 CPU / 64 GPU)")
-    r.add_argument("--max-batched-tokens", type=_positive_int,
-                   help="token budget per step (default: 512 CPU / 8192 GPU)")
-    r.add_argument("--max-prefill-chunk", type=_positive_int,
-                   help="largest prefill chunk per request per step (default: the token budget)")
-    r.add_argument("--decode-tokens", type=int, default=1, choices=(1, 2, 3, 4),
-                   help="tokens per decode step per request (2-4: speculative / MTP decoding)")
-    r.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
-                   help="attention backend (auto: triton on a CUDA GPU, else torch)")
-    r.add_argument("--device", type=_device_arg, default="auto", help="auto | cpu | cuda | cuda:N")
-    r.add_argument("--numerics", default="official", choices=("official", "exact"),
-                   help="official: FP8 / MXFP4 cache and BF16 activations as DeepSeek; exact: FP32 everywhere")
-    r.add_argument("--block-size", type=_positive_int,
-                   help="tokens per pool block, a multiple of every compression ratio (default 256; 64 for windows "
-                        "under 128, e.g. the tiny preset)")
-    r.add_argument("--cache-memory", type=_byte_size, metavar="BYTES",
-                   help="cache budget, e.g. 20GiB or 4e9 (default: enough for --max-running requests of the longest "
-                        "length; smaller budgets make requests wait)")
-    r.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
-                   help="decode steps as CUDA graph replays (auto: when the backend is graph-safe)")
-    r.add_argument("--weights", default="random", choices=("random", "shared"),
-                   help="random per layer, or one random set per layer kind shared by its layers")
-    r.add_argument("--checkpoint", help="HF-format safetensors checkpoint directory (official or transformers names)")
-    r.add_argument("--prefix-caching", action="store_true",
-                   help="reuse cached prompt prefixes: shared whole blocks + the state snapshot at their end")
-    r.add_argument("--shared-prefix", type=_nonneg_int, default=0, metavar="N",
-                   help="every prompt starts with N tokens shared by its prefix group, then --prompt-len of its own")
-    r.add_argument("--prefix-groups", type=_positive_int, default=1, metavar="G",
-                   help="request i belongs to prefix group i %% G (with --shared-prefix)")
-    r.add_argument("--prefix-states", type=_positive_int, metavar="N",
-                   help="state snapshots the prefix cache keeps (default: 2 x --max-running)")
-    r.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the weights, lengths and hidden states")
-    r.add_argument("--check-requests", type=_nonneg_int, default=2,
-                   help="requests spot-checked against the reference (0: none)")
-    r.add_argument("--check-layers", nargs="+", help="layers spot-checked (default: all if <= 8 layers, else kinds)")
-    r.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's; 1 helps on a busy machine)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bars")
-    r.add_argument("--explain", action="store_true",
-                   help="print the launch plan of the first prefill, decode and mixed step (kernels, splits, grids)")
-    json_arg(r)
-    r.set_defaults(func=cmd_run)
+    run_args(r)
+    r.set_defaults(func=cmd_run, warmup_only=False)
+    w = sub.add_parser("warmup", help="compile a workload's kernels into the on-disk cache (for deployment images); "
+                                      "takes run's arguments", formatter_class=fmt)
+    run_args(w)
+    w.set_defaults(func=cmd_run, warmup_only=True)
 
     pl = sub.add_parser("plan", help="memory planner: bytes per token / request, capacity of a memory budget",
                         formatter_class=fmt)
@@ -817,7 +860,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .cache import CacheFullError
     from .checkpoint import CheckpointError
 
+    global _T_COMMAND
+    _T_COMMAND = time.perf_counter()
     args = build_parser().parse_args(argv)
+    if getattr(args, "triton_cache", None):  # before any kernel compiles; Triton reads it at each lookup
+        os.makedirs(args.triton_cache, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = os.path.abspath(args.triton_cache)
     try:
         return args.func(args)
     except (CheckpointError, CacheFullError, ValueError, TypeError, OSError) as e:

@@ -49,6 +49,12 @@ def default_batch_sizes(max_running: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def decode_table_width(max_len: int, min_ratio: int, block_size: int) -> int:
+    """Block-table width of the captured decode steps: the blocks of the run's longest request (0 without
+    compressed layers)."""
+    return max(1, blocks_for_tokens(max_len, min_ratio, block_size)) if min_ratio else 0
+
+
 def reserve_pad(cache: HybridCache, request_id: str) -> tuple[int, int]:
     """Register the pad request: it holds one state slot and (if any layer is compressed) one pool block, which
     the pad rows of padded batches read and write. Bookkeeping only (no layer runs).
@@ -161,7 +167,7 @@ class DecodeGraphs:
         sizes = batch_sizes or engine.config.graph_batch_sizes or default_batch_sizes(engine.config.max_running)
         self.sizes = tuple(sorted({int(s) for s in sizes if s >= 1}))
         self.pad_slot, self.pad_block = reserve_pad(cache, engine.PAD_REQUEST)
-        self.max_blocks = max(1, blocks_for_tokens(max_len, cache.min_ratio, cache.block_size)) if cache.min_ratio else 0
+        self.max_blocks = decode_table_width(max_len, cache.min_ratio, cache.block_size)
         self.captured: dict[int, _Captured] = {}
         self.keep: list[int] = []
         self._pinned: list[Tensor] = []

@@ -106,6 +106,9 @@ class EngineConfig:
             device synchronisation per step; each step's GPU time is measured with CUDA events and its wall time
             is the interval between consecutive step completions). Default: on for CUDA. Off: every step ends
             with a device synchronisation (latency of an isolated step).
+        warmup: before the first step, compile every kernel the run will launch, in parallel over the CPU cores,
+            into Triton's on-disk cache (``dsv4.engine.warmup``), and capture CUDA graphs only for the decode
+            batch sizes the run uses. Default: on for the Triton backend on CUDA.
     """
 
     backend: str = "auto"
@@ -126,6 +129,7 @@ class EngineConfig:
     prefix_states: int | None = None
     vocab: int = DEFAULT_VOCAB
     overlap_host: bool | None = None
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         """Validate every field: ``TypeError`` / ``ValueError`` naming it (nothing is truncated or defaulted)."""
@@ -155,6 +159,8 @@ class EngineConfig:
             require_bool("check_finite", self.check_finite)
         if self.overlap_host is not None:
             require_bool("overlap_host", self.overlap_host)
+        if self.warmup is not None:
+            require_bool("warmup", self.warmup)
 
 
 @dataclass
@@ -216,6 +222,9 @@ class RunStats:
     cache_bytes_allocated: int
     num_layers: int
     prefix: dict[str, Any] = field(default_factory=dict)
+    warmup: dict[str, Any] = field(default_factory=dict)
+    graph_buckets: list[int] = field(default_factory=list)
+    prepare_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         """Throughput, latency and memory figures as a flat-ish dict (JSON-serialisable).
@@ -225,6 +234,9 @@ class RunStats:
         * ``step_ms``: latency percentiles of decode-only steps (``decode``) and of steps with prefill
           (``prefill``); ``decode_gpu_busy``: the GPU time of decode-only steps over their wall time, with
           ``decode_host_ms`` / ``decode_gpu_ms`` (each step's host work and GPU time, CUDA);
+        * ``prepare_s``: from ``run()``'s call to its first step (warm-up, cache allocation, graph capture);
+        * ``warmup``: what the ahead-of-time compilation did before the first step (``WarmupReport``; empty when
+          it did not run);
         * ``jit_s`` / ``jit_kernels``: Triton JIT compilation inside the timed steps (first use of each kernel
           specialisation; seconds on a fresh machine), and ``prefill_tok_s_without_jit`` /
           ``decode_tok_s_without_jit``: the throughputs with that time taken out;
@@ -261,6 +273,9 @@ class RunStats:
             "wall_s": self.wall_s,
             "setup_s": self.setup_s,
             "graph_capture_s": self.graph_capture_s,
+            "graph_buckets": self.graph_buckets,
+            "prepare_s": self.prepare_s,
+            "warmup": dict(self.warmup),
             "prefill_tok_s": pre_tok / pre_s if pre_s else math.nan,
             "decode_tok_s": dec_tok / dec_s if dec_s else math.nan,
             "jit_s": sum(s.jit_seconds for s in self.steps),
@@ -436,6 +451,7 @@ class Engine:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # per step record: GPU start / end
         self.graph_capture_s = 0.0
         self._jit_clock: JitClock | None = None  # set while run() runs
+        self.warmup_report: Any = None  # dsv4.engine.warmup.WarmupReport of the last run (None: no warm-up)
         self.plans_seen: dict[str, StepPlan] = {}  # first step plan of each kind of step (--explain)
 
     # ------------------------------------------------------------------ construction
@@ -573,9 +589,11 @@ class Engine:
         self._ids[r.request_id] = torch.cat((torch.tensor(r.token_ids, dtype=torch.int64), gen))
 
     # ------------------------------------------------------------------ running
-    def build_cache(self, requests: Sequence[Request]) -> HybridCache:
+    def build_cache(self, requests: Sequence[Request], device: torch.device | None = None) -> HybridCache:
         """Allocate the cache for a run: ``config.cache_memory`` bytes, or exactly enough blocks for
-        ``max_running`` requests of the longest submitted length (plus one pad slot/block for CUDA graphs)."""
+        ``max_running`` requests of the longest submitted length (plus one pad slot/block for CUDA graphs).
+        ``device``: another device than the engine's (``meta``: a cache of the same geometry that holds no
+        memory, to replay a run's scheduling)."""
         cfg, c = self.cfg, self.config
         max_len = max(r.total_len for r in requests)
         use_graphs = self._want_graphs()
@@ -584,14 +602,14 @@ class Engine:
         states = (c.prefix_states if c.prefix_states is not None else 2 * c.max_running) if c.prefix_caching else 0
         if c.cache_memory is not None:
             cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, memory_bytes=int(c.cache_memory),
-                                block_size=c.block_size, device=self.device, numerics=self.numerics,
+                                block_size=c.block_size, device=device or self.device, numerics=self.numerics,
                                 prefix_states=states)
         else:
             ratios = [cfg.ratio(li) for li in self.layer_ids if cfg.ratio(li)]
             per = blocks_for_tokens(max_len, min(ratios), c.block_size) if ratios else 0
             num_blocks = per * min(c.max_running, len(requests)) + (1 if use_graphs and ratios else 0)
             cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, num_blocks=num_blocks,
-                                block_size=c.block_size, device=self.device, numerics=self.numerics,
+                                block_size=c.block_size, device=device or self.device, numerics=self.numerics,
                                 prefix_states=states)
         return cache
 
@@ -605,8 +623,9 @@ class Engine:
             raise ValueError(f"cuda_graphs='on' but {why}")
         return ok
 
-    def submit(self, requests: Sequence[Request]) -> None:
-        """Create the cache and scheduler for ``requests`` (called by ``run``)."""
+    def submit(self, requests: Sequence[Request], graph_batch_sizes: Sequence[int] | None = None) -> None:
+        """Create the cache and scheduler for ``requests`` (called by ``run``). ``graph_batch_sizes``: the decode
+        buckets to capture (default ``config.graph_batch_sizes``, else powers of two up to ``max_running``)."""
         if not requests:
             raise ValueError("no requests to run")
         ids = [r.request_id for r in requests]
@@ -624,10 +643,11 @@ class Engine:
             ),
         )
         self.graphs = None
-        if self._want_graphs():
+        if self._want_graphs() and (graph_batch_sizes is None or len(graph_batch_sizes)):
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, max_len=max(r.total_len for r in requests))
+            self.graphs = DecodeGraphs(self, max_len=max(r.total_len for r in requests),
+                                       batch_sizes=graph_batch_sizes)
         self._ids = {}
         for i, r in enumerate(requests):
             if r.number < 0:
@@ -712,7 +732,14 @@ class Engine:
             progress: tqdm bar of tokens processed.
             on_step: called after every step with its record.
         """
-        self.submit(requests)
+        t_call = time.perf_counter()
+        self.warmup_report = None
+        if self.config.warmup if self.config.warmup is not None else self.backend == "triton":
+            from .warmup import warm_up
+
+            self.warmup_report = warm_up(self, requests, progress=progress)
+        buckets = self.warmup_report.graph_buckets if self.warmup_report is not None else None
+        self.submit(requests, graph_batch_sizes=buckets)
         assert self.scheduler is not None and self.cache is not None
         if self.graphs is not None:
             t0 = time.perf_counter()
@@ -729,6 +756,7 @@ class Engine:
             self._t0_event = torch.cuda.Event(enable_timing=True)
             self._t0_event.record()
         t_start = time.perf_counter()
+        prepare_s = t_start - t_call
         idle = 0
         try:
             with JitClock() as self._jit_clock:
@@ -759,8 +787,12 @@ class Engine:
         self._fill_prefix_traces(requests)
         return RunStats(
             steps=list(self._records), requests=list(requests), wall_s=wall, setup_s=self.setup_s,
-            graph_capture_s=self.graph_capture_s, cache_bytes_allocated=self.cache.memory_bytes(),
-            num_layers=len(self.layer_ids), prefix=self.cache.prefix.stats(),
+            graph_capture_s=self.graph_capture_s,
+            graph_buckets=sorted(self.graphs.captured) if self.graphs is not None else [],
+            cache_bytes_allocated=self.cache.memory_bytes(), num_layers=len(self.layer_ids),
+            prefix=self.cache.prefix.stats(),
+            warmup=self.warmup_report.as_dict() if self.warmup_report is not None else {},
+            prepare_s=prepare_s,
         )
 
     def _device_timings(self, requests: Sequence[Request]) -> None:

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The release figures in as few GPU calls as possible. Usage (repo root, GPU machine):
+#   bash benchmarks/gpu_release.sh run layer tests     call 1: the acceptance run cold then warm, the layer profile,
+#                                                      GPU tests of the newest paths
+#   bash benchmarks/gpu_release.sh prefix hf ab        call 2: prefix-cache bench, transformers generate() (needs the
+#                                                      transformers >= 5.24 wheel in .whl/), old vs new tree A/B
+# Each part writes one log (and JSON) under $OUT (at most 8 files come back from a device call).
+export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
+O=${OUT:-out}; mkdir -p "$O"
+nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader; date -u
+ACCEPT="--preset v4-flash --backend triton --device cuda --requests 64 --prompt-len 8192 --gen-len 256 \
+  --check-requests 0 --no-progress"
+for part in "$@"; do
+  case $part in
+  run)  # issue 36: a fresh Triton cache (cold), then the same run again on it (warm)
+    rm -rf /tmp/tc-release
+    for t in cold warm; do
+      echo "== $t" >> "$O/run.log"
+      s=$SECONDS
+      timeout ${RUN_S:-230} python3 -m dsv4.cli run $ACCEPT --triton-cache /tmp/tc-release --json "$O/run_$t.json" \
+        >> "$O/run.log" 2>&1
+      echo "== run $t rc=$? process wall $((SECONDS - s)) s" | tee -a "$O/run.log"
+    done
+    grep -E "^== |warm-up|JIT|decode |prefill |total |decode-only|with prefill|first token|first step|CUDA graphs" \
+      "$O/run.log" ;;
+  layer)  # issue 38: one layer of each kind, graph and eager, next to its roofline
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${LAYER_S:-120} python3 benchmarks/profile_layer.py --batch 64 4 \
+      --top 6 --json "$O/layer.json" > "$O/layer.log" 2>&1
+    echo "== layer rc=$?"; tail -40 "$O/layer.log" ;;
+  tests)
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
+      ${TESTS:-tests/engine/test_warmup.py tests/kernels/project/test_fp8_projections.py \
+      tests/reliability/test_hardening.py tests/cache/test_step_batch_graph.py} --tb=short > "$O/tests.log" 2>&1
+    echo "== tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$O/tests.log" | tail -20 ;;
+  prefix)
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${PREFIX_S:-200} python3 benchmarks/bench_prefix_cache.py \
+      --out "$O/prefix.json" > "$O/prefix.log" 2>&1
+    echo "== prefix rc=$?"; tail -16 "$O/prefix.log" ;;
+  hf)
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    fi
+    (export PYTHONPATH=$PYTHONPATH:/tmp/site TRITON_CACHE_DIR=/tmp/tc-release
+     python3 -c "import transformers; print('transformers', transformers.__version__)"
+     timeout ${HF_TEST_S:-100} python3 -m pytest -q -p no:cacheprovider -m gpu tests/hf/test_hf_generate_gpu.py \
+       --tb=short > "$O/hf.log" 2>&1
+     echo "== hf test rc=$?"
+     timeout ${HF_BENCH_S:-120} python3 benchmarks/bench_hf_generate.py --quick --out "$O/hf.json" >> "$O/hf.log" 2>&1
+     echo "== hf bench rc=$?")
+    grep -E "^E |passed|failed|skipped|Error" "$O/hf.log" | head; tail -8 "$O/hf.log" ;;
+  ab)  # issue 33: the attention kernels of the old tree (.ab/old_src) and this one, alternating, one device
+    mkdir -p /tmp/ab
+    for tree in old new old new; do
+      if [ $tree = old ]; then P=.ab/old_src:.ab/old_benchmarks; B=.ab/old_benchmarks; else P=src:benchmarks; B=benchmarks; fi
+      PYTHONPATH=$P TRITON_CACHE_DIR=/tmp/tc-ab-$tree timeout ${AB_S:-60} python3 $B/bench_attention.py --quick \
+        --json "/tmp/ab/ab_${tree}_$((++n)).json" >> "$O/ab.log" 2>&1
+      echo "== attention $tree rc=$?"
+    done
+    python3 benchmarks/ab_table.py /tmp/ab | tee -a "$O/ab.log" ;;
+  esac
+done
