@@ -61,7 +61,7 @@ def test_planned_shapes_are_the_run_s_shapes(monkeypatch: pytest.MonkeyPatch, se
 def test_warm_up_on_the_cpu_only_plans() -> None:
     eng = Engine(TINY, config=EngineConfig(device="cpu", max_running=2, max_batched_tokens=64, block_size=64))
     report = warm_up(eng, make_requests(3, 40, 3, seed=0))
-    assert report.eager_shapes > 0 and report.workers == 0 and report.kernels_compiled == 0
+    assert report.eager_shapes > 0 and report.workers == 0 and report.kernels_loaded == 0
     stats = eng.run(make_requests(3, 40, 3, seed=0))
     assert stats.summary()["warmup"] == {}  # the torch backend has nothing to warm: auto leaves it off
 
@@ -73,14 +73,20 @@ def test_engine_config_rejects_a_non_bool_warmup() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_warmed_run_compiles_nothing_inside_its_steps() -> None:
-    eng = Engine(TINY, config=EngineConfig(device="cuda", max_running=4, max_batched_tokens=128, block_size=64,
-                                           warmup=True))
-    stats = eng.run(make_requests(6, "uniform:16:200", 24, seed=6))
-    s = stats.summary()
-    assert s["warmup"]["eager_shapes"] > 0
-    assert s["jit_kernels"] == 0, s["jit_s"]
-    assert s["graph_buckets"] == s["warmup"]["graph_buckets"]
+def test_warmed_run_compiles_nothing_inside_its_steps(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cold cache: the workers record and compile
+    config = EngineConfig(device="cuda", max_running=4, max_batched_tokens=128, block_size=64, warmup=True)
+    for cold in (True, False):
+        eng = Engine(TINY, config=config)
+        stats = eng.run(make_requests(6, "uniform:16:200", 24, seed=6))
+        s = stats.summary()
+        assert s["warmup"]["error"] == ""
+        assert s["warmup"]["warm_start"] is not cold  # the second run finds the manifest
+        if cold:
+            assert s["warmup"]["specialisations"] > 0 and s["warmup"]["slowest_compile_s"] > 0
+        assert s["warmup"]["eager_shapes"] > 0
+        assert s["jit_kernels"] == 0, s["jit_s"]
+        assert s["graph_buckets"] == s["warmup"]["graph_buckets"]
 
 
 def test_each_planned_shape_runs_on_a_synthetic_cache() -> None:

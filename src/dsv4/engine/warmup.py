@@ -7,14 +7,20 @@ which depend only on a step's fixed-shape geometry) and the integer arguments Tr
 ``warm_up``:
 
 1. ``plan_step_shapes``: replays the run's scheduling on the host against a cache on the ``meta`` device (no
-   memory, no layers run: seconds for thousands of steps) and collects every distinct eager step shape (prefill
-   chunks, mixed steps) and the decode batch sizes the CUDA graphs will serve;
-2. runs one layer of each kind over each shape in worker processes (``spawn``, one per CPU core), on small
-   synthetic caches of the same geometry: every kernel the run will launch compiles there, in parallel, into the
-   on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``);
-3. runs each shape once more in this process, which loads the kernels from disk (milliseconds each): the run's
-   steps then meet no compile and no load (its JIT clock stays at zero), and a second run on the same machine
-   finds everything compiled already (step 2 only loads).
+   memory, no layers run) and collects every distinct eager step shape (prefill chunks, mixed steps) and the decode
+   batch sizes the CUDA graphs will serve;
+2. *records* the specialisations: one worker process runs one layer of each kind over each shape on a small
+   synthetic cache of its geometry with a Triton ``jit_cache_hook`` that notes each specialisation it is asked to
+   compile and declines (nothing compiles, nothing launches: seconds);
+3. *compiles* them: every worker (``spawn``, one per CPU core) takes specialisations one at a time
+   (``JITFunction.preload``), so the run's kernels compile side by side into the on-disk cache
+   (``TRITON_CACHE_DIR``, default ``~/.triton/cache``);
+4. *loads* them: this process runs each shape once more, for real, which reads the kernels from disk (milliseconds
+   each). The run's steps then meet no compile and no load (its JIT clock stays at zero).
+
+A manifest in the cache directory names what a warm-up compiled (keyed by the kernels' sources, the versions, the
+device, the model and the shapes): a second run on the same machine skips steps 2–3. It only saves time — a kernel
+missing from the cache is compiled in step 4 all the same.
 
 Layers of one kind launch the same kernels (the weights are arguments), so one layer per kind suffices.
 """
@@ -23,6 +29,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
+import importlib
+import json
 import multiprocessing
 import os
 import time
@@ -58,22 +67,31 @@ class WarmupReport:
     Attributes:
         eager_shapes: distinct eager step shapes of the run (prefill chunks, mixed steps, unbucketed decodes).
         graph_buckets: decode batch sizes the run's decode steps use (the CUDA graphs worth capturing).
-        workers: worker processes that compiled.
-        compile_s: wall time of the parallel compile pass (0 when everything was in the disk cache already
-            — the pass still runs, loading).
-        load_s: wall time of loading every compiled kernel into this process (one run of each shape).
-        seconds: ``compile_s + load_s`` plus the host replay of the schedule.
-        kernels_compiled: kernels this process compiled or loaded while warming (``JitClock``).
+        workers: worker processes that recorded and compiled (0: the manifest said all was compiled already).
+        specialisations: distinct kernel specialisations recorded.
+        record_s: wall time until the specialisations were recorded (worker start included).
+        compile_s: wall time of recording and compiling them in the workers (0 on a warm start).
+        slowest_compile_s: the longest single compile (a lower bound of ``compile_s`` however many workers).
+        load_s: wall time of loading every kernel into this process (one real run of each shape).
+        seconds: the whole warm-up, host replay of the schedule included.
+        kernels_loaded: kernels this process loaded (or compiled, if a worker missed one) while warming.
+        warm_start: whether the manifest showed everything compiled already.
+        error: why the workers' pass failed, if it did (the load pass then compiles what it needs, serially).
         cache_dir: Triton's on-disk cache the kernels went into.
     """
 
     eager_shapes: int = 0
     graph_buckets: list[int] = field(default_factory=list)
     workers: int = 0
+    specialisations: int = 0
+    record_s: float = 0.0
     compile_s: float = 0.0
+    slowest_compile_s: float = 0.0
     load_s: float = 0.0
     seconds: float = 0.0
-    kernels_compiled: int = 0
+    kernels_loaded: int = 0
+    warm_start: bool = False
+    error: str = ""
     cache_dir: str = ""
 
     def as_dict(self) -> dict:
@@ -81,9 +99,16 @@ class WarmupReport:
 
     def describe(self) -> str:
         """One line for the CLI."""
-        return (f"warm-up: {self.eager_shapes} eager step shapes + graph buckets {self.graph_buckets} compiled by "
-                f"{self.workers} workers in {self.compile_s:.1f} s, loaded in {self.load_s:.1f} s "
-                f"({self.kernels_compiled} kernels) — Triton cache {self.cache_dir}")
+        if self.warm_start:
+            done = "all compiled already (manifest)"
+        elif self.error:
+            done = f"the compile workers failed ({self.error}): compiled serially while loading"
+        else:
+            done = (f"{self.specialisations} kernel specialisations recorded in {self.record_s:.1f} s and compiled by "
+                    f"{self.workers} workers in {self.compile_s:.1f} s (slowest {self.slowest_compile_s:.1f} s)")
+        return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
+                f"{self.graph_buckets}; {done}; {self.kernels_loaded} kernels loaded in {self.load_s:.1f} s — "
+                f"Triton cache {self.cache_dir}")
 
 
 def triton_cache_dir() -> str:
@@ -188,17 +213,112 @@ def graph_shapes(engine, requests: Sequence, buckets: Sequence[int]) -> list[Ste
     return [StepShape((engine.config.decode_tokens,) * (c + 1), width) for c in buckets]
 
 
+class _Recorder:
+    """A ``jit_cache_hook`` that notes each specialisation Triton is asked to compile and declines it: the launch
+    that asked returns without running (``JITFunction.run`` returns ``None``)."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, tuple[str, str]] = {}  # specialisation data (JSON) -> (module, function name)
+
+    def __call__(self, *, fn, compile, **_) -> bool:
+        self.specs.setdefault(compile["specialization_data"], (fn.module, fn.name))
+        return True
+
+
+def _start_worker(device: str) -> None:
+    """Pool initializer: import the kernels and make ``device`` current (a CUDA context per worker)."""
+    import dsv4.ops.triton_ops  # noqa: F401 - imports every kernel module
+
+    torch.cuda.set_device(torch.device(device))
+    torch.empty(1, device=device)
+
+
+def _ready() -> None:
+    """A task that only makes the pool start one more worker (``ProcessPoolExecutor`` starts them on demand)."""
+
+
+def _record_specs(cfg: ModelConfig, layers: list[int], numerics: str, backend: str, block_size: int,
+                  shapes: list[StepShape], device: str) -> list[tuple[str, str, str]]:
+    """Run every shape with compilation declined (``_Recorder``); returns ``(module, function, specialisation
+    data)`` of each distinct specialisation. The device facts plans depend on (probe kernels, cluster occupancy)
+    are asked first, for real."""
+    from triton import knobs
+
+    from dsv4.kernels.attention.cluster_launch import MAX_CLUSTER
+    from dsv4.kernels.device import facts
+
+    dev_facts = facts(device)
+    if dev_facts.resident_clusters is not None:
+        for n in range(2, MAX_CLUSTER + 1):
+            dev_facts.resident_clusters(n)
+    recorder = _Recorder()
+    prev, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, recorder
+    try:
+        for shape in shapes:
+            _run_shape(cfg, layers, numerics, backend, block_size, shape, device)
+    finally:
+        knobs.runtime.jit_cache_hook = prev
+    return [(module, name, data) for data, (module, name) in recorder.specs.items()]
+
+
+def _compile_spec(module: str, name: str, data: str) -> float:
+    """Compile one recorded specialisation into the on-disk cache; returns its seconds."""
+    t0 = time.perf_counter()
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    fn.preload(data)
+    return time.perf_counter() - t0
+
+
+def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
+    """Where the manifest of a warm-up of ``shapes`` on ``engine`` lives: named by a digest of everything the
+    kernels' binaries depend on (their sources and plans, triton / torch versions, the device, the model, the
+    shapes)."""
+    import triton
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for sub in ("kernels", "ops"):  # the kernels and the plans that pick their constexprs
+        for root, _, files in sorted(os.walk(os.path.join(package, sub))):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    with open(os.path.join(root, f), "rb") as fh:
+                        h.update(f.encode() + fh.read())
+    ratios = sorted({engine.cfg.ratio(li) for li in engine.layer_ids if engine.cfg.ratio(li)})
+    h.update(repr((triton.__version__, torch.__version__, torch.cuda.get_device_name(engine.device),
+                   dataclasses.astuple(engine.cfg), _kinds(engine.cfg, engine.layer_ids), engine.numerics.name,
+                   engine.backend, engine.config.block_size, sorted(s.key(ratios) for s in shapes))).encode())
+    return os.path.join(triton_cache_dir(), "dsv4-warmup", h.hexdigest()[:32] + ".json")
+
+
+def _compile_in_workers(report: WarmupReport, n: int, args: tuple, shapes: list[StepShape], device: str,
+                        bar) -> None:
+    """Steps 2 and 3: record the specialisations in one worker while the others start, then compile them all."""
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_start_worker,
+                                                initargs=(device,)) as pool:
+        recording = pool.submit(_record_specs, *args, shapes, device)
+        for _ in range(n - 1):  # the other workers start (import, CUDA context) while one records
+            pool.submit(_ready)
+        specs = recording.result()
+        report.record_s = time.perf_counter() - t0
+        report.specialisations = len(specs)
+        if bar is not None:
+            bar.reset(total=len(specs))
+            bar.set_description("warm-up: compile")
+        futures = [pool.submit(_compile_spec, *spec) for spec in specs]
+        for f in concurrent.futures.as_completed(futures):
+            report.slowest_compile_s = max(report.slowest_compile_s, f.result())
+            if bar is not None:
+                bar.update()
+
+
 def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bool = False) -> WarmupReport:
-    """Compile every kernel a run of ``requests`` on ``engine`` launches before its first step.
-
-    1. ``plan_step_shapes`` lists the run's step shapes (host, ``meta`` device);
-    2. ``workers`` processes (``spawn``; default one per CPU core, at most one per shape) run each shape once,
-       compiling in parallel into Triton's on-disk cache (``triton_cache_dir()``);
-    3. this process runs each shape once too, loading every kernel from the disk cache into memory, so that no
-       timed step meets a compile (or a load).
-
-    Returns the ``WarmupReport``. On a device other than CUDA, or a backend without kernels, it only plans.
-    """
+    """Compile every kernel a run of ``requests`` on ``engine`` launches before its first step (see the module
+    docstring for the four steps). ``workers``: compile processes (default: one per CPU core). Returns the
+    ``WarmupReport``. On a device other than CUDA, or a backend without kernels, it only plans."""
     from .jit_clock import JitClock
 
     t_all = time.perf_counter()
@@ -208,38 +328,43 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
     if engine.device.type != "cuda" or engine.backend != "triton":
         report.seconds = time.perf_counter() - t_all
         return report
-    shapes = sorted(eager, key=lambda s: -sum(s.num_new)) + graph_shapes(engine, requests, buckets)
+    shapes = eager + graph_shapes(engine, requests, buckets)
     layers = _kinds(engine.cfg, engine.layer_ids)
     numerics = engine.numerics.name if engine.numerics.name in ("official", "exact") else "official"
     args = (engine.cfg, layers, numerics, engine.backend, engine.config.block_size)
-    n = max(1, min(workers or os.cpu_count() or 1, len(shapes)))
+    device = str(engine.device)
+    manifest = _manifest_path(engine, shapes)
+    report.warm_start = os.path.exists(manifest)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=2 * len(shapes), unit="shape", desc="compile", leave=False, dynamic_ncols=True)
-    t0 = time.perf_counter()
-    if n > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-            futures = [pool.submit(_run_shape, *args, s, str(engine.device)) for s in shapes]
-            for f in concurrent.futures.as_completed(futures):
-                f.result()
-                if bar is not None:
-                    bar.update()
-    report.workers = n if n > 1 else 0
-    report.compile_s = time.perf_counter() - t0
+        bar = tqdm(unit="kernel", desc="warm-up: record", leave=False, dynamic_ncols=True)
+    if not report.warm_start:
+        n = max(1, workers or os.cpu_count() or 1)
+        t0 = time.perf_counter()
+        try:
+            _compile_in_workers(report, n, args, shapes, device, bar)
+        except Exception as e:  # noqa: BLE001 - a failed worker costs time, never correctness: step 4 compiles
+            report.error = f"{type(e).__name__}: {e}"[:300]
+        report.workers = n
+        report.compile_s = time.perf_counter() - t0
     if bar is not None:
-        bar.set_description("load")
+        bar.reset(total=len(shapes))
+        bar.set_description("warm-up: load")
     t0 = time.perf_counter()
     with JitClock() as clock:
         for s in shapes:
-            _run_shape(*args, s, str(engine.device))
+            _run_shape(*args, s, device)
             if bar is not None:
                 bar.update()
     report.load_s = time.perf_counter() - t0
-    report.kernels_compiled = clock.kernels
+    report.kernels_loaded = clock.kernels
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - t_all
+    if not report.warm_start and not report.error:
+        os.makedirs(os.path.dirname(manifest), exist_ok=True)
+        with open(manifest, "w") as f:
+            json.dump(report.as_dict(), f)
     return report
