@@ -9,6 +9,9 @@ near-tie) may go either way — from such a step on the rows are not compared. N
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 from packaging.version import Version
@@ -24,10 +27,16 @@ if Version(transformers.__version__) < Version("5.24.0") or not hasattr(transfor
 import dsv4.hf  # noqa: E402
 
 NEAR_TIE = 2.0**-7
+LOGIT_TOL = float(os.environ.get("DSV4_HF_LOGIT_TOL", "2e-2"))  # a measurement run sets it to 1 to see the errors
+
+NUMERICS = {
+    "official": dsv4.Numerics.official(),
+    "official-bf16-projections": dataclasses.replace(dsv4.Numerics.official(), fp8_projections=False),
+}
 
 
-def _generate(model, ids, mask, backend: str):
-    dsv4.hf.attach(model, backend=backend, numerics="official")
+def _generate(model, ids, mask, backend: str, numerics: dsv4.Numerics):
+    dsv4.hf.attach(model, backend=backend, numerics=numerics)
     try:
         return model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                               return_dict_in_generate=True, output_logits=True)
@@ -36,7 +45,8 @@ def _generate(model, ids, mask, backend: str):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_backend_generates_the_torch_backends_tokens() -> None:
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_triton_backend_generates_the_torch_backends_tokens(numerics: str) -> None:
     pytest.importorskip("triton")
     model = dsv4.hf.random_causal_lm(dsv4.ModelConfig.preset("tiny"), seed=21, device="cuda")
     g = torch.Generator().manual_seed(22)
@@ -48,11 +58,11 @@ def test_triton_backend_generates_the_torch_backends_tokens() -> None:
         ids[b, L - n:] = torch.randint(3, 128, (n,), generator=g)
         mask[b, L - n:] = 1
     ids, mask = ids.cuda(), mask.cuda()
-    ref = _generate(model, ids, mask, "torch")
-    got = _generate(model, ids, mask, "triton")
+    ref = _generate(model, ids, mask, "torch", NUMERICS[numerics])
+    got = _generate(model, ids, mask, "triton", NUMERICS[numerics])
     ref_logits, got_logits = torch.stack(ref.logits).float(), torch.stack(got.logits).float()  # [steps, B, V]
     assert torch.isfinite(got_logits).all()
-    compared = 0
+    compared, worst = 0, 0.0
     for b in range(len(lengths)):
         for t in range(ref_logits.shape[0]):
             want, have = ref.sequences[b, L + t], got.sequences[b, L + t]
@@ -62,6 +72,8 @@ def test_triton_backend_generates_the_torch_backends_tokens() -> None:
                 assert gap <= NEAR_TIE, f"row {b} step {t}: token {have} vs {want}, not a near-tie (gap {gap:.2e})"
                 break
             err = ((got_logits[t, b] - ref_logits[t, b]).norm() / ref_logits[t, b].norm()).item()
-            assert err <= 2e-2, (b, t, err)
+            worst = max(worst, err)
+            assert err <= LOGIT_TOL, (b, t, err)
             compared += 1
+    print(f"\n{numerics}: {compared} (row, step) logits compared, worst relative error {worst:.3e}")
     assert compared >= 0.75 * ref_logits.shape[0] * len(lengths), compared

@@ -9,18 +9,15 @@ which depend only on a step's fixed-shape geometry) and the integer arguments Tr
 1. ``plan_step_shapes``: replays the run's scheduling on the host against a cache on the ``meta`` device (no
    memory, no layers run) and collects every distinct eager step shape (prefill chunks, mixed steps) and the decode
    batch sizes the CUDA graphs will serve;
-2. *records* the specialisations: one worker process runs one layer of each kind over each shape on a small
-   synthetic cache of its geometry with a Triton ``jit_cache_hook`` that notes each specialisation it is asked to
-   compile and declines (nothing compiles, nothing launches: seconds);
-3. *compiles* them: every worker (``spawn``, one per CPU core) takes specialisations one at a time
-   (``JITFunction.preload``), so the run's kernels compile side by side into the on-disk cache
-   (``TRITON_CACHE_DIR``, default ``~/.triton/cache``);
-4. *loads* them: this process runs each shape once more, for real, which reads the kernels from disk (milliseconds
-   each). The run's steps then meet no compile and no load (its JIT clock stays at zero).
+2. *compiles* them: worker processes (``spawn``, one per CPU core) run each (shape, layer kind) once on a small
+   synthetic cache of the shape's geometry; every kernel the run will launch compiles there, side by side, into
+   the on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``);
+3. *loads* them: this process runs each shape once more, which reads the kernels from disk (milliseconds each). The
+   run's steps then meet no compile and no load (its JIT clock stays at zero).
 
 A manifest in the cache directory names what a warm-up compiled (keyed by the kernels' sources, the versions, the
-device, the model and the shapes): a second run on the same machine skips steps 2–3. It only saves time — a kernel
-missing from the cache is compiled in step 4 all the same.
+device, the model and the shapes): a second run on the same machine skips step 2. It only saves time — a kernel
+missing from the cache is compiled in step 3 all the same.
 
 Layers of one kind launch the same kernels (the weights are arguments), so one layer per kind suffices.
 """
@@ -67,11 +64,10 @@ class WarmupReport:
     Attributes:
         eager_shapes: distinct eager step shapes of the run (prefill chunks, mixed steps, unbucketed decodes).
         graph_buckets: decode batch sizes the run's decode steps use (the CUDA graphs worth capturing).
-        workers: worker processes that recorded and compiled (0: the manifest said all was compiled already).
-        specialisations: distinct kernel specialisations recorded.
-        record_s: wall time until the specialisations were recorded (worker start included).
-        compile_s: wall time of recording and compiling them in the workers (0 on a warm start).
-        slowest_compile_s: the longest single compile (a lower bound of ``compile_s`` however many workers).
+        workers: worker processes that compiled (0: the manifest said all was compiled already).
+        tasks: (shape, layer kind) runs the workers made.
+        compile_s: wall time of the workers' pass, their start included (0 on a warm start).
+        slowest_task_s: the longest single task (a lower bound of ``compile_s`` however many workers).
         load_s: wall time of loading every kernel into this process (one real run of each shape).
         seconds: the whole warm-up, host replay of the schedule included.
         kernels_loaded: kernels this process loaded (or compiled, if a worker missed one) while warming.
@@ -83,10 +79,9 @@ class WarmupReport:
     eager_shapes: int = 0
     graph_buckets: list[int] = field(default_factory=list)
     workers: int = 0
-    specialisations: int = 0
-    record_s: float = 0.0
+    tasks: int = 0
     compile_s: float = 0.0
-    slowest_compile_s: float = 0.0
+    slowest_task_s: float = 0.0
     load_s: float = 0.0
     seconds: float = 0.0
     kernels_loaded: int = 0
@@ -104,8 +99,8 @@ class WarmupReport:
         elif self.error:
             done = f"the compile workers failed ({self.error}): compiled serially while loading"
         else:
-            done = (f"{self.specialisations} kernel specialisations recorded in {self.record_s:.1f} s and compiled by "
-                    f"{self.workers} workers in {self.compile_s:.1f} s (slowest {self.slowest_compile_s:.1f} s)")
+            done = (f"compiled by {self.workers} workers in {self.compile_s:.1f} s ({self.tasks} shape x layer-kind "
+                    f"runs, the slowest {self.slowest_task_s:.1f} s)")
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
                 f"{self.graph_buckets}; {done}; {self.kernels_loaded} kernels loaded in {self.load_s:.1f} s — "
                 f"Triton cache {self.cache_dir}")
@@ -213,62 +208,12 @@ def graph_shapes(engine, requests: Sequence, buckets: Sequence[int]) -> list[Ste
     return [StepShape((engine.config.decode_tokens,) * (c + 1), width) for c in buckets]
 
 
-class _Recorder:
-    """A ``jit_cache_hook`` that notes each specialisation Triton is asked to compile and declines it: the launch
-    that asked returns without running (``JITFunction.run`` returns ``None``)."""
-
-    def __init__(self) -> None:
-        self.specs: dict[str, tuple[str, str]] = {}  # specialisation data (JSON) -> (module, function name)
-
-    def __call__(self, *, fn, compile, **_) -> bool:
-        self.specs.setdefault(compile["specialization_data"], (fn.module, fn.name))
-        return True
-
-
 def _start_worker(device: str) -> None:
     """Pool initializer: import the kernels and make ``device`` current (a CUDA context per worker)."""
     import dsv4.ops.triton_ops  # noqa: F401 - imports every kernel module
 
     torch.cuda.set_device(torch.device(device))
     torch.empty(1, device=device)
-
-
-def _ready() -> None:
-    """A task that only makes the pool start one more worker (``ProcessPoolExecutor`` starts them on demand)."""
-
-
-def _record_specs(cfg: ModelConfig, layers: list[int], numerics: str, backend: str, block_size: int,
-                  shapes: list[StepShape], device: str) -> list[tuple[str, str, str]]:
-    """Run every shape with compilation declined (``_Recorder``); returns ``(module, function, specialisation
-    data)`` of each distinct specialisation. The device facts plans depend on (probe kernels, cluster occupancy)
-    are asked first, for real."""
-    from triton import knobs
-
-    from dsv4.kernels.attention.cluster_launch import MAX_CLUSTER
-    from dsv4.kernels.device import facts
-
-    dev_facts = facts(device)
-    if dev_facts.resident_clusters is not None:
-        for n in range(2, MAX_CLUSTER + 1):
-            dev_facts.resident_clusters(n)
-    recorder = _Recorder()
-    prev, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, recorder
-    try:
-        for shape in shapes:
-            _run_shape(cfg, layers, numerics, backend, block_size, shape, device)
-    finally:
-        knobs.runtime.jit_cache_hook = prev
-    return [(module, name, data) for data, (module, name) in recorder.specs.items()]
-
-
-def _compile_spec(module: str, name: str, data: str) -> float:
-    """Compile one recorded specialisation into the on-disk cache; returns its seconds."""
-    t0 = time.perf_counter()
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
-    fn.preload(data)
-    return time.perf_counter() - t0
 
 
 def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
@@ -294,30 +239,28 @@ def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
 
 def _compile_in_workers(report: WarmupReport, n: int, args: tuple, shapes: list[StepShape], device: str,
                         bar) -> None:
-    """Steps 2 and 3: record the specialisations in one worker while the others start, then compile them all."""
-    t0 = time.perf_counter()
+    """Step 2: each (shape, layer kind) once in a pool of ``n`` workers. Tasks go out kind by kind round-robin over
+    the shapes, largest first, so that the first wave compiles different kernels rather than the same ones."""
+    cfg, layers, *rest = args
+    order = sorted(shapes, key=lambda s: -sum(s.num_new))
+    tasks = [(shape, [li]) for shape in order for li in layers]
+    report.tasks = len(tasks)
+    if bar is not None:
+        bar.reset(total=len(tasks))
+        bar.set_description("warm-up: compile")
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_start_worker,
                                                 initargs=(device,)) as pool:
-        recording = pool.submit(_record_specs, *args, shapes, device)
-        for _ in range(n - 1):  # the other workers start (import, CUDA context) while one records
-            pool.submit(_ready)
-        specs = recording.result()
-        report.record_s = time.perf_counter() - t0
-        report.specialisations = len(specs)
-        if bar is not None:
-            bar.reset(total=len(specs))
-            bar.set_description("warm-up: compile")
-        futures = [pool.submit(_compile_spec, *spec) for spec in specs]
+        futures = [pool.submit(_run_shape, cfg, layer, *rest, shape, device) for shape, layer in tasks]
         for f in concurrent.futures.as_completed(futures):
-            report.slowest_compile_s = max(report.slowest_compile_s, f.result())
+            report.slowest_task_s = max(report.slowest_task_s, f.result())
             if bar is not None:
                 bar.update()
 
 
 def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bool = False) -> WarmupReport:
     """Compile every kernel a run of ``requests`` on ``engine`` launches before its first step (see the module
-    docstring for the four steps). ``workers``: compile processes (default: one per CPU core). Returns the
+    docstring for the three steps). ``workers``: compile processes (default: one per CPU core). Returns the
     ``WarmupReport``. On a device other than CUDA, or a backend without kernels, it only plans."""
     from .jit_clock import JitClock
 
@@ -339,9 +282,9 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(unit="kernel", desc="warm-up: record", leave=False, dynamic_ncols=True)
+        bar = tqdm(unit="run", desc="warm-up", leave=False, dynamic_ncols=True)
     if not report.warm_start:
-        n = max(1, workers or os.cpu_count() or 1)
+        n = max(1, min(workers or os.cpu_count() or 1, len(shapes) * len(layers)))
         t0 = time.perf_counter()
         try:
             _compile_in_workers(report, n, args, shapes, device, bar)

@@ -38,11 +38,8 @@ def _driver() -> Any:
 
 
 def compiled_kernel(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:
-    """The compiled kernel a ``kernel[grid](*args, **kwargs)`` launch would run (compiled now if it is not yet);
-    ``None`` when a ``jit_cache_hook`` declined to compile it (``dsv4.engine.warmup`` recording)."""
+    """The compiled kernel a ``kernel[grid](*args, **kwargs)`` launch would run (compiled now if it is not yet)."""
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
-    if compiled is None:
-        return None
     if hasattr(compiled, "result"):  # asynchronous compilation
         compiled = compiled.result()
     compiled._init_handles()
@@ -75,10 +72,7 @@ def launch(kernel: Any, compiled: Any, grid: tuple[int, ...], cluster: int, args
     (``grid[0] · cluster`` programs in all; ``grid[1:]`` as usual).
 
     The cluster size must be one of the kernel's constexpr arguments (in ``kwargs``), so that each size is its own
-    compiled kernel: the size is a property of the launch that this module sets on it. ``compiled = None`` (a
-    declined compile) launches nothing, as Triton's own launch does then."""
-    if compiled is None:
-        return
+    compiled kernel: the size is a property of the launch that this module sets on it."""
     _prepare(compiled, cluster)
     params = [kwargs[name] if name in kwargs else args[i] for i, name in enumerate(kernel.arg_names)]
     grid = tuple(grid) + (1,) * (3 - len(grid))
