@@ -56,6 +56,36 @@ def _worker(rank: int, scenarios: tuple[Scenario, ...], out_dir: str) -> None:
     for scn in scenarios:
         parallel = Parallel.build(scn.tp, scn.cp, scn.cp_window, scn.cp_merge)
         torch.save(run_steps(scn, parallel), f"{out_dir}/{scn.name}-{rank}.pt")
+    if len(scenarios) == len(TWO_RANKS):
+        _refusals(rank)
+        open(f"{out_dir}/refusals-{rank}.ok", "w").close()
+
+
+def _refusals(rank: int) -> None:
+    """What a rank refuses before it writes anything: another rank's weights, a cache of another CP share, numerics
+    whose FP8 ``wo_b`` a TP split would cut inside a 128-block, the Triton backend over a sharded pool."""
+    import dsv4
+    from dsv4.cache import HybridCache
+    from dsv4.distributed import Parallel
+
+    cfg = tiny()
+    tp, cp = Parallel.build(2, 1), Parallel.build(1, 2)
+    w = dsv4.AttentionWeights.random(cfg, 1, seed=0, fp8=False)
+    with pytest.raises(ValueError, match=f"shard {1 - rank} of 2 but this rank is {rank} of 2"):
+        dsv4.Attention(w.shard(1 - rank, 2), cfg, 1, parallel=tp)
+    with pytest.raises(ValueError, match="torch backend"):
+        dsv4.Attention(w, cfg, 1, backend="triton", parallel=cp)
+    for parallel, layer, cache_cp, numerics in ((cp, dsv4.Attention(w, cfg, 1, parallel=cp), (0, 1), "exact"),
+                                               (tp, dsv4.Attention(w.shard(rank, 2), cfg, 1, parallel=tp), (0, 1),
+                                                "official")):
+        cache = HybridCache(cfg, layers=[1], num_blocks=8, block_size=64, numerics=numerics, cp_rank=cache_cp[0],
+                            cp_size=cache_cp[1])
+        cache.add_request("a")
+        batch = cache.prepare_forward({"a": 20})
+        snap = cache.snapshot()
+        with pytest.raises(ValueError, match="context-parallel share 0 of 1|not whole 128-blocks"):
+            layer(torch.randn(20, cfg.hidden_size), batch, cache)
+        cache.assert_same(snap)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +102,7 @@ def results(tmp_path_factory) -> dict:
         torch.set_num_threads(threads)
     for scn in TWO_RANKS + FOUR_RANKS:
         res[scn.name] = [torch.load(out / f"{scn.name}-{r}.pt") for r in range(scn.tp * scn.cp)]
+    res["refusals"] = [(out / f"refusals-{r}.ok").exists() for r in range(2)]
     return res
 
 
@@ -110,6 +141,10 @@ def test_ranks_agree_bit_for_bit(results, scn):
         for key, y in first["y"].items():
             assert torch.equal(y, other["y"][key]), (scn.name, key)
             assert torch.equal(first["idx"][key], other["idx"][key]), (scn.name, key)
+
+
+def test_ranks_refuse_mismatched_weights_caches_and_numerics(results):
+    assert results["refusals"] == [True, True]
 
 
 @pytest.mark.parametrize("scn", [s for s in TWO_RANKS + FOUR_RANKS if s.cp > 1], ids=lambda s: s.name)

@@ -47,19 +47,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, worker: Callable, world: int, port: int, args: tuple) -> None:
+def _entry(rank: int, worker: Callable, world: int, port: int, backend: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    extra = {}
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120), **extra)
     try:
         worker(rank, *args)
     finally:
         dist.destroy_process_group()
 
 
-def launch(worker: Callable, nprocs: int, *args, timeout: float = 120.0) -> None:
-    """Run ``worker(rank, *args)`` on ``nprocs`` gloo ranks (module docstring); returns when all have finished."""
-    ctx = mp.start_processes(_entry, args=(worker, nprocs, free_port(), args), nprocs=nprocs, join=False,
+def launch(worker: Callable, nprocs: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
+    """Run ``worker(rank, *args)`` on ``nprocs`` ranks of a ``backend`` group (gloo on the CPU, or NCCL with GPU
+    ``rank`` per rank; module docstring); returns when all have finished."""
+    ctx = mp.start_processes(_entry, args=(worker, nprocs, free_port(), backend, args), nprocs=nprocs, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
@@ -88,6 +93,8 @@ class Scenario:
     seed: int = 0
     cp_window: str = "split"
     cp_merge: str = "sums"
+    backend: str = "torch"
+    cuda: bool = False  # on the rank's GPU (cuda:rank; one process: cuda:0)
 
 
 def tiny(o_lora_rank: int | None = None) -> dsv4.ModelConfig:
@@ -105,7 +112,7 @@ def _index_scores(layer: dsv4.Attention, x: torch.Tensor, batch, cache: HybridCa
     q_idx = torch_ops.indexer_queries(step, torch_ops.query_latent(step, x))
     weights = torch_ops.indexer_weights(step, x)
     n = max(((s + k) // layer.ratio for s, k in zip(batch.start_positions, batch.num_new)), default=0)
-    out = torch.full((batch.num_tokens, n), float("nan"))
+    out = torch.full((batch.num_tokens, n), float("nan"), device=x.device)
     for rows, keys in torch_ops.request_index_keys(step.cache, batch, layer.ratio):
         out[rows, : keys.shape[0]] = index_scores(q_idx[rows], weights[rows], keys, cache.numerics.score_dtype).float()
     return out
@@ -118,12 +125,13 @@ def run_steps(scn: Scenario, parallel: dsv4.distributed.Parallel | None = None) 
     cfg = scn.cfg
     tp_rank, tp_size = (parallel.tp_rank, parallel.tp_size) if parallel is not None else (0, 1)
     cp_rank, cp_size = (parallel.cp_rank, parallel.cp_size) if parallel is not None else (0, 1)
-    cache = HybridCache(cfg, layers=list(scn.layers), max_requests=4, num_blocks=24, block_size=64,
+    device = torch.device("cuda", torch.cuda.current_device()) if scn.cuda else torch.device("cpu")
+    cache = HybridCache(cfg, layers=list(scn.layers), max_requests=4, num_blocks=24, block_size=64, device=device,
                         numerics=scn.numerics, cp_rank=cp_rank, cp_size=cp_size)
     layers = {}
     for li in scn.layers:
         w = dsv4.AttentionWeights.random(cfg, li, seed=scn.seed, fp8=scn.fp8).shard(tp_rank, tp_size)
-        layers[li] = dsv4.Attention(w, cfg, li, backend="torch", parallel=parallel)
+        layers[li] = dsv4.Attention(w, cfg, li, backend=scn.backend, parallel=parallel)
     gen = torch.Generator().manual_seed(scn.seed + 1)
     out: dict = {"y": {}, "lse": {}, "idx": {}, "scores": {}, "pool_bytes": cache.pool.nbytes()}
     for s, plan in enumerate(STEPS):
@@ -132,11 +140,11 @@ def run_steps(scn: Scenario, parallel: dsv4.distributed.Parallel | None = None) 
                 cache.add_request(rid)
         batch = cache.prepare_forward(plan)
         for li, layer in layers.items():
-            x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen)
+            x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen).to(device)
             res = layer.forward_with_aux(x, batch, cache)
-            out["y"][s, li] = res.y
-            out["lse"][s, li] = res.lse
-            out["idx"][s, li] = res.attended_entries()
+            out["y"][s, li] = res.y.cpu()
+            out["lse"][s, li] = res.lse.cpu()
+            out["idx"][s, li] = res.attended_entries().cpu()
             if parallel is None and layer.kind is dsv4.LayerKind.CSA:
-                out["scores"][s, li] = _index_scores(layer, x, batch, cache)
+                out["scores"][s, li] = _index_scores(layer, x, batch, cache).cpu()
     return out
