@@ -255,7 +255,8 @@ def table(res: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    parallel, device = init_from_env(1, 1, args.device)  # the default group; the splits are built per part
+    _, device = init_from_env(1, 1, args.device, timeout_s=3600)  # the default group; each part builds its splits
+    # (a rank waits at a barrier while the other runs the one-GPU figure: minutes, JIT compiles included)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         raise SystemExit(f"run under torchrun with 2 processes (got {world})")

@@ -70,3 +70,21 @@ def test_run_under_torchrun(split, tmp_path):
     assert {row["kind"] for row in r["spot_check"]} == {"SWA", "CSA", "HCA"}
     if "--prefix-caching" in split:
         assert r["summary"]["prefix_cached_tokens"] > 0
+
+
+def test_distributed_benchmark_smoke(tmp_path):
+    """``benchmarks/bench_distributed.py`` on the CPU (tiny sizes), so the two-GPU run does not fail on a detail:
+    both parts, every figure in its JSON, the TP part's spot checks PASS. (CPU times mean nothing here.)"""
+    from support import REPO_ROOT
+
+    out = tmp_path / "dist.json"
+    res = run_python(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                      "--master-port", str(free_port()), str(REPO_ROOT / "benchmarks" / "bench_distributed.py"),
+                      "--tp-preset", "tiny", "--cp-preset", "tiny", "--tp-numerics", "exact", "--tp-batch", "3",
+                      "--tp-context", "64", "--tp-gen", "4", "--cp-batch", "2", "--cp-context", "600", "--cp-layers",
+                      "1", "2", "--cp-steps", "2", "--out", str(out)], interpret=False, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tp"]["one_gpu"]["spot_check"] == r["tp"]["tp2"]["spot_check"] == "PASS"
+    assert r["tp"]["tp2"]["decode_step_ms"] > 0 and r["cp"]["decode_ms_cp2_split"] > 0
+    assert r["cp"]["cache_bytes_per_gpu"] < r["cp"]["cache_bytes_one_gpu"]

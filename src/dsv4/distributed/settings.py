@@ -83,21 +83,18 @@ class Parallel:
         if world % (tp * cp):
             raise ValueError(f"{world} processes cannot form tp={tp} x cp={cp} groups: the number of processes must "
                              f"be a multiple of {tp * cp}")
+        replicas = range(world // (tp * cp))
+        grid = {  # every group of each kind, in the same order on every rank (new_group is collective)
+            "tp": [[(d * cp + c) * tp + t for t in range(tp)] for d in replicas for c in range(cp)],
+            "cp": [[(d * cp + c) * tp + t for c in range(cp)] for d in replicas for t in range(tp)],
+        }
         mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "cp": None}
-        for d in range(world // (tp * cp)):
-            base = d * tp * cp
-            if tp > 1:
-                for c in range(cp):
-                    ranks = [base + c * tp + t for t in range(tp)]
-                    g = dist.new_group(ranks)
+        for kind, size in (("tp", tp), ("cp", cp)):
+            if size > 1:
+                for ranks in grid[kind]:
+                    group = dist.new_group(ranks)
                     if rank in ranks:
-                        mine["tp"] = g
-            if cp > 1:
-                for t in range(tp):
-                    ranks = [base + c * tp + t for c in range(cp)]
-                    g = dist.new_group(ranks)
-                    if rank in ranks:
-                        mine["cp"] = g
+                        mine[kind] = group
         return cls(mine["tp"], mine["cp"], cp_window, cp_merge)
 
     # ------------------------------------------------------------------ what the layers ask

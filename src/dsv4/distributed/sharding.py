@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..config import ModelConfig
 from ..formats.block_fp8 import ACT_BLOCK, WEIGHT_BLOCK, BlockFp8Weight
 from ..numerics import Numerics
@@ -77,33 +79,22 @@ def head_geometry(w) -> tuple[int, int, int, int]:  # w: AttentionWeights
     return H, HD // H, G, int(w.wo_a.shape[0]) // G
 
 
-def _rows(name: str, v, start: int, stop: int, what: str):
-    """Rows ``start:stop`` of a projection (a copy); a ``BlockFp8Weight`` only along whole 128-row blocks."""
-    if isinstance(v, BlockFp8Weight):
-        out = v.shape[0]
-        if start % WEIGHT_BLOCK or (stop % WEIGHT_BLOCK and stop != out):
-            raise ValueError(
-                f"{name} is block-scaled FP8 ({WEIGHT_BLOCK}x{WEIGHT_BLOCK} blocks) and {what} gives a rank rows "
-                f"{start}..{stop - 1}, not whole blocks; FP8 projections are sharded along whole blocks only"
-            )
-        b0, b1 = start // WEIGHT_BLOCK, -(-stop // WEIGHT_BLOCK)
-        return BlockFp8Weight(v.data[start:stop].clone(), v.scale[b0:b1].clone())
-    return v[start:stop].clone()
-
-
-def _cols(name: str, v, start: int, stop: int, what: str):
-    """Columns ``start:stop`` of a projection (a copy); a ``BlockFp8Weight`` only along whole 128-column blocks."""
-    if isinstance(v, BlockFp8Weight):
-        cols = v.shape[1]
-        if start % WEIGHT_BLOCK or (stop % WEIGHT_BLOCK and stop != cols):
-            raise ValueError(
-                f"{name} is block-scaled FP8 ({WEIGHT_BLOCK}x{WEIGHT_BLOCK} blocks) and {what} gives a rank columns "
-                f"{start}..{stop - 1} of {cols}, not whole blocks; FP8 projections are sharded along whole blocks "
-                f"only (use a tp size that leaves each rank a multiple of {WEIGHT_BLOCK} columns, or plain weights)"
-            )
-        b0, b1 = start // WEIGHT_BLOCK, -(-stop // WEIGHT_BLOCK)
-        return BlockFp8Weight(v.data[:, start:stop].contiguous(), v.scale[:, b0:b1].contiguous())
-    return v[:, start:stop].contiguous().clone()
+def _cut(name: str, v, dim: int, start: int, stop: int, what: str):
+    """Rows (``dim`` 0) or columns (1) ``start:stop`` of a projection, as a copy; a ``BlockFp8Weight`` only along
+    whole 128-blocks (its E4M3 bytes and the scales of those blocks)."""
+    if not isinstance(v, BlockFp8Weight):
+        return v.narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
+    size = v.shape[dim]
+    if start % WEIGHT_BLOCK or (stop % WEIGHT_BLOCK and stop != size):
+        raise ValueError(
+            f"{name} is block-scaled FP8 ({WEIGHT_BLOCK}x{WEIGHT_BLOCK} blocks) and {what} gives a rank "
+            f"{'rows' if dim == 0 else 'columns'} {start}..{stop - 1} of {size}, not whole blocks; FP8 projections "
+            f"are sharded along whole blocks only (use a tp size that leaves each rank a multiple of {WEIGHT_BLOCK}, "
+            f"or plain weights)"
+        )
+    b0, b1 = start // WEIGHT_BLOCK, -(-stop // WEIGHT_BLOCK)
+    return BlockFp8Weight(v.data.narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format),
+                          v.scale.narrow(dim, b0, b1 - b0).clone(memory_format=torch.contiguous_format))
 
 
 def shard_attention_weights(w, tp_rank: int, tp_size: int):  # w: AttentionWeights -> AttentionWeights
@@ -126,10 +117,10 @@ def shard_attention_weights(w, tp_rank: int, tp_size: int):  # w: AttentionWeigh
     groups = (tp_rank * Gl * o_lora, (tp_rank + 1) * Gl * o_lora)
     return dataclasses.replace(
         w,
-        wq_b=_rows("wq_b", w.wq_b, heads.start * D, heads.stop * D, what),
+        wq_b=_cut("wq_b", w.wq_b, 0, heads.start * D, heads.stop * D, what),
         attn_sink=w.attn_sink[heads].clone(),
         wo_a=w.wo_a[groups[0]:groups[1]].clone(),
-        wo_b=_cols("wo_b", w.wo_b, *groups, what),
+        wo_b=_cut("wo_b", w.wo_b, 1, *groups, what),
         tp_shard=(tp_rank, tp_size),
     )
 
