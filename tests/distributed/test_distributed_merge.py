@@ -10,6 +10,7 @@ import torch
 import dsv4
 from dsv4.cache import HybridCache
 from dsv4.cache.errors import InvalidPlanError
+from dsv4.cache.integrity import canonical_ring_positions
 from dsv4.distributed.cp_ops import held_entries, window_columns
 from dsv4.distributed.merge import merge_partials, partial_attention
 from dsv4.reference.core import attend_with_sink
@@ -97,3 +98,28 @@ def test_context_parallel_cache_geometry():
         HybridCache(cfg, layers=[2], num_blocks=8, block_size=64, cp_rank=0, cp_size=8)
     with pytest.raises(InvalidPlanError, match="cp_rank"):
         HybridCache(cfg, layers=[2], num_blocks=8, block_size=64, cp_rank=2, cp_size=2)
+
+
+def test_context_parallel_cache_save_restore():
+    """A CP rank's request moves out and back (``preempt_request`` / ``restore_request``): its pages — the
+    entries it holds, at local slots — come back byte for byte, and the snapshot checks read only those."""
+    cfg = dsv4.ModelConfig.preset("tiny")
+    cache = HybridCache(cfg, layers=[1, 2], num_blocks=8, block_size=64, cp_rank=1, cp_size=2)
+    cache.add_request("a")
+    cache.claim_step(cache.prepare_forward({"a": 150}))
+    g = torch.Generator().manual_seed(3)
+    for li in (1, 2):
+        layer, m = cache.layer(li), cfg.ratio(li)
+        layer.ring_positions[cache.slot("a")] = canonical_ring_positions(150, cfg.window)  # as if the layers ran
+        held = held_entries(150 // m, 1, 2, torch.device("cpu"))
+        block = torch.tensor(cache.block_table("a"))[held * m // 64]
+        slot = (held * m % 64) // m // 2
+        for pages, storage in ((layer.kv_pages, layer.schema.kv_storage), (layer.index_pages, layer.schema.index_storage)):
+            if storage is not None:
+                storage.write(pages, block, slot, torch.randn(held.numel(), storage.dim, generator=g))
+    before = {li: cache.layer(li).kv_pages[cache.block_table("a")].clone() for li in (1, 2)}
+    snap = cache.preempt_request("a")
+    cache.restore_request("a", snap)
+    for li in (1, 2):
+        assert torch.equal(cache.layer(li).kv_pages[cache.block_table("a")], before[li])
+    cache.check_invariants()
