@@ -190,7 +190,8 @@ def _write_entries(layer: LayerCache, pages: Tensor, storage: EntryStorage, batc
 
 def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
     """See ``backend.AttentionBackend.new_entries``: the window entries (``window_entries``), then the main
-    compressor's entries into ``kv_pages`` (KV format) and, CSA, the indexer's keys into ``index_pages``."""
+    compressor's entries into ``kv_pages`` (KV format) and, CSA, the indexer's keys into ``index_pages`` (a
+    context-parallel cache: those it holds; every rank runs the compressors)."""
     layer, nm, nope = step.cache, step.numerics, step.cfg.nope_dim
     window = window_entries(step, kv)
     if step.ratio == 0:
