@@ -42,7 +42,8 @@ class StepOutputs:
 
     Attributes:
         y: ``[T, d]`` layer output (act dtype).
-        lse: ``[T, H]`` float32 log-sum-exp of each head's softmax denominator (sink included).
+        lse: ``[T, H]`` float32 log-sum-exp of each head's softmax denominator (sink included); a tensor-parallel
+            rank's ``[T, H/tp]``: its heads.
         entry_idx: the compressed entries each token attended: CSA int64 ``[T, k]`` top-k (−1 = none); HCA int64
             ``[T]`` how many it saw (it attends every entry ``i < entry_idx[t]``); SWA ``[T, 0]``.
     """

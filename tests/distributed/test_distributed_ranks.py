@@ -50,15 +50,37 @@ def tolerance(scn: Scenario) -> float:
     return 2e-2 if scn.cp_merge == "lse" and scn.cp > 1 else 5e-3
 
 
-def _worker(rank: int, scenarios: tuple[Scenario, ...], out_dir: str) -> None:
+def _worker(rank: int, scenarios: tuple[Scenario, ...], out_dir: str, check) -> None:
+    """Every scenario's outputs into ``out_dir``, then ``check(rank)`` (it raises on failure, else a marker file)."""
     from dsv4.distributed import Parallel
 
     for scn in scenarios:
         parallel = Parallel.build(scn.tp, scn.cp, scn.cp_window, scn.cp_merge)
         torch.save(run_steps(scn, parallel), f"{out_dir}/{scn.name}-{rank}.pt")
-    if len(scenarios) == len(TWO_RANKS):
-        _refusals(rank)
-        open(f"{out_dir}/refusals-{rank}.ok", "w").close()
+    check(rank)
+    open(f"{out_dir}/{check.__name__}-{rank}.ok", "w").close()
+
+
+def _grid(rank: int) -> None:
+    """4 processes: tp × cp groups of the dp × cp × tp grid (TP innermost), and 2 TP-only replicas."""
+    import torch.distributed as dist
+
+    from dsv4.distributed import Parallel
+
+    def members(group) -> list[int]:
+        ranks = torch.zeros(4, dtype=torch.int64)
+        ranks[rank] = 1
+        dist.all_reduce(ranks, group=group)
+        return ranks.nonzero().flatten().tolist()
+
+    both = Parallel.build(2, 2)
+    assert (both.tp_rank, both.cp_rank) == (rank % 2, rank // 2)
+    assert members(both.tp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert members(both.cp_group) == [rank % 2, rank % 2 + 2]
+    replicas = Parallel.build(2, 1)
+    assert replicas.cp_group is None and members(replicas.tp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    with pytest.raises(ValueError, match="multiple of 3"):
+        Parallel.build(3, 1)
 
 
 def _refusals(rank: int) -> None:
@@ -92,8 +114,8 @@ def _refusals(rank: int) -> None:
 def results(tmp_path_factory) -> dict:
     """``{scenario name: [rank 0's outputs, rank 1's, …]}`` and ``{"single-" + numerics: one process's}``."""
     out = tmp_path_factory.mktemp("ranks")
-    launch(_worker, 2, TWO_RANKS, str(out), timeout=240)
-    launch(_worker, 4, FOUR_RANKS, str(out), timeout=240)
+    launch(_worker, 2, TWO_RANKS, str(out), _refusals, timeout=240)
+    launch(_worker, 4, FOUR_RANKS, str(out), _grid, timeout=240)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -102,7 +124,8 @@ def results(tmp_path_factory) -> dict:
         torch.set_num_threads(threads)
     for scn in TWO_RANKS + FOUR_RANKS:
         res[scn.name] = [torch.load(out / f"{scn.name}-{r}.pt") for r in range(scn.tp * scn.cp)]
-    res["refusals"] = [(out / f"refusals-{r}.ok").exists() for r in range(2)]
+    res["refusals"] = [(out / f"_refusals-{r}.ok").exists() for r in range(2)]
+    res["grid"] = [(out / f"_grid-{r}.ok").exists() for r in range(4)]
     return res
 
 
@@ -145,6 +168,10 @@ def test_ranks_agree_bit_for_bit(results, scn):
 
 def test_ranks_refuse_mismatched_weights_caches_and_numerics(results):
     assert results["refusals"] == [True, True]
+
+
+def test_groups_form_the_rank_grid(results):
+    assert results["grid"] == [True] * 4
 
 
 @pytest.mark.parametrize("scn", [s for s in TWO_RANKS + FOUR_RANKS if s.cp > 1], ids=lambda s: s.name)
