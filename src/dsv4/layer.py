@@ -212,22 +212,25 @@ class Attention:
             raise ValueError(f"x is on {x.device} but the cache is on {cache.device}")
         if batch.device != cache.device:
             raise ValueError(f"batch is on {batch.device} but the cache is on {cache.device}")
-        if self.parallel is not None:
-            self._validate_parallel(cache)
+        self._validate_parallel(cache)
         if self.check_inputs and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or Inf; hidden states must be finite (nothing was written to the cache)")
 
     def _validate_parallel(self, cache: HybridCache) -> None:
-        """The cache is this rank's share of the pool, and the numerics can split ``wo_b`` over the TP ranks."""
-        from .distributed import check_fp8_split
-
+        """The cache is this rank's share of the pool (one process: the whole pool), and the numerics can split
+        ``wo_b`` over the TP ranks."""
         p = self.parallel
-        if (cache.cp_rank, cache.cp_size) != (p.cp_rank, p.cp_size):
+        rank, size = (p.cp_rank, p.cp_size) if p is not None else (0, 1)
+        if (cache.cp_rank, cache.cp_size) != (rank, size):
             raise ValueError(
-                f"the cache holds context-parallel share {cache.cp_rank} of {cache.cp_size} but this rank is "
-                f"{p.cp_rank} of {p.cp_size}: build it with HybridCache(..., cp_rank={p.cp_rank}, cp_size={p.cp_size})"
+                f"the cache holds context-parallel share {cache.cp_rank} of {cache.cp_size} but this layer runs "
+                + (f"rank {rank} of {size}: build it with HybridCache(..., cp_rank={rank}, cp_size={size})"
+                   if p is not None else "in one process (no parallel split): it needs the whole pool")
             )
-        check_fp8_split(self.cfg, p.tp_size, cache.numerics)
+        if p is not None:
+            from .distributed import check_fp8_split
+
+            check_fp8_split(self.cfg, p.tp_size, cache.numerics)
 
     def layer_step(self, batch: StepBatch, cache: HybridCache, plan: StepPlan) -> LayerStep:
         """What this layer's ops read in the step (weights on the cache's device, its cache tensors, its plan)."""

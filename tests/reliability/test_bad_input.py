@@ -197,6 +197,14 @@ def exported_prefix(numerics: str = "official") -> dsv4.cache.PrefixSnapshot:
     return snap
 
 
+def cp_share_step(env: Env) -> tuple:
+    """``(x, batch, cache)`` of a step over context-parallel share 1 of 2 of a cache like the env's (a fresh one)."""
+    cache = HybridCache(TINY, layers=LAYERS, max_requests=1, num_blocks=4, block_size=32, cp_rank=1, cp_size=2)
+    cache.add_request("a")
+    batch = cache.prepare_forward({"a": 20})
+    return torch.randn(20, TINY.hidden_size), batch, cache
+
+
 def weights_with(li: int, **changes) -> dsv4.AttentionWeights:
     w = dsv4.AttentionWeights.random(TINY, li, seed=0)
     return dataclasses.replace(w, **changes)
@@ -370,6 +378,7 @@ CASES: dict[str, Callable[[Env], list[Callable[[], object]]]] = {
     "A13": lambda e: [
         lambda li=li: Attention(e.layers[li].weights, TINY, li, backend="triton")(e.x(), e.batch, e.cache) for li in LAYERS
     ],
+    "A14": lambda e: [lambda li=li: e.layers[li](*cp_share_step(e)) for li in LAYERS],
     # ---- Attention construction (weights)
     "W1": lambda e: [lambda: Attention(dsv4.AttentionWeights.random(TINY, 1, seed=0), TINY, 0)],
     "W6": lambda e: [lambda: Attention(dsv4.AttentionWeights.random(TINY, 1, seed=0, fp8=False).shard(0, 2), TINY, 1)],
