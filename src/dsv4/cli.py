@@ -215,6 +215,10 @@ def _start_parallel(args: argparse.Namespace) -> tuple[Any, torch.device | None]
         return None, None
     from .distributed import init_from_env
 
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != args.tp * args.cp:
+        raise SystemExit(f"error: --tp {args.tp} --cp {args.cp} needs exactly {args.tp * args.cp} processes, torchrun "
+                         f"started {world} (--nproc-per-node)")
     try:
         return init_from_env(args.tp, args.cp, args.device)
     except (RuntimeError, ValueError) as e:

@@ -56,12 +56,12 @@ from ..reference.primitives import rms_norm
 from ..validate import require_bool, require_choice, require_device, require_instance, require_int
 from ..weights import AttentionWeights
 from .hidden import TokenHidden, generated_token_ids
-
-if TYPE_CHECKING:
-    from ..distributed import Parallel
 from .jit_clock import JitClock
 from .requests import DEFAULT_VOCAB, Request, prompt_token_ids
 from .scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from ..distributed import Parallel
 
 __all__ = ["DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace"]
 
