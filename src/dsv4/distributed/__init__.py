@@ -12,7 +12,8 @@
 Without a ``Parallel`` nothing here runs: the one-process path has no collective and no extra host work.
 """
 
+from .merge import MERGES
 from .settings import CP_WINDOW_MODES, Parallel, init_from_env
 from .sharding import check_fp8_split, local_config
 
-__all__ = ["CP_WINDOW_MODES", "Parallel", "check_fp8_split", "init_from_env", "local_config"]
+__all__ = ["CP_WINDOW_MODES", "MERGES", "Parallel", "check_fp8_split", "init_from_env", "local_config"]
