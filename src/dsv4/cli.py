@@ -210,15 +210,45 @@ _GPU_DEFAULTS = {"preset": "v4-flash", "requests": 64, "prompt_len": "8192", "ge
                  "max_batched_tokens": 8192}
 
 
+def _start_parallel(args: argparse.Namespace) -> tuple[Any, torch.device | None]:
+    """``--tp`` / ``--cp`` beyond one process: this rank's ``Parallel`` and device from ``torchrun``'s environment
+    (``(None, None)`` for one process)."""
+    if args.tp * args.cp == 1:
+        return None, None
+    from .distributed import init_from_env
+
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != args.tp * args.cp:
+        raise SystemExit(f"error: --tp {args.tp} --cp {args.cp} needs exactly {args.tp * args.cp} processes, torchrun "
+                         f"started {world} (--nproc-per-node)")
+    try:
+        return init_from_env(args.tp, args.cp, args.device)
+    except (RuntimeError, ValueError) as e:
+        raise SystemExit(f"error: --tp {args.tp} --cp {args.cp}: {e}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    """``dsv4 run``: the engine over a workload, figures, and a spot check against the reference."""
+    """``dsv4 run``: the engine over a workload, figures, and a spot check against the reference. With ``--tp`` /
+    ``--cp`` under ``torchrun``: every rank runs the engine on its share, rank 0 prints (and spot-checks)."""
+    parallel, device = _start_parallel(args)
+    try:
+        return _run(args, parallel, device)
+    finally:
+        if parallel is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, parallel: Any, device: torch.device | None) -> int:
     from .engine import Engine, EngineConfig, LengthSpec, make_requests, spot_check
     from .engine.runner import weights_bytes
 
-    _output_file("--json", args.json)
+    rank0 = parallel is None or torch.distributed.get_rank() == 0
+    _output_file("--json", args.json if rank0 else None)
     if args.checkpoint and not os.path.exists(args.checkpoint):
         raise SystemExit(f"error: --checkpoint {args.checkpoint!r} does not exist")
-    device = _pick_device(args.device)
+    device = device if device is not None else _pick_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     d = _GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS
@@ -250,7 +280,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     weights_mode = args.checkpoint or args.weights
     cache_memory = args.cache_memory
     json_only = args.json == "-"
-    say: Callable[..., None] = (lambda *a, **k: None) if json_only else print
+    say: Callable[..., None] = (lambda *a, **k: None) if json_only or not rank0 else print
     if args.shared_prefix < 0 or args.prefix_groups < 1:
         raise SystemExit("error: --shared-prefix must be >= 0 and --prefix-groups >= 1")
     if args.prefix_states is not None and args.prefix_states < 1:
@@ -293,12 +323,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     say(cfg.describe())
     t_build = time.perf_counter()
     try:
-        engine = Engine(cfg, layers, econf, progress=not args.no_progress and not json_only)
+        engine = Engine(cfg, layers, econf, progress=not args.no_progress and not json_only and rank0,
+                        parallel=parallel)
     except (ValueError, TypeError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     build_s = time.perf_counter() - t_build
     say(f"stack: {_kinds_summary(cfg, layers)}; backend {engine.backend} on {device}; numerics {args.numerics}; "
         f"weights {weights_mode} ({_mib(w_bytes)}, built in {build_s:.1f} s)")
+    if parallel is not None:
+        import torch.distributed as dist
+
+        say(f"parallel: tp {args.tp} x cp {args.cp} over {dist.get_world_size()} processes ({dist.get_backend()}); "
+            f"each rank computes {cfg.num_heads // args.tp} of {cfg.num_heads} heads and holds 1/{args.cp} of every "
+            f"request's compressed entries; rank 0 prints and spot-checks; figures are rank 0's")
     tot_p = sum(r.prompt_len for r in requests)
     tot_g = sum(r.gen_len for r in requests)
     shared = (f"a shared prefix of {args.shared_prefix:,} tokens per group ({args.prefix_groups} groups) + "
@@ -331,7 +368,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         engine.trace([r.request_id for r in chosen], check_layers)
 
     try:
-        stats = engine.run(requests, progress=not args.no_progress and not json_only)
+        stats = engine.run(requests, progress=not args.no_progress and not json_only and rank0)
     except Exception as e:  # the run itself failing is an error, not a FAIL of the check
         raise SystemExit(f"error: the run failed: {type(e).__name__}: {e}") from e
     first_step = time.perf_counter() - stats.wall_s - _T_COMMAND
@@ -342,7 +379,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     per_block = cache.pool.bytes_per_block
 
     say("")
-    say(f"cache: {_mib(s['cache_bytes_allocated'])} allocated ({cache.num_blocks} blocks of {block_size} tokens x "
+    say(f"cache{' (rank 0)' if parallel is not None else ''}: {_mib(s['cache_bytes_allocated'])} allocated "
+        f"({cache.num_blocks} blocks of {block_size} tokens x "
         f"{_mib(per_block)}, {cache.max_requests} state slots x {_mib(state_per_slot)})"
         + (f"; CUDA graphs for decode batches {list(engine.graphs.sizes)} (captured in {s['graph_capture_s']:.1f} s)"
            if engine.graphs is not None else "; CUDA graphs: off"))
@@ -396,7 +434,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     failures = 0
     check_rows: list[dict[str, Any]] = []
-    if n_check:
+    if n_check and rank0:  # the reference runs in one process
         engine.graphs = None
         engine.cache = None
         if device.type == "cuda":
@@ -426,12 +464,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             + ("" if not any(r.tie_rows for r in rows) else
                " ('ties': CSA tokens whose top-k differs only by near-tied index scores, excluded from the error)"))
     verdict = "PASS" if not failures else "FAIL"
-    if args.json:
+    if args.json and rank0:
         out = {
             "version": __version__, "command": "run", "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine()),
             "torch": torch.__version__, "config": cfg.name, "layers": layers, "backend": engine.backend,
             "numerics": args.numerics, "weights": weights_mode, "seed": args.seed,
+            "parallel": {"tp": args.tp, "cp": args.cp},
             "workload": {"requests": n_req, "prompt_len": str(p_spec), "gen_len": str(g_spec), "prompt_tokens": tot_p,
                          "gen_tokens": tot_g, "max_running": max_running, "max_batched_tokens": budget,
                          "decode_tokens": args.decode_tokens, "block_size": block_size,
@@ -482,8 +521,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise SystemExit(f"error: unknown format(s) {bad}; choose from {sorted(FORMATS)}")
+    parallel = None
     try:
-        plans = plan_formats(cfg, context, memory, layers, formats, args.block_size)
+        plans = plan_formats(cfg, context, memory, layers, formats, args.block_size, args.cp)
+        if args.tp * args.cp > 1:
+            from .planner import plan_parallel
+
+            parallel = plan_parallel(cfg, context, memory, layers, args.tp, args.cp, "official", args.block_size)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     say: Callable[..., None] = (lambda *a, **k: None) if args.json == "-" else print
@@ -505,7 +549,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             say(f"  {k.kind:<5}{k.layers:>7}{k.ratio:>6}{k.kv_entry_bytes:>7}{k.index_entry_bytes:>8}"
                 f"{k.bytes_per_token:>9.2f}{human_bytes(k.state_bytes):>15}{human_bytes(k.pool_bytes_per_block):>12}")
         say("")
-    say(f"context {context:,} tokens, memory budget {human_bytes(memory)}:")
+    per_gpu = f" per GPU (one of {args.cp} context-parallel GPUs: its share of the pool)" if args.cp > 1 else ""
+    say(f"context {context:,} tokens, memory budget {human_bytes(memory)}{per_gpu}:")
     say(f"  {'format':<11}{'B/token':>9}{'fixed/request':>15}{'per request':>13}{'B/token x ctx':>15}"
         f"{'requests':>10}{'max context':>13}")
     for p in plans:
@@ -516,11 +561,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         say(f"  {p.format}: {p.description}")
     if official is not None:
         sp = official.bytes_per_token
-        say(f"\nSPEC §7.3 (docs/spec.md): {official.format} grows {sp:,.2f} B/token over these layers "
+        say(f"\nSPEC §7.3 (docs/spec.md): {official.format} grows {sp:,.2f} B/token"
+            f"{f' per GPU (1/{args.cp} of the whole)' if args.cp > 1 else ''} over these layers "
             f"({' + '.join(f'{k.layers} {k.kind} x {k.bytes_per_token:.2f}' for k in official.kinds if k.bytes_per_token)}); "
             f"x {context:,} tokens = {human_bytes(sp * context)}; with the fixed state "
             f"({human_bytes(official.fixed_bytes_per_request)}) and block rounding/page padding one request holds "
             f"{human_bytes(official.bytes_per_request)}.")
+    if parallel is not None:
+        pp = parallel
+        say(f"\nparallel: tp {pp.tp} x cp {pp.cp} = {pp.tp * pp.cp} GPUs ({pp.format} format; tensor parallelism splits the "
+            f"heads and replicates the cache, context parallelism splits every request's compressed pool):")
+        say(f"  {'per GPU':<34}{f'tp {pp.tp} x cp {pp.cp}':>16}{'one GPU':>16}")
+        rows = [("attention weights", human_bytes(pp.weights_per_gpu), human_bytes(pp.weights_one_gpu)),
+                (f"cache of one {context:,}-token request", human_bytes(pp.request_per_gpu), human_bytes(pp.request_one_gpu)),
+                (f"requests that fit {human_bytes(memory)} of cache", f"{pp.max_requests_per_gpu:,}", f"{pp.max_requests_one_gpu:,}"),
+                ("longest context that fits", f"{pp.max_context_per_gpu:,}", f"{pp.max_context_one_gpu:,}")]
+        for label, a, b in rows:
+            say(f"  {label:<34}{a:>16}{b:>16}")
+        say(f"  (the longest context is capped at {cfg.name}'s max_position {cfg.max_position:,})")
     prefix = None
     if args.shared_prefix:
         from .planner import plan_prefix_sharing
@@ -551,6 +609,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "memory_bytes": memory, "block_size": args.block_size,
             "plans": [dict(p.__dict__, kinds=[k.__dict__ for k in p.kinds]) for p in plans],
             "prefix": None if prefix is None else prefix.__dict__,
+            "parallel": None if parallel is None else parallel.__dict__,
         }), args.json)
     return 0
 
@@ -781,6 +840,10 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--prefix-states", type=_positive_int, metavar="N",
                        help="state snapshots the prefix cache keeps (default: 2 x --max-running)")
         r.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the weights, lengths and hidden states")
+        r.add_argument("--tp", type=_positive_int, default=1,
+                       help="tensor-parallel ranks (query heads split; run under torchrun with tp x cp processes)")
+        r.add_argument("--cp", type=_positive_int, default=1,
+                       help="context-parallel ranks (every request's compressed pool split; torch backend; under torchrun)")
         r.add_argument("--check-requests", type=_nonneg_int, default=2,
                        help="requests spot-checked against the reference (0: none)")
         r.add_argument("--check-layers", nargs="+", help="layers spot-checked (default: all if <= 8 layers, else kinds)")
@@ -816,6 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="with prefix caching: the first N tokens of every request are shared within its group")
     pl.add_argument("--prefix-groups", type=int, default=1, metavar="G", help="groups sharing a prefix")
+    pl.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs (heads split; cache replicated)")
+    pl.add_argument("--cp", type=_positive_int, default=1,
+                    help="context-parallel GPUs (every request's compressed pool split): the tables are per GPU")
     pl.add_argument("--plot", metavar="PNG", help="draw per-request memory against context length (needs matplotlib)")
     pl.add_argument("--plot-max-context", type=_positive_int, help="right end of the plot (default: max_position)")
     json_arg(pl)

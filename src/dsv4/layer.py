@@ -12,6 +12,7 @@ tensors); ``"auto"`` picks Triton for CUDA inputs when it is available, else tor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from .reference.rope import rope_inv_freq
 from .validate import require_bool, require_choice, require_instance, require_int
 from .weights import AttentionWeights
 
+if TYPE_CHECKING:
+    from .distributed import Parallel
+
 __all__ = ["Attention", "BACKENDS", "NAN_POLICIES", "StepOutputs"]
 
 NAN_POLICIES = ("raise", "flag", "off")
@@ -38,7 +42,8 @@ class StepOutputs:
 
     Attributes:
         y: ``[T, d]`` layer output (act dtype).
-        lse: ``[T, H]`` float32 log-sum-exp of each head's softmax denominator (sink included).
+        lse: ``[T, H]`` float32 log-sum-exp of each head's softmax denominator (sink included); a tensor-parallel
+            rank's ``[T, H/tp]``: its heads.
         entry_idx: the compressed entries each token attended: CSA int64 ``[T, k]`` top-k (−1 = none); HCA int64
             ``[T]`` how many it saw (it attends every entry ``i < entry_idx[t]``); SWA ``[T, 0]``.
     """
@@ -74,6 +79,11 @@ class Attention:
             ``"flag"`` — no host sync (graph-safe): record the requests affected in the cache's device-side flags
             (``HybridCache.nonfinite_requests()`` reads them); ``"off"`` — no check: a NaN stays inside the
             request it came from.
+        parallel: ``dsv4.distributed.Parallel``: this rank's process groups (``None``: one process, no
+            collective). Tensor parallelism: ``weights`` are this rank's shard (``AttentionWeights.shard``) and
+            the layer computes its ``H/tp`` heads, with one all-reduce of the output; context parallelism: the
+            cache is this rank's (``HybridCache(cp_rank=, cp_size=)``) and CSA / HCA layers merge their top-k and
+            attention over the group (torch backend). Every rank of the groups runs every step of the layer.
     """
 
     def __init__(
@@ -84,6 +94,7 @@ class Attention:
         backend: str = "auto",
         check_inputs: bool = True,
         nan_policy: str = "raise",
+        parallel: Parallel | None = None,
     ) -> None:
         require_instance("weights", weights, AttentionWeights, "build them with AttentionWeights.random / "
                          "from_checkpoint / from_hf_module")
@@ -93,7 +104,27 @@ class Attention:
             raise ValueError(f"unknown backend {backend!r}; available: {BACKENDS} or 'auto'")
         require_bool("check_inputs", check_inputs)
         require_choice("nan_policy", nan_policy, NAN_POLICIES)
-        weights.check(cfg, layer_idx)
+        #: the layer as this rank computes it (``LayerStep.cfg``): ``cfg``, or its ``H/tp`` heads under tensor
+        #: parallelism
+        self.step_cfg = cfg
+        if parallel is not None:
+            from .distributed import Parallel
+
+            require_instance("parallel", parallel, Parallel, "build it with dsv4.distributed.Parallel.build or "
+                             "init_from_env")
+            self.step_cfg = parallel.local_config(cfg)
+            if weights.tp_shard != (parallel.tp_rank, parallel.tp_size):
+                raise ValueError(
+                    f"weights are tensor-parallel shard {weights.tp_shard[0]} of {weights.tp_shard[1]} but this rank "
+                    f"is {parallel.tp_rank} of {parallel.tp_size}: pass weights.shard({parallel.tp_rank}, "
+                    f"{parallel.tp_size}) of the full weights"
+                )
+            if parallel.cp_size > 1 and backend == "triton":
+                raise ValueError("context parallelism runs the torch backend's ops: use backend='torch' or 'auto'")
+            parallel = parallel if parallel.is_split else None
+        weights.check(self.step_cfg, layer_idx)
+        self.parallel = parallel
+        self._parallel_ops: dict[str, Any] = {}
         self.weights = weights
         self.cfg = cfg
         self.layer_idx = layer_idx
@@ -105,25 +136,40 @@ class Attention:
         self._device_weights: dict[tuple[torch.device, Numerics], tuple[AttentionWeights, Tensor]] = {}
 
     def backend_for(self, device: torch.device) -> str:
-        """The backend a step on ``device`` runs (resolves ``"auto"``)."""
+        """The backend a step on ``device`` runs (resolves ``"auto"``; torch under context parallelism)."""
         if self.backend != "auto":
             return self.backend
+        if self.parallel is not None and self.parallel.cp_size > 1:
+            return "torch"
         return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+    def ops_for(self, device: torch.device) -> Any:
+        """The ops a step on ``device`` runs: its backend's (``dsv4.ops.backend``), with the parallel stages swapped
+        in under a ``parallel`` split (``dsv4.distributed.ops``)."""
+        name = self.backend_for(device)
+        if self.parallel is None:
+            return backend_ops(name)
+        ops = self._parallel_ops.get(name)
+        if ops is None:
+            from .distributed.ops import parallel_ops
+
+            ops = self._parallel_ops[name] = parallel_ops(backend_ops(name), self.parallel, self.kind,
+                                                          self.step_cfg.num_heads)
+        return ops
 
     def graph_safe(self, device: torch.device) -> bool:
         """Whether a step on ``device`` can be captured in a CUDA graph (graph-safe backend, no input check, NaN
         policy ``"flag"`` or ``"off"``)."""
-        return (
-            bool(backend_ops(self.backend_for(device)).GRAPH_SAFE) and not self.check_inputs and self.nan_policy != "raise"
-        )
+        return bool(self.ops_for(device).GRAPH_SAFE) and not self.check_inputs and self.nan_policy != "raise"
 
     def plan_step(self, batch: StepBatch, cache: HybridCache) -> StepPlan:
         """The step's launch decisions for this layer's backend (build it once per step and pass it to every
         layer's ``forward``; see ``dsv4.ops.plan``)."""
-        return backend_ops(self.backend_for(cache.device)).plan_step(batch, cache)
+        return self.ops_for(cache.device).plan_step(batch, cache)
 
     def __repr__(self) -> str:
-        return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend})"
+        split = f", {self.parallel.describe()}" if self.parallel is not None else ""
+        return f"Attention({self.cfg.name}, layer {self.layer_idx} {self.kind.name}, backend={self.backend}{split})"
 
     def reload_weights(self) -> None:
         """Forget the device copies of the weights: the next step copies ``self.weights`` again (after changing
@@ -171,13 +217,30 @@ class Attention:
             raise ValueError(f"x is on {x.device} but the cache is on {cache.device}")
         if batch.device != cache.device:
             raise ValueError(f"batch is on {batch.device} but the cache is on {cache.device}")
+        self._validate_parallel(cache)
         if self.check_inputs and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or Inf; hidden states must be finite (nothing was written to the cache)")
+
+    def _validate_parallel(self, cache: HybridCache) -> None:
+        """The cache is this rank's share of the pool (one process: the whole pool), and the numerics can split
+        ``wo_b`` over the TP ranks."""
+        p = self.parallel
+        rank, size = (p.cp_rank, p.cp_size) if p is not None else (0, 1)
+        if (cache.cp_rank, cache.cp_size) != (rank, size):
+            raise ValueError(
+                f"the cache holds context-parallel share {cache.cp_rank} of {cache.cp_size} but this layer runs "
+                + (f"rank {rank} of {size}: build it with HybridCache(..., cp_rank={rank}, cp_size={size})"
+                   if p is not None else "in one process (no parallel split): it needs the whole pool")
+            )
+        if p is not None:
+            from .distributed import check_fp8_split
+
+            check_fp8_split(self.cfg, p.tp_size, cache.numerics)
 
     def layer_step(self, batch: StepBatch, cache: HybridCache, plan: StepPlan) -> LayerStep:
         """What this layer's ops read in the step (weights on the cache's device, its cache tensors, its plan)."""
         w, inv_freq = self._weights_on(cache.device, cache.numerics)
-        return LayerStep(self.cfg, self.layer_idx, self.kind, self.ratio, w, inv_freq, cache.numerics,
+        return LayerStep(self.step_cfg, self.layer_idx, self.kind, self.ratio, w, inv_freq, cache.numerics,
                          cache.layer(self.layer_idx), batch, plan.layer(self.kind))
 
     def forward(self, x: Tensor, batch: StepBatch, cache: HybridCache, plan: StepPlan | None = None) -> Tensor:
@@ -212,6 +275,8 @@ class Attention:
             out = self._step(x, batch, cache, plan)
             if self.nan_policy != "off":
                 bad, parts = nonfinite_requests(layer, batch, out.y)
+                if self.parallel is not None and self.nan_policy == "raise":
+                    self.parallel.agree_max(bad)  # every rank of the split rolls back together, or none
                 if self.nan_policy == "flag":
                     cache.flag_nonfinite(batch, bad)
                 elif bool(bad.any()):
@@ -226,7 +291,7 @@ class Attention:
     def _nonfinite_message(self, x: Tensor, batch: StepBatch, bad: Tensor, parts: dict[str, Tensor]) -> str:
         """Why a step is refused: the requests and parts affected, and the likely cause."""
         rids = [rid for rid, b in zip(batch.request_ids, bad.tolist()) if b]
-        where = [name for name, flag in parts.items() if bool(flag)]
+        where = [name for name, flag in parts.items() if bool(flag)] or ["share of another rank of the split"]
         bad_w = self.weights.nonfinite()
         if bad_w:
             cause = f"the layer's weights now hold NaN/Inf in {bad_w} (changed after the layer was built)"
@@ -241,7 +306,7 @@ class Attention:
 
     def _step(self, x: Tensor, batch: StepBatch, cache: HybridCache, plan: StepPlan | None) -> StepOutputs:
         """The layer's ops over one validated, claimed step, SPEC §3 top to bottom."""
-        ops = backend_ops(self.backend_for(x.device))
+        ops = self.ops_for(x.device)
         if plan is None:
             plan = batch.plans.get(ops.NAME)
             if plan is None:

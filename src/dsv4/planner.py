@@ -20,6 +20,10 @@ every request holds its own blocks (no prefix sharing); per-request fixed state 
 
 "SPEC §N" is section N of ``docs/spec.md``.
 
+``cp_size`` plans the cache of one GPU of a context-parallel group (``dsv4.distributed``): the pool of every
+request is shared among the ``cp_size`` GPUs, the fixed state is replicated. ``plan_parallel`` sets a
+``tp × cp`` split's per-GPU memory (cache and attention weights) against one GPU's.
+
 ``plan_prefix_sharing`` adds prefix caching (``dsv4.cache.prefix``): requests in groups sharing a prompt prefix
 hold its whole blocks once per group, plus one state snapshot at its end (the live state at a block boundary:
 rings and CSA's previous-window halves), so more requests fit the same memory and each computes only the rest.
@@ -40,8 +44,8 @@ from .numerics import Numerics
 from .validate import require_int
 
 __all__ = [
-    "DEFAULT_FORMATS", "FORMATS", "FormatPlan", "KindRow", "PrefixPlan", "plan_formats", "plan_prefix_sharing",
-    "request_bytes",
+    "DEFAULT_FORMATS", "FORMATS", "FormatPlan", "KindRow", "ParallelPlan", "PrefixPlan", "attention_weight_bytes",
+    "plan_formats", "plan_parallel", "plan_prefix_sharing", "request_bytes",
 ]
 
 
@@ -147,8 +151,11 @@ def plan_formats(
     layers: Iterable[int] | None = None,
     formats: Sequence[str] = DEFAULT_FORMATS,
     block_size: int = 256,
+    cp_size: int = 1,
 ) -> list[FormatPlan]:
-    """One ``FormatPlan`` per format (see the module docstring for what is counted).
+    """One ``FormatPlan`` per format (see the module docstring for what is counted); ``cp_size`` > 1: one GPU of a
+    context-parallel group (its share of every request's compressed entries, the dense baseline's tokens shared
+    likewise).
 
     Raises ``TypeError`` / ``ValueError`` (``InvalidPlanError``) naming the argument: ``cfg`` not a
     ``ModelConfig``, ``context_len`` / ``memory_bytes`` / ``block_size`` not an int in range, an unknown format."""
@@ -156,6 +163,7 @@ def plan_formats(
     require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
     require_int("memory_bytes", memory_bytes, 0, error=InvalidPlanError)
     require_int("block_size", block_size, 1, error=InvalidPlanError)
+    require_int("cp_size", cp_size, 1, error=InvalidPlanError)
     if isinstance(formats, str):
         raise TypeError(f"formats must be a sequence of format names, got the str {formats!r}")
     idx = resolve_layers(cfg, layers)
@@ -165,17 +173,17 @@ def plan_formats(
             raise ValueError(f"unknown format {name!r}; choose from {sorted(FORMATS)}")
         f = FORMATS[name]
         if f.numerics is None:
-            per_tok = len(idx) * DENSE_BF16_BYTES_PER_TOKEN_LAYER
-            per_req = context_len * per_tok
+            per_tok = len(idx) * DENSE_BF16_BYTES_PER_TOKEN_LAYER / cp_size
+            per_req = math.ceil(context_len * per_tok)
             out.append(FormatPlan(
                 format=name, description=f.description, bytes_per_token=float(per_tok), fixed_bytes_per_request=0,
                 bytes_per_request=per_req, spec_estimate=float(per_req),
                 max_requests=memory_bytes // per_req if per_req else 0,
-                max_context=min(memory_bytes // per_tok, cfg.max_position) if per_tok else cfg.max_position,
+                max_context=min(int(memory_bytes // per_tok), cfg.max_position) if per_tok else cfg.max_position,
             ))
             continue
-        cap = plan_capacity(cfg, memory_bytes, context_len, idx, f.numerics, block_size)
-        schemas = layer_schemas(cfg, idx, f.numerics, block_size)
+        cap = plan_capacity(cfg, memory_bytes, context_len, idx, f.numerics, block_size, cp_size)
+        schemas = layer_schemas(cfg, idx, f.numerics, block_size, 0, cp_size)
         kinds = []
         for kind in LayerKind:
             ks = [s for s in schemas if s.kind is kind]
@@ -195,6 +203,83 @@ def plan_formats(
             blocks_per_request=cap.blocks_per_request, pool_bytes_per_block=cap.pool_bytes_per_block, kinds=kinds,
         ))
     return out
+
+
+def attention_weight_bytes(cfg: ModelConfig, layers: Iterable[int] | None = None, tp_size: int = 1,
+                           act_bytes: int = 2) -> int:
+    """Bytes of the attention weights of ``layers`` on one of ``tp_size`` tensor-parallel GPUs, as the engine holds
+    them: the FP8 projections as the checkpoints store them (1 B per value + an FP32 scale per 128 × 128 block),
+    the other matrices at ``act_bytes`` (BF16 for the official numerics), vectors and position biases in FP32. A
+    rank holds ``H/tp`` heads' ``wq_b`` rows and sinks and ``G/tp`` groups' ``wo_a`` rows and ``wo_b`` columns;
+    the rest whole (``dsv4.distributed.sharding``)."""
+    require_config(cfg)
+    require_int("tp_size", tp_size, 1)
+
+    def fp8(rows: int, cols: int) -> int:
+        return rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
+
+    d, D, q, o = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.o_lora_rank
+    H, G = cfg.num_heads // tp_size, cfg.o_groups // tp_size
+    HI, cI = cfg.index_n_heads, cfg.index_head_dim
+    total = 0
+    for li in resolve_layers(cfg, layers):
+        n = fp8(q, d) + fp8(H * D, q) + fp8(D, d) + fp8(d, G * o) + act_bytes * G * o * (cfg.num_heads * D // cfg.o_groups)
+        n += 4 * (q + D + H)
+        kind = cfg.layer_kind(li)
+        if kind is LayerKind.CSA:
+            n += fp8(HI * cI, q) + act_bytes * HI * d
+            for c in (D, cI):  # the main and the indexer's compressor: wkv, wgate [2c, d]; ape [m, 2c]; norm [c]
+                n += act_bytes * 2 * 2 * c * d + 4 * (cfg.csa_ratio * 2 * c + c)
+        elif kind is LayerKind.HCA:
+            n += act_bytes * 2 * D * d + 4 * (cfg.hca_ratio * D + D)
+        total += n
+    return total
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Per-GPU memory of a ``tp × cp`` split against one GPU (one storage format, requests of ``context_len``).
+
+    Attributes:
+        tp, cp: tensor- and context-parallel group sizes (``tp · cp`` GPUs serve every request).
+        weights_per_gpu / weights_one_gpu: attention weights (``attention_weight_bytes``).
+        request_per_gpu / request_one_gpu: cache of one request (the pool divided over the CP group, the state
+            replicated; TP replicates the cache).
+        max_requests_per_gpu / max_requests_one_gpu: requests of ``context_len`` whose cache fits the budget.
+        max_context_per_gpu / max_context_one_gpu: the longest single request that fits the budget.
+    """
+
+    tp: int
+    cp: int
+    context_len: int
+    memory_bytes: int
+    format: str
+    weights_per_gpu: int
+    weights_one_gpu: int
+    request_per_gpu: int
+    request_one_gpu: int
+    max_requests_per_gpu: int
+    max_requests_one_gpu: int
+    max_context_per_gpu: int
+    max_context_one_gpu: int
+
+
+def plan_parallel(cfg: ModelConfig, context_len: int, memory_bytes: int, layers: Iterable[int] | None = None,
+                  tp_size: int = 1, cp_size: int = 1, fmt: str = "official", block_size: int = 256) -> ParallelPlan:
+    """``ParallelPlan`` of a ``tp_size × cp_size`` split, ``memory_bytes`` of cache per GPU. Raises ``ValueError``
+    when ``tp_size`` does not divide the output groups or ``block_size`` cannot be shared by ``cp_size`` ranks."""
+    from .distributed.sharding import check_tp_size
+
+    check_tp_size(cfg, tp_size)
+    idx = resolve_layers(cfg, layers)
+    one, per_gpu = (plan_formats(cfg, context_len, memory_bytes, idx, [fmt], block_size, c)[0] for c in (1, cp_size))
+    return ParallelPlan(
+        tp=tp_size, cp=cp_size, context_len=context_len, memory_bytes=memory_bytes, format=fmt,
+        weights_per_gpu=attention_weight_bytes(cfg, idx, tp_size), weights_one_gpu=attention_weight_bytes(cfg, idx),
+        request_per_gpu=per_gpu.bytes_per_request, request_one_gpu=one.bytes_per_request,
+        max_requests_per_gpu=per_gpu.max_requests, max_requests_one_gpu=one.max_requests,
+        max_context_per_gpu=per_gpu.max_context, max_context_one_gpu=one.max_context,
+    )
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,9 @@ class IndexerWeights:
 
 @dataclass
 class AttentionWeights:
-    """All parameters of one attention layer. ``compressor``/``indexer`` are ``None`` where the kind has none."""
+    """All parameters of one attention layer. ``compressor``/``indexer`` are ``None`` where the kind has none.
+    ``tp_shard`` ``(rank, size)``: these are tensor-parallel rank ``rank``'s heads of ``size`` (``shard``;
+    ``(0, 1)``: the whole layer)."""
 
     wq_a: Projection
     q_norm: torch.Tensor
@@ -85,6 +87,7 @@ class AttentionWeights:
     wo_b: Projection
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
+    tp_shard: tuple[int, int] = (0, 1)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -254,8 +257,11 @@ class AttentionWeights:
         cfg: ModelConfig | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> "AttentionWeights":
-        """Layer ``layer_idx``'s attention weights from an HF-format safetensors checkpoint directory.
+        """Layer ``layer_idx``'s attention weights from an HF-format safetensors checkpoint directory (``tp_size`` >
+        1: only tensor-parallel rank ``tp_rank``'s share, ``shard``).
 
         Reads the official DeepSeek-V4 names (``layers.{i}.attn.wq_a.weight`` …, FP8 E4M3 weights with per-128×128
         block ``.scale`` / ``.weight_scale_inv``: the ``FP8_PROJECTIONS`` kept as ``BlockFp8Weight``, other FP8
@@ -269,9 +275,12 @@ class AttentionWeights:
             cfg: the model configuration (default: ``ModelConfig.from_hf`` of the checkpoint's ``config.json``);
                 every tensor's shape is checked against it.
             dtype, device: where the weights go (default FP32 on the host, like ``random``).
+            tp_rank, tp_size: keep rank ``tp_rank``'s heads of ``tp_size`` (the layer is read, checked whole, then
+                cut; the rest is freed before the move to ``device``).
         Raises:
             dsv4.checkpoint.CheckpointError: missing, truncated or malformed files, missing tensors or scales,
                 tensors of the wrong dtype, shape or with non-finite values (the message names the file and tensor).
+            ValueError: ``tp_size`` cannot split the layer's heads (see ``shard``).
         """
         from .checkpoint import CheckpointError, CheckpointIndex, config_from_checkpoint, read_attention_tensors
 
@@ -290,7 +299,19 @@ class AttentionWeights:
             w.check(cfg, layer_idx)
         except ValueError as e:
             raise CheckpointError(f"checkpoint {index.path}: {e}") from None
+        w = w.shard(tp_rank, tp_size)
         return w.to(device, dtype) if (dtype != torch.float32 or torch.device(device).type != "cpu") else w
+
+    def shard(self, tp_rank: int, tp_size: int) -> "AttentionWeights":
+        """Tensor-parallel rank ``tp_rank``'s share of these (full) weights over ``tp_size`` ranks: its ``H/tp``
+        query heads — ``wq_b`` rows, ``attn_sink``, its whole ``wo_a`` groups and the matching ``wo_b`` columns —
+        and every head-independent tensor as it is (``dsv4.distributed.sharding``). ``tp_size`` 1: ``self``.
+
+        Raises ``ValueError``: already a shard, ``tp_size`` does not divide ``o_groups``, or an FP8 projection
+        (128 × 128 block scales) would be cut inside a block."""
+        from .distributed.sharding import shard_attention_weights
+
+        return shard_attention_weights(self, tp_rank, tp_size)
 
     # ------------------------------------------------------------------ utilities
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -420,4 +441,7 @@ class AttentionWeights:
         if bad:
             problems.append(f"non-finite values (NaN/Inf) in {bad}")
         if problems:
+            if self.tp_shard != (0, 1):
+                problems.append(f"(these weights are tensor-parallel shard {self.tp_shard[0]} of {self.tp_shard[1]}: "
+                                "check them against the rank's config, dsv4.distributed.local_config)")
             raise ValueError(f"weights do not fit {cfg.name} layer {layer_idx}: " + "; ".join(problems))

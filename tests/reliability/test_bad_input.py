@@ -197,6 +197,14 @@ def exported_prefix(numerics: str = "official") -> dsv4.cache.PrefixSnapshot:
     return snap
 
 
+def cp_share_step(env: Env) -> tuple:
+    """``(x, batch, cache)`` of a step over context-parallel share 1 of 2 of a cache like the env's (a fresh one)."""
+    cache = HybridCache(TINY, layers=LAYERS, max_requests=1, num_blocks=4, block_size=32, cp_rank=1, cp_size=2)
+    cache.add_request("a")
+    batch = cache.prepare_forward({"a": 20})
+    return torch.randn(20, TINY.hidden_size), batch, cache
+
+
 def weights_with(li: int, **changes) -> dsv4.AttentionWeights:
     w = dsv4.AttentionWeights.random(TINY, li, seed=0)
     return dataclasses.replace(w, **changes)
@@ -329,6 +337,8 @@ CASES: dict[str, Callable[[Env], list[Callable[[], object]]]] = {
     "C6": lambda e: [lambda: HybridCache(TINY, num_blocks=4, max_step_tokens=0)],
     "C7": lambda e: [lambda: HybridCache(TINY, layers=[0, 9], num_blocks=4)],
     "C8": lambda e: [lambda: HybridCache(TINY, layers=[1, 1], num_blocks=4)],
+    "C9": lambda e: [lambda: HybridCache(TINY, num_blocks=4, block_size=64, cp_rank=2, cp_size=2)],
+    "C10": lambda e: [lambda: HybridCache(TINY, layers=[2], num_blocks=4, block_size=64, cp_size=8)],
     # ---- requests
     "R1": lambda e: [lambda: e.cache.add_request("a")],
     "R2": lambda e: [lambda: e.cache.add_request(7), lambda: e.cache.add_request(None)],
@@ -368,8 +378,12 @@ CASES: dict[str, Callable[[Env], list[Callable[[], object]]]] = {
     "A13": lambda e: [
         lambda li=li: Attention(e.layers[li].weights, TINY, li, backend="triton")(e.x(), e.batch, e.cache) for li in LAYERS
     ],
+    "A14": lambda e: [lambda li=li: e.layers[li](*cp_share_step(e)) for li in LAYERS],
     # ---- Attention construction (weights)
     "W1": lambda e: [lambda: Attention(dsv4.AttentionWeights.random(TINY, 1, seed=0), TINY, 0)],
+    "W6": lambda e: [lambda: Attention(dsv4.AttentionWeights.random(TINY, 1, seed=0, fp8=False).shard(0, 2), TINY, 1)],
+    "W7": lambda e: [lambda: dsv4.AttentionWeights.random(TINY, 1, seed=0).shard(0, 2)],
+    "W8": lambda e: [lambda: dsv4.AttentionWeights.random(TINY, 1, seed=0, fp8=False).shard(0, 3)],
     "W2": lambda e: [lambda: Attention(weights_with(1, compressor=None), TINY, 1)],
     "W3": lambda e: [
         lambda: Attention(dsv4.AttentionWeights.random(TINY, 0, seed=0), dsv4.ModelConfig.preset("v4-flash"), 0),
@@ -704,6 +718,8 @@ CLI_CASES: dict[str, Callable[[dict[str, str]], list[list[str]]]] = {
     "L16": lambda f: [["plan", "--preset", "tiny", "--plot", f["png"]]],
     "L17": lambda f: [["bench", "--device", "cpu", "--dir", f["missing"]]],
     "L18": lambda f: [["check", "--device", "cpu", "--layers", "9"]],
+    "L19": lambda f: [RUN + ["--tp", "2"]],
+    "L20": lambda f: [["plan", "--preset", "tiny", "--tp", "3"]],
 }
 
 

@@ -9,7 +9,7 @@ synchronisation, no allocation whose size depends on data; usable inside a captu
 * the layer's FP32 compressor state rows of the step's slots (``*_kv`` must be finite; ``*_gate`` may hold −Inf,
   the empty-slot value, but not NaN or +Inf);
 * the compressed entries (KV and indexer keys) the step emitted into the pool, decoded from the stored bytes,
-  addressed through the batch's fixed-capacity emit lists.
+  addressed through the batch's fixed-capacity emit lists (a context-parallel cache: those it holds).
 
 ``save_rows`` / ``restore_rows`` copy the state rows of the step's slots and the pool pages of the blocks it emits
 into, and write them back (the rollback of ``nan_policy="raise"``; eager only).
@@ -112,6 +112,10 @@ def nonfinite_requests(layer, batch: StepBatch, y: Tensor) -> tuple[Tensor, dict
         pos = batch.emit_pad_entry[m] * m
         block = batch.block_tables.long()[e_req, pos // batch.block_size].clamp(min=0)
         slot = (pos % batch.block_size) // m
+        cp_rank, cp_size = layer.schema.cp_rank, layer.schema.cp_size
+        if cp_size > 1:  # context parallelism: only this rank's entries are here, at local slots
+            valid = valid & (batch.emit_pad_entry[m] % cp_size == cp_rank)
+            slot = slot // cp_size
         for pages, storage in ((layer.kv_pages, layer.schema.kv_storage), (layer.index_pages, layer.schema.index_storage)):
             if pages is None or storage is None:
                 continue

@@ -70,10 +70,12 @@ def canonical_ring_positions(num_tokens: int, window: int) -> Tensor:
     return torch.where(s <= last, p, torch.full_like(p, -1)).to(torch.int32)
 
 
-def _entry_addresses(num_entries: int, m: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """Logical block and slot of a request's entries ``0 … num_entries−1`` at ratio ``m``."""
-    pos = torch.arange(num_entries, dtype=torch.int64) * m
-    return pos // block_size, (pos % block_size) // m
+def _entry_addresses(num_entries: int, m: int, block_size: int, cp_rank: int = 0, cp_size: int = 1
+                     ) -> tuple[Tensor, Tensor]:
+    """Logical block and slot of the entries of ``0 … num_entries−1`` (ratio ``m``) that a cache holds: all, or
+    a context-parallel share's ``i ≡ cp_rank (mod cp_size)`` at their local slots (``LayerCacheSchema``)."""
+    pos = torch.arange(cp_rank, max(num_entries, cp_rank), cp_size, dtype=torch.int64) * m
+    return pos // block_size, (pos % block_size) // m // cp_size
 
 
 def value_problems(
@@ -116,7 +118,8 @@ def value_problems(
             if not bool(ok.all()):
                 problems.append(f"state ({layer}, {name!r}) holds NaN" + ("/+Inf" if name.endswith("gate") else "/Inf"))
         if schema.ratio:
-            blocks, slots = _entry_addresses(num_tokens // schema.ratio, schema.ratio, cache.block_size)
+            blocks, slots = _entry_addresses(num_tokens // schema.ratio, schema.ratio, cache.block_size,
+                                             schema.cp_rank, schema.cp_size)
             for name, storage in (("kv_pages", schema.kv_storage), ("index_pages", schema.index_storage)):
                 if storage is None or not blocks.numel():
                     continue

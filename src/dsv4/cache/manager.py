@@ -134,6 +134,10 @@ class HybridCache:
             in all (``InvalidPlanError``, nothing changes). ``None``: no limit.
         prefix_states: prefix caching (``dsv4.cache.prefix``): how many state snapshots at block boundaries the
             cache keeps (each ``prefix_state_bytes``; with ``memory_bytes`` they come out of the budget). 0: off.
+        cp_rank, cp_size: context parallelism (``dsv4.distributed``): this cache is rank ``cp_rank`` of
+            ``cp_size`` and holds only the compressed entries ``i ≡ cp_rank (mod cp_size)`` of every request (pool
+            pages of ``block_size // m // cp_size`` entries; see ``LayerCacheSchema``). Everything else — requests,
+            block tables, state slots, the SWA rings and compressor tails — is the same on every rank of the group.
 
     Every constructor argument is validated (``InvalidPlanError`` naming the bad value; an unknown layer index
     raises ``IndexError``).
@@ -151,6 +155,8 @@ class HybridCache:
         numerics: NumericsLike = "official",
         max_step_tokens: int | None = None,
         prefix_states: int = 0,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ) -> None:
         require_config(cfg)
         if (num_blocks is None) == (memory_bytes is None):
@@ -164,6 +170,11 @@ class HybridCache:
         if max_step_tokens is not None:
             _check_int("max_step_tokens", max_step_tokens, 1)
         _check_int("prefix_states", prefix_states, 0)
+        _check_int("cp_size", cp_size, 1)
+        _check_int("cp_rank", cp_rank, 0)
+        if cp_rank >= cp_size:
+            raise InvalidPlanError(f"cp_rank must be < cp_size ({cp_size}), got {cp_rank}")
+        self.cp_rank, self.cp_size = int(cp_rank), int(cp_size)
         self.max_step_tokens: int | None = None if max_step_tokens is None else int(max_step_tokens)
         self.cfg = cfg
         self.numerics: Numerics = resolve_numerics(numerics)
@@ -171,7 +182,8 @@ class HybridCache:
         self.device = resolve_device(device)
         self.layer_indices: list[int] = resolve_layers(cfg, layers)
         self.schemas: dict[int, LayerCacheSchema] = {
-            s.layer_idx: s for s in layer_schemas(cfg, self.layer_indices, self.numerics, self.block_size)
+            s.layer_idx: s
+            for s in layer_schemas(cfg, self.layer_indices, self.numerics, self.block_size, self.cp_rank, self.cp_size)
         }
         self.ratios: tuple[int, ...] = tuple(sorted({s.ratio for s in self.schemas.values() if s.ratio}))
         self.min_ratio: int = self.ratios[0] if self.ratios else 0

@@ -55,16 +55,19 @@ __all__ = ["CacheGeometry", "RequestSnapshot", "restore_request", "save_request"
 @dataclass(frozen=True)
 class CacheGeometry:
     """What must match for a snapshot of one cache to be restored into another: the model config, the cached
-    layers (in order), the block size and the numerics (storage formats)."""
+    layers (in order), the block size, the numerics (storage formats) and the context-parallel share of the pool
+    (``cp``: ``(cp_rank, cp_size)``; its pages hold that rank's entries only)."""
 
     cfg: ModelConfig
     layers: tuple[int, ...]
     block_size: int
     numerics: Numerics
+    cp: tuple[int, int] = (0, 1)
 
     @classmethod
     def of(cls, cache: HybridCache) -> CacheGeometry:
-        return cls(cache.cfg, tuple(cache.layer_indices), cache.block_size, cache.numerics)
+        return cls(cache.cfg, tuple(cache.layer_indices), cache.block_size, cache.numerics,
+                   (cache.cp_rank, cache.cp_size))
 
     def mismatch(self, other: CacheGeometry) -> list[str]:
         """Human-readable differences from ``other`` (empty: compatible)."""
@@ -77,6 +80,8 @@ class CacheGeometry:
             out.append(f"block_size {self.block_size} != {other.block_size}")
         if self.numerics != other.numerics:
             out.append(f"numerics {self.numerics.name!r} != {other.numerics.name!r}")
+        if self.cp != other.cp:
+            out.append(f"context-parallel share (rank, size) {self.cp} != {other.cp}")
         return out
 
 

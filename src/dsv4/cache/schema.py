@@ -101,6 +101,10 @@ class LayerCacheSchema:
         index_head_dim: indexer key width (128); used by CSA only.
         kv_storage: codec of main KV entries (window ring and pool).
         index_storage: codec of indexer keys (CSA), else ``None``.
+        cp_rank, cp_size: context parallelism (``dsv4.distributed``): this cache holds the compressed entries
+            ``i ≡ cp_rank (mod cp_size)`` of every request — entry i of a block at local slot
+            ``((i·m) % block_size) // m // cp_size`` — so a pool page has ``block_size // m // cp_size`` entries;
+            ``(0, 1)``: every entry (one process).
     """
 
     layer_idx: int
@@ -113,6 +117,8 @@ class LayerCacheSchema:
     index_head_dim: int
     kv_storage: EntryStorage = field(compare=False, repr=False)
     index_storage: EntryStorage | None = field(compare=False, repr=False)
+    cp_rank: int = 0
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kind is LayerKind.SWA:
@@ -128,14 +134,26 @@ class LayerCacheSchema:
                 )
             if (self.kind is LayerKind.CSA) != (self.index_storage is not None):
                 raise ValueError(f"layer {self.layer_idx}: exactly the CSA layers have indexer storage")
+            if (self.block_size // self.ratio) % self.cp_size:
+                raise InvalidPlanError(
+                    f"block_size {self.block_size} holds {self.block_size // self.ratio} entries of layer "
+                    f"{self.layer_idx} ({self.kind.name}, ratio {self.ratio}) per block, which {self.cp_size} "
+                    f"context-parallel ranks cannot share equally: use a block_size that is a multiple of "
+                    f"{self.ratio * self.cp_size}"
+                )
+        if not (isinstance(self.cp_size, int) and self.cp_size >= 1 and isinstance(self.cp_rank, int)
+                and 0 <= self.cp_rank < self.cp_size):
+            raise InvalidPlanError(f"cp_rank {self.cp_rank!r} / cp_size {self.cp_size!r}: need 0 <= cp_rank < cp_size")
         if self.window < 1:
             raise ValueError(f"layer {self.layer_idx}: window must be >= 1, got {self.window}")
 
     @classmethod
     def build(
-        cls, cfg: ModelConfig, layer_idx: int, numerics: NumericsLike = "official", block_size: int = 256
+        cls, cfg: ModelConfig, layer_idx: int, numerics: NumericsLike = "official", block_size: int = 256,
+        cp_rank: int = 0, cp_size: int = 1,
     ) -> "LayerCacheSchema":
-        """Geometry of ``cfg``'s layer ``layer_idx`` with ``numerics``' storage formats."""
+        """Geometry of ``cfg``'s layer ``layer_idx`` with ``numerics``' storage formats (``cp_rank`` of
+        ``cp_size``: this rank's share of the pool)."""
         num = resolve_numerics(numerics)
         kind = cfg.layer_kind(layer_idx)
         return cls(
@@ -149,6 +167,8 @@ class LayerCacheSchema:
             index_head_dim=cfg.index_head_dim,
             kv_storage=kv_storage(num.kv_format, cfg.head_dim, cfg.rope_dim),
             index_storage=index_storage(num.index_format, cfg.index_head_dim) if kind is LayerKind.CSA else None,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
         )
 
     # ---------------------------------------------------------------- geometry
@@ -158,8 +178,8 @@ class LayerCacheSchema:
 
     @property
     def entries_per_block(self) -> int:
-        """Compressed entries per pool block (``block_size // m``; 0 for SWA)."""
-        return self.block_size // self.ratio if self.ratio else 0
+        """Compressed entries per pool block held here (``block_size // m // cp_size``; 0 for SWA)."""
+        return self.block_size // self.ratio // self.cp_size if self.ratio else 0
 
     @property
     def kv_page_bytes(self) -> int:
@@ -215,11 +235,12 @@ class LayerCacheSchema:
 
     @property
     def bytes_per_token(self) -> float:
-        """Compressed growth per token (SPEC §7.3, entry bytes, no padding): CSA (kv + index)/m, HCA kv/m', SWA 0."""
+        """Compressed growth per token (SPEC §7.3, entry bytes, no padding): CSA (kv + index)/m, HCA kv/m', SWA 0;
+        a context-parallel rank holds ``1 / cp_size`` of it."""
         if not self.is_compressed:
             return 0.0
         index = self.index_storage.entry_bytes if self.index_storage is not None else 0
-        return (self.kv_storage.entry_bytes + index) / self.ratio
+        return (self.kv_storage.entry_bytes + index) / (self.ratio * self.cp_size)
 
 
 def resolve_layers(cfg: ModelConfig, layers: Iterable[int] | None) -> list[int]:
@@ -246,9 +267,12 @@ def layer_schemas(
     layers: Iterable[int] | None = None,
     numerics: NumericsLike = "official",
     block_size: int = 256,
+    cp_rank: int = 0,
+    cp_size: int = 1,
 ) -> list[LayerCacheSchema]:
-    """Schemas of ``layers`` (default: the main layers, MTP excluded), in the given order."""
-    return [LayerCacheSchema.build(cfg, i, numerics, block_size) for i in resolve_layers(cfg, layers)]
+    """Schemas of ``layers`` (default: the main layers, MTP excluded), in the given order (``cp_rank`` of
+    ``cp_size``: a context-parallel rank's share of the pool)."""
+    return [LayerCacheSchema.build(cfg, i, numerics, block_size, cp_rank, cp_size) for i in resolve_layers(cfg, layers)]
 
 
 def _lcm_ratio_block(cfg: ModelConfig, layers: Sequence[int]) -> int:
@@ -305,14 +329,17 @@ def plan_capacity(
     layers: Iterable[int] | None = None,
     numerics: NumericsLike = "official",
     block_size: int = 256,
+    cp_size: int = 1,
 ) -> CapacityPlan:
     """Capacity of a ``memory_bytes`` cache for requests of ``context_len`` tokens (block rounding and page padding
-    included, exactly as ``HybridCache`` allocates)."""
+    included, exactly as ``HybridCache`` allocates). ``cp_size``: the cache of one of that many context-parallel
+    ranks (the pool shared among them, the state replicated): ``memory_bytes`` is one rank's budget."""
     require_config(cfg)
     require_int("memory_bytes", memory_bytes, 0, error=InvalidPlanError)
     require_int("context_len", context_len, 0, cfg.max_position, error=InvalidPlanError)
     require_int("block_size", block_size, 1, error=InvalidPlanError)
-    schemas = layer_schemas(cfg, layers, numerics, block_size)
+    require_int("cp_size", cp_size, 1, error=InvalidPlanError)
+    schemas = layer_schemas(cfg, layers, numerics, block_size, 0, cp_size)
     fixed = sum(s.state_bytes_per_request for s in schemas)
     per_block = sum(s.pool_bytes_per_block for s in schemas)
     ratios = [s.ratio for s in schemas if s.ratio]

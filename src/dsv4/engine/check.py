@@ -121,7 +121,7 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
             )
         for li in tr.x:
             kind = engine.cfg.layer_kind(li)
-            w = engine.weights[li].to(dev)
+            w = engine.full_weights(li).to(dev)
             x = tr.x[li].to(dev)
             ref = forward(w, engine.cfg, li, x, nm)
             y_eng = tr.y[li].to(dev).double()

@@ -20,6 +20,11 @@ holds admissions so a shared prefix is computed once (``dsv4.engine.prefix_plan`
 Decode-only steps run as CUDA-graph replays when the device is CUDA and every layer's backend is graph-safe
 (``dsv4.engine.graphs``); ``prepare_forward`` always runs eagerly on the host first.
 
+Across processes (``Engine(..., parallel=)``, ``dsv4.distributed``): every rank runs the same engine over the same
+requests — the scheduler's decisions, the block tables and the hidden states are the same everywhere — with its
+share of the heads (tensor parallelism: sharded weights, one all-reduce per layer) and of the compressed pool
+(context parallelism: ``HybridCache(cp_rank=, cp_size=)``); every layer's output is the same on every rank.
+
 Timing: each step is timed on the host around all of the above, with a device synchronisation at its end (a
 serving loop needs the step's results before it can schedule the next decode), so step latency includes the
 host-side scheduling and ``prepare_forward``.
@@ -34,7 +39,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -54,6 +59,9 @@ from .hidden import TokenHidden, generated_token_ids
 from .jit_clock import JitClock
 from .requests import DEFAULT_VOCAB, Request, prompt_token_ids
 from .scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from ..distributed import Parallel
 
 __all__ = ["DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace"]
 
@@ -387,6 +395,10 @@ class Engine:
         hidden: hidden-state source ``(token_ids [T] int64) -> [T, d] float32``, a pure function of the token id
             (default ``TokenHidden(d, config.seed)``).
         progress: show a progress bar while building the layers.
+        parallel: ``dsv4.distributed.Parallel``: this rank's share of a tensor- / context-parallel run (every rank
+            builds the same engine and runs the same requests). The weights (built or given whole) are sharded
+            for the rank's heads; the cache holds the rank's share of the pool. CUDA graphs stay off unless
+            ``cuda_graphs="on"``.
 
     Usage::
 
@@ -405,6 +417,7 @@ class Engine:
         weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None = None,
         hidden: Callable[[Tensor], Tensor] | None = None,
         progress: bool = False,
+        parallel: Parallel | None = None,
     ) -> None:
         require_config(cfg)
         if config is not None:
@@ -429,13 +442,15 @@ class Engine:
         self.hidden = hidden if hidden is not None else TokenHidden(cfg.hidden_size, config.seed)
         self._ids: dict[str, Tensor] = {}  # request id -> int64 [total_len] token ids (CPU), prompt + generated
         self.check_finite = config.check_finite if config.check_finite is not None else self.device.type == "cpu"
+        self.parallel = self._check_parallel(parallel)
         t0 = time.perf_counter()
         self.weights = self._build_weights(weights, progress)
         # NaN policy of the layers: with check_finite, a CPU step that would leave NaN/Inf is rolled back and raises;
         # on CUDA the layers only flag the requests (no sync, graph-safe) and the step's end checks the flags.
         self.nan_policy = "off" if not self.check_finite else ("flag" if self.device.type == "cuda" else "raise")
         self.layers = [
-            Attention(self.weights[li], cfg, li, backend=config.backend, check_inputs=False, nan_policy=self.nan_policy)
+            Attention(self.weights[li], cfg, li, backend=config.backend, check_inputs=False, nan_policy=self.nan_policy,
+                      parallel=self.parallel)
             for li in self.layer_ids
         ]
         self.setup_s = time.perf_counter() - t0
@@ -465,11 +480,55 @@ class Engine:
         """Whether every layer's backend can be captured in a CUDA graph on this device."""
         return self.device.type == "cuda" and all(layer.graph_safe(self.device) for layer in self.layers)
 
+    def _check_parallel(self, parallel: Parallel | None) -> Parallel | None:
+        """``parallel`` if it splits anything (validated against the model and the configuration), else ``None``."""
+        if parallel is None:
+            return None
+        from ..distributed import Parallel
+
+        require_instance("parallel", parallel, Parallel, "build it with dsv4.distributed.Parallel.build / init_from_env")
+        if not parallel.is_split:
+            return None
+        parallel.check(self.cfg)
+        from ..distributed import check_fp8_split
+
+        check_fp8_split(self.cfg, parallel.tp_size, self.numerics)
+        if parallel.cp_size > 1 and self.config.backend == "triton":
+            raise ValueError("context parallelism runs the torch backend's ops: use backend 'torch' or 'auto'")
+        return parallel
+
+    def _full_layer_weights(
+        self, weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None, li: int,
+        index: Any,
+    ) -> AttentionWeights:
+        """Layer ``li``'s whole weights from their source (the caller's, the checkpoint, or the seed; ``"shared"``:
+        the first layer of its kind's). Under tensor parallelism with numerics that run no FP8 GEMM, FP8
+        projections come dequantized (exactly; what the layers compute with anyway), so they shard at any group
+        boundary, not only along their 128 × 128 blocks."""
+        cfg, mode = self.cfg, self.config.weights
+        if weights is not None:
+            w = weights[li] if isinstance(weights, Mapping) else weights(li)
+        elif index is not None:
+            w = AttentionWeights.from_checkpoint(index, li, cfg)
+        else:
+            if mode == "shared":
+                li = next(i for i in self.layer_ids if cfg.layer_kind(i) is cfg.layer_kind(li))
+            w = AttentionWeights.random(cfg, li, self.config.seed, device=self.device)
+        split = self.parallel is not None and self.parallel.tp_size > 1
+        return w.for_numerics(self.numerics) if split and not self.numerics.fp8_projections else w
+
+    def full_weights(self, layer_idx: int) -> AttentionWeights:
+        """Layer ``layer_idx``'s whole weights as the engine holds them (the spot check's reference): its own, or —
+        when its layers hold tensor-parallel shards — rebuilt from their source."""
+        if self._full_source is None:
+            return self.weights[layer_idx]
+        return _engine_weights(self._full_source(layer_idx), self.numerics.act_dtype, self.device)
+
     def _build_weights(
         self, weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None, progress: bool
     ) -> dict[int, AttentionWeights]:
-        cfg, act, dev, seed = self.cfg, self.numerics.act_dtype, self.device, self.config.seed
-        mode = self.config.weights
+        act, dev, mode = self.numerics.act_dtype, self.device, self.config.weights
+        tp_rank, tp_size = (self.parallel.tp_rank, self.parallel.tp_size) if self.parallel is not None else (0, 1)
         shared: dict[LayerKind, AttentionWeights] = {}
         out: dict[int, AttentionWeights] = {}
         index = None
@@ -477,25 +536,26 @@ class Engine:
             from ..checkpoint import CheckpointIndex
 
             index = CheckpointIndex.open(mode)
+        self._full_source: Callable[[int], AttentionWeights] | None = (
+            (lambda li: self._full_layer_weights(weights, li, index)) if tp_size > 1 else None
+        )
         it: Iterable[int] = self.layer_ids
         if progress:
             from tqdm.auto import tqdm
 
             it = tqdm(self.layer_ids, desc="layers", unit="layer", leave=False)
         for li in it:
-            kind = cfg.layer_kind(li)
-            if weights is not None:
-                w = weights[li] if isinstance(weights, Mapping) else weights(li)
-            elif index is not None:
-                w = AttentionWeights.from_checkpoint(index, li, cfg)
-            elif mode == "shared":
-                if kind not in shared:
-                    shared[kind] = _engine_weights(AttentionWeights.random(cfg, li, seed, device=dev), act, dev)
+            kind = self.cfg.layer_kind(li)
+            if weights is None and mode == "shared" and kind in shared:
                 out[li] = shared[kind]
                 continue
+            if weights is None and index is not None and self.numerics.fp8_projections:
+                w = AttentionWeights.from_checkpoint(index, li, self.cfg, tp_rank=tp_rank, tp_size=tp_size)
             else:
-                w = AttentionWeights.random(cfg, li, seed, device=dev)
+                w = self._full_layer_weights(weights, li, index).shard(tp_rank, tp_size)
             out[li] = _engine_weights(w, act, dev)
+            if weights is None and mode == "shared":
+                shared[kind] = out[li]
         return out
 
     # ------------------------------------------------------------------ tracing (spot check)
@@ -600,22 +660,23 @@ class Engine:
         extra_slot = 1 if use_graphs else 0
         max_requests = c.max_running + extra_slot
         states = (c.prefix_states if c.prefix_states is not None else 2 * c.max_running) if c.prefix_caching else 0
+        cp = dict(cp_rank=self.parallel.cp_rank, cp_size=self.parallel.cp_size) if self.parallel is not None else {}
         if c.cache_memory is not None:
             cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, memory_bytes=int(c.cache_memory),
                                 block_size=c.block_size, device=device or self.device, numerics=self.numerics,
-                                prefix_states=states)
+                                prefix_states=states, **cp)
         else:
             ratios = [cfg.ratio(li) for li in self.layer_ids if cfg.ratio(li)]
             per = blocks_for_tokens(max_len, min(ratios), c.block_size) if ratios else 0
             num_blocks = per * min(c.max_running, len(requests)) + (1 if use_graphs and ratios else 0)
             cache = HybridCache(cfg, self.layer_ids, max_requests=max_requests, num_blocks=num_blocks,
                                 block_size=c.block_size, device=device or self.device, numerics=self.numerics,
-                                prefix_states=states)
+                                prefix_states=states, **cp)
         return cache
 
     def _want_graphs(self) -> bool:
         mode = self.config.cuda_graphs
-        if mode == "off":
+        if mode == "off" or (mode == "auto" and self.parallel is not None):  # collectives in graphs: on request
             return False
         ok = self.graph_safe
         if mode == "on" and not ok:
@@ -702,6 +763,10 @@ class Engine:
             raise FloatingPointError(f"step {plan.step}: the stack produced NaN/Inf")
         if self.nan_policy == "flag":
             poisoned = [rid for rid in self.cache.nonfinite_requests() if rid != self.PAD_REQUEST]
+            if self.parallel is not None:  # a rank's share of the pool: every rank stops, or none
+                flag = torch.tensor([len(poisoned)], dtype=torch.int32, device=self.device)
+                if int(self.parallel.agree_max(flag)) and not poisoned:
+                    poisoned = ["(on another rank)"]
             if poisoned:
                 raise FloatingPointError(f"step {plan.step}: NaN/Inf reached the cache of requests {poisoned}")
         t1 = time.perf_counter()

@@ -29,7 +29,8 @@ class LayerStep:
     """One layer's part of one step.
 
     Attributes:
-        cfg: the model configuration.
+        cfg: the model configuration as this layer computes it: the model's, or under tensor parallelism the rank's
+            share (``num_heads`` = H/tp, ``o_groups`` = G/tp; ``dsv4.distributed.local_config``).
         layer_idx: the layer; ``kind`` its kind; ``ratio`` its compression ratio m (0 for SWA).
         weights: the layer's weights on the step's device (compressors in FP32, projections in the GEMM dtype).
         inv_freq: float32 ``[R/2]`` the layer's RoPE frequencies (SPEC §2.2).

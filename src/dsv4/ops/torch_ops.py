@@ -176,24 +176,32 @@ def compressor_step(
     return entries
 
 
-def _write_entries(pages: Tensor, storage: EntryStorage, batch: StepBatch, m: int, entries: Tensor) -> None:
-    """Scatter the step's emitted entries ``[E, c]`` (already rounded) into the pool through the block table."""
+def _write_entries(layer: LayerCache, pages: Tensor, storage: EntryStorage, batch: StepBatch, m: int,
+                   entries: Tensor) -> None:
+    """Scatter the step's emitted entries ``[E, c]`` (already rounded) into the pool through the block table (a
+    context-parallel cache: the entries it holds, at their local slots; ``LayerCacheSchema``)."""
     if batch.num_emit[m]:
-        storage.write(pages, batch.emit_block[m], batch.emit_slot[m], entries.float())
+        block, slot = batch.emit_block[m], batch.emit_slot[m]
+        cp_rank, cp_size = layer.schema.cp_rank, layer.schema.cp_size
+        if cp_size > 1:
+            mine = batch.emit_entry[m] % cp_size == cp_rank
+            block, slot, entries = block[mine], slot[mine] // cp_size, entries[mine]
+        storage.write(pages, block, slot, entries.float())
 
 
 def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
     """See ``backend.AttentionBackend.new_entries``: the window entries (``window_entries``), then the main
-    compressor's entries into ``kv_pages`` (KV format) and, CSA, the indexer's keys into ``index_pages``."""
+    compressor's entries into ``kv_pages`` (KV format) and, CSA, the indexer's keys into ``index_pages`` (a
+    context-parallel cache: those it holds; every rank runs the compressors)."""
     layer, nm, nope = step.cache, step.numerics, step.cfg.nope_dim
     window = window_entries(step, kv)
     if step.ratio == 0:
         return window
     main = compressor_step(step, x, step.weights.compressor, "")
-    _write_entries(layer.kv_pages, layer.schema.kv_storage, step.batch, step.ratio, nm.qdq_kv(main, nope))
+    _write_entries(layer, layer.kv_pages, layer.schema.kv_storage, step.batch, step.ratio, nm.qdq_kv(main, nope))
     if step.weights.indexer is not None:
         keys = compressor_step(step, x, step.weights.indexer.compressor, "index_")
-        _write_entries(layer.index_pages, layer.schema.index_storage, step.batch, step.ratio, nm.qdq_index(keys))
+        _write_entries(layer, layer.index_pages, layer.schema.index_storage, step.batch, step.ratio, nm.qdq_index(keys))
     return window
 
 
@@ -214,11 +222,14 @@ def _max_entries(batch: StepBatch, m: int) -> int:
     return max(((s + n) // m for s, n in zip(batch.start_positions, batch.num_new)), default=0)
 
 
-def _entry_addresses(batch: StepBatch, m: int, token_req: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
-    """Physical (block, slot) of entry ``idx`` of each row's request; ``idx`` ≥ 0. Shapes as ``idx``."""
+def _entry_addresses(batch: StepBatch, m: int, token_req: Tensor, idx: Tensor, cp_size: int = 1
+                     ) -> tuple[Tensor, Tensor]:
+    """Physical (block, slot) of entry ``idx`` of each row's request; ``idx`` ≥ 0. Shapes as ``idx``.
+    ``cp_size`` > 1: the slot in a context-parallel rank's page (``LayerCacheSchema``; ``idx`` must be its own)."""
     first_pos = idx * m
     block = batch.block_tables.long()[token_req, first_pos // batch.block_size]
-    return block.clamp(min=0), (first_pos % batch.block_size) // m
+    slot = (first_pos % batch.block_size) // m
+    return block.clamp(min=0), (slot // cp_size if cp_size > 1 else slot)
 
 
 def request_index_keys(layer: LayerCache, batch: StepBatch, m: int) -> Iterator[tuple[slice, Tensor]]:
@@ -265,7 +276,8 @@ def gather(layer: LayerCache, batch: StepBatch, m: int, entry_idx: Tensor, dtype
     """Dense tile of the compressed entries each token attends (the prototype's gather_kv); −1 → zeros.
 
     Args:
-        entry_idx: int64 ``[T, K]`` entry indices of each token's request, −1 = invalid slot.
+        entry_idx: int64 ``[T, K]`` entry indices of each token's request, −1 = invalid slot (a context-parallel
+            cache: entries it holds only).
     Returns:
         ``[T, K, D]`` in ``dtype``.
     """
@@ -273,7 +285,7 @@ def gather(layer: LayerCache, batch: StepBatch, m: int, entry_idx: Tensor, dtype
     if K == 0:
         return torch.zeros((T, 0, layer.schema.head_dim), dtype=dtype, device=entry_idx.device)
     req = batch.token_request.long()[:, None].expand(T, K)
-    block, slot = _entry_addresses(batch, m, req, entry_idx.clamp(min=0))
+    block, slot = _entry_addresses(batch, m, req, entry_idx.clamp(min=0), layer.schema.cp_size)
     vals = layer.schema.kv_storage.read(layer.kv_pages, block.reshape(-1), slot.reshape(-1)).view(T, K, -1)
     return vals.masked_fill((entry_idx < 0)[..., None], 0.0).to(dtype)
 

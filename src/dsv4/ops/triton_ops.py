@@ -41,10 +41,12 @@ NAME = "triton"
 GRAPH_SAFE = True
 
 
-def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None = None) -> StepPlan:
+def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None = None, heads: int | None = None
+              ) -> StepPlan:
     """The step's launch decisions for every layer kind ``cache`` holds (host arithmetic on the batch's shape).
 
     ``device``: plan for these device facts instead of the cache's device's (tests plan for an H200 on the CPU).
+    ``heads``: the query heads a layer computes (default the config's; a tensor-parallel rank's ``H/tp``).
     """
     dev = device if device is not None else facts(cache.device)
     nm, cfg = cache.numerics, cache.cfg
@@ -61,7 +63,8 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
                                tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
                                emit_capacity=batch.emit_capacity.get(m, 0))
         if kernels:
-            attention = triton_attention.plan_layer(batch, cache.layer(schema.layer_idx), cfg.num_heads, m,
+            attention = triton_attention.plan_layer(batch, cache.layer(schema.layer_idx),
+                                                    cfg.num_heads if heads is None else heads, m,
                                                     cfg.index_topk, nm, dev)
         if dev.kernels and kind is LayerKind.CSA:
             indexer = triton_indexer.indexer_plan(cache.layer(schema.layer_idx), batch, m, cfg.index_topk,

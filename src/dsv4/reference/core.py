@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attend_with_sink", "window_indices"]
+__all__ = ["attend_with_sink", "masked_logits", "shifted_probabilities", "window_indices"]
 
 
 def window_indices(positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -15,6 +15,25 @@ def window_indices(positions: torch.Tensor, window: int) -> torch.Tensor:
     """
     idx = positions.long()[:, None] - torch.arange(window - 1, -1, -1, device=positions.device)[None, :]
     return idx.masked_fill(idx < 0, -1)
+
+
+def masked_logits(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z_hj = scale · q_h·k_j`` in FP32, −inf at invalid keys (args as ``attend_with_sink``).
+    Returns ``(keys float32 [T, K, D], z float32 [T, H, K])``."""
+    kf = keys.float()
+    logits = torch.einsum("thd,tkd->thk", q.float(), kf) * scale
+    return kf, logits.masked_fill(~valid[:, None, :], float("-inf"))
+
+
+def shifted_probabilities(logits: torch.Tensor, row_max: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p_hj = e^{z_hj − M_h}``: ``M_h`` the largest logit over the valid keys (``row_max`` ``[T, H, 1]``: given,
+    e.g. the maximum over several ranks' keys), 0 where there is none. Returns ``(p [T, H, K], M [T, H, 1])``."""
+    if row_max is None:
+        row_max = logits.amax(dim=-1, keepdim=True)  # the real keys only, as the reference kernel
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    return torch.exp(logits - row_max), row_max
 
 
 def attend_with_sink(
@@ -40,12 +59,8 @@ def attend_with_sink(
     Returns:
         ``o``: ``[T, H, D]`` in ``out_dtype``; ``lse``: ``[T, H]`` float32, ``log(Σ_j e^{z_hj} + e^{sink_h})``.
     """
-    kf = keys.float()
-    logits = torch.einsum("thd,tkd->thk", q.float(), kf) * scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    row_max = logits.amax(dim=-1, keepdim=True)  # the real keys only, as the reference kernel
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    p = torch.exp(logits - row_max)
+    kf, logits = masked_logits(q, keys, valid, scale)
+    p, row_max = shifted_probabilities(logits)
     denom = p.sum(dim=-1) + torch.exp(sink.float()[None, :] - row_max[..., 0])
     o = torch.einsum("thk,tkd->thd", p.to(prob_dtype).float(), kf) / denom[..., None]
     return o.to(out_dtype), row_max[..., 0] + torch.log(denom)
