@@ -47,16 +47,18 @@ TOPK_SLACK = 2.0**-4
 def tolerance(numerics: str, backend: str, device_type: str = "cpu") -> float:
     """Relative (Frobenius) tolerance of a layer's output against the reference.
 
-    ``official``: BF16 activations, so the engine and the reference agree to BF16 rounding of GEMMs over
-    different row blocks and of differently ordered kernel reductions: torch backend on the CPU 5e-3 (observed:
-    ≤ 3e-4 on the tiny preset, 1.7e-3–1.8e-3 on a V4-Flash CSA layer with 2–4K-token prompts, where d = 4096
-    GEMMs of a prefill chunk or a decode step round differently from the whole sequence's); on CUDA, where cuBLAS
-    picks its blocking by the number of rows, 1e-2 for either backend (observed on an H200: torch backend 1.9e-3
-    on CSA layers, Triton ≤ 4e-3). ``exact``: FP32 throughout (1e-4).
+    ``official``: BF16 activations and FP8 projections (activations quantized per 1×128 to E4M3), so the engine
+    and the reference agree to BF16 rounding of GEMMs over different row blocks and of differently ordered kernel
+    reductions — amplified where such a rounding difference moves a value across an E4M3 code boundary (one code is
+    6–12% of the value; a BF16 difference of 2⁻⁸ crosses one with probability ≈ 2⁻⁸ / 2⁻³): torch backend on the
+    CPU 5e-3 (it runs the reference's own projections: observed 0 on the tiny preset); on CUDA, where cuBLAS picks
+    its blocking by the number of rows and the projections run as FP8 tensor-core GEMMs, 2e-2 for either backend
+    (observed on an H200, V4-Flash, 5K-token requests: 9.6e-3 SWA, 1.04e-2 CSA, 1.0e-2 HCA with FP8 projections;
+    ≤ 3.4e-3 when the projections ran in BF16). ``exact``: FP32 throughout (1e-4).
     """
     if numerics == "exact":
         return 1e-4
-    return 5e-3 if backend == "torch" and device_type == "cpu" else 1e-2
+    return 5e-3 if backend == "torch" and device_type == "cpu" else 2e-2
 
 
 @dataclass

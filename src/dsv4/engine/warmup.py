@@ -261,14 +261,16 @@ def _compile_in_workers(report: WarmupReport, n: int, args: tuple, shapes: list[
 def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bool = False) -> WarmupReport:
     """Compile every kernel a run of ``requests`` on ``engine`` launches before its first step (see the module
     docstring for the three steps). ``workers``: compile processes (default: one per CPU core). Returns the
-    ``WarmupReport``. On a device other than CUDA, or a backend without kernels, it only plans."""
+    ``WarmupReport``. On a device other than CUDA, a backend without kernels, or under TP / CP
+    (``Engine(parallel=...)``) it only plans."""
     from .jit_clock import JitClock
 
     t_all = time.perf_counter()
     report = WarmupReport(cache_dir=triton_cache_dir())
     eager, buckets = plan_step_shapes(engine, requests)
     report.eager_shapes, report.graph_buckets = len(eager), buckets
-    if engine.device.type != "cuda" or engine.backend != "triton":
+    if engine.device.type != "cuda" or engine.backend != "triton" or getattr(engine, "parallel", None) is not None:
+        # nothing to compile; under TP / CP the workers' single-process layers would compile other head counts
         report.seconds = time.perf_counter() - t_all
         return report
     shapes = eager + graph_shapes(engine, requests, buckets)
