@@ -239,8 +239,8 @@ def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
 
 def _compile_in_workers(report: WarmupReport, n: int, args: tuple, shapes: list[StepShape], device: str,
                         bar) -> None:
-    """Step 2: each (shape, layer kind) once in a pool of ``n`` workers. Tasks go out kind by kind round-robin over
-    the shapes, largest first, so that the first wave compiles different kernels rather than the same ones."""
+    """Step 2: each (shape, layer kind) once in a pool of ``n`` workers. Tasks go out shape by shape, largest
+    first, each shape's layer kinds side by side: the first wave compiles the kinds' different kernels at once."""
     cfg, layers, *rest = args
     order = sorted(shapes, key=lambda s: -sum(s.num_new))
     tasks = [(shape, [li]) for shape in order for li in layers]
@@ -290,7 +290,7 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
         t0 = time.perf_counter()
         try:
             _compile_in_workers(report, n, args, shapes, device, bar)
-        except Exception as e:  # noqa: BLE001 - a failed worker costs time, never correctness: step 4 compiles
+        except Exception as e:  # noqa: BLE001 - a failed worker costs time, never correctness: step 3 compiles
             report.error = f"{type(e).__name__}: {e}"[:300]
         report.workers = n
         report.compile_s = time.perf_counter() - t0
