@@ -38,17 +38,20 @@ from torch import Tensor
 
 from .config import LayerKind, ModelConfig
 from .formats.block_fp8 import WEIGHT_BLOCK, BlockFp8Weight
-from .weights import FP8_PROJECTIONS
 
 __all__ = [
     "HF_NAMES",
     "OFFICIAL_NAMES",
     "CheckpointError",
     "CheckpointIndex",
+    "FP8_PROJECTIONS",
     "dequantize_fp8_blocks",
     "quantize_fp8_blocks",
     "read_attention_tensors",
 ]
+
+#: the projections the official model runs as FP8 GEMMs (SPEC §1.3), by their dotted names
+FP8_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b")
 
 
 class CheckpointError(ValueError):
@@ -334,7 +337,7 @@ def read_attention_tensors(
     path: str | os.PathLike[str] | CheckpointIndex, layer_idx: int, cfg: ModelConfig
 ) -> dict[str, Tensor | BlockFp8Weight]:
     """The tensors of layer ``layer_idx``'s attention, under our (official) dotted names: FP32, except the
-    projections DeepSeek runs as FP8 GEMMs (``weights.FP8_PROJECTIONS``), which stay as the checkpoint stores them
+    projections DeepSeek runs as FP8 GEMMs (``FP8_PROJECTIONS``), which stay as the checkpoint stores them
     when they are FP8 E4M3 in 128 × 128 blocks (a ``BlockFp8Weight``: no dequantization at load). Other FP8
     weights are dequantized with their block scales.
 

@@ -32,22 +32,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
+from .checkpoint import (FP8_PROJECTIONS, CheckpointError, CheckpointIndex, config_from_checkpoint,
+                         dequantize_fp8_blocks, read_attention_tensors)
 from .config import LayerKind, ModelConfig, require_config
 from .formats.block_fp8 import BlockFp8Weight
 from .numerics import Numerics
 from .validate import describe, require_device, require_float_dtype, require_int
 
-if TYPE_CHECKING:
-    from .checkpoint import CheckpointIndex
-
 __all__ = ["AttentionWeights", "CompressorWeights", "FP8_PROJECTIONS", "IndexerWeights", "Projection"]
 
-#: the projections the official model runs as FP8 GEMMs (SPEC §1.3), by their dotted names
-FP8_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b")
 #: a projection matrix ``[out, in]``: a plain tensor, or block-scaled FP8 as the checkpoints store it
 Projection = torch.Tensor | BlockFp8Weight
 
@@ -199,8 +196,6 @@ class AttentionWeights:
             scale = getattr(m, "weight_scale_inv", None)
             if m.weight.element_size() != 1 or scale is None:
                 return t(m.weight)
-            from .checkpoint import dequantize_fp8_blocks
-
             block = tuple(getattr(m, "block_size", None) or (128, 128))  # no block size: one scale for all
             w = dequantize_fp8_blocks(m.weight.detach(), scale.detach(), block)
             return w.to("cpu") if copy else w.to(fp8_dtype)
@@ -282,8 +277,6 @@ class AttentionWeights:
                 tensors of the wrong dtype, shape or with non-finite values (the message names the file and tensor).
             ValueError: ``tp_size`` cannot split the layer's heads (see ``shard``).
         """
-        from .checkpoint import CheckpointError, CheckpointIndex, config_from_checkpoint, read_attention_tensors
-
         if not isinstance(path, (str, os.PathLike, CheckpointIndex)):
             raise TypeError(f"path must be a checkpoint directory, a .safetensors file or a CheckpointIndex, got {describe(path)}")
         layer_idx = require_int("layer_idx", layer_idx)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from .manager import HybridCache
-    from .preempt import CacheGeometry
+    from .records import CacheGeometry
 
 __all__ = ["SNAPSHOT_FORMAT", "canonical_ring_positions", "snapshot_digest", "value_problems"]
 

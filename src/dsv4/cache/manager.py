@@ -28,6 +28,7 @@ from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, Unk
 from .pool import CompressedPool
 from .preempt import RequestSnapshot, restore_request, save_request
 from .prefix import PrefixCache, PrefixSnapshot, as_token_ids, prefix_state_bytes
+from .records import RequestRecord
 from .schema import LayerCacheSchema, resolve_layers, blocks_for_tokens, layer_schemas
 from .state import StateCache
 from .steps import StepLedger
@@ -42,18 +43,6 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 
 Plan = Mapping[str, int] | Sequence[tuple[str, int]]
-
-
-@dataclass
-class RequestRecord:
-    """Host record of one active request: its state ``slot``, ``num_tokens`` cached so far, its block table
-    ``blocks`` (physical pool block of each logical block), and ``missing``: why its cache lacks the data of some
-    of its tokens (a step no layer ran; see ``dsv4.cache.steps``), ``None`` when it is complete."""
-
-    slot: int
-    num_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)
-    missing: str | None = None
 
 
 @dataclass(frozen=True)

@@ -39,50 +39,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig
-from ..numerics import Numerics
 from .errors import CacheFullError, CorruptSnapshotError, DuplicateRequestError, IncompatibleSnapshotError
 from .integrity import snapshot_digest, value_problems
 from .prefix import as_token_ids
+from .records import CacheGeometry, RequestRecord
 from .schema import blocks_for_tokens
 
 if TYPE_CHECKING:
     from .manager import HybridCache
 
 __all__ = ["CacheGeometry", "RequestSnapshot", "restore_request", "save_request"]
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """What must match for a snapshot of one cache to be restored into another: the model config, the cached
-    layers (in order), the block size, the numerics (storage formats) and the context-parallel share of the pool
-    (``cp``: ``(cp_rank, cp_size)``; its pages hold that rank's entries only)."""
-
-    cfg: ModelConfig
-    layers: tuple[int, ...]
-    block_size: int
-    numerics: Numerics
-    cp: tuple[int, int] = (0, 1)
-
-    @classmethod
-    def of(cls, cache: HybridCache) -> CacheGeometry:
-        return cls(cache.cfg, tuple(cache.layer_indices), cache.block_size, cache.numerics,
-                   (cache.cp_rank, cache.cp_size))
-
-    def mismatch(self, other: CacheGeometry) -> list[str]:
-        """Human-readable differences from ``other`` (empty: compatible)."""
-        out = []
-        if self.cfg != other.cfg:
-            out.append(f"config {self.cfg.name!r} != {other.cfg.name!r}" + (" (same name, other values)" if self.cfg.name == other.cfg.name else ""))
-        if self.layers != other.layers:
-            out.append(f"layers {list(self.layers)} != {list(other.layers)}")
-        if self.block_size != other.block_size:
-            out.append(f"block_size {self.block_size} != {other.block_size}")
-        if self.numerics != other.numerics:
-            out.append(f"numerics {self.numerics.name!r} != {other.numerics.name!r}")
-        if self.cp != other.cp:
-            out.append(f"context-parallel share (rank, size) {self.cp} != {other.cp}")
-        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -260,7 +226,6 @@ def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapsh
         IncompatibleSnapshotError: see ``check_snapshot`` (``CorruptSnapshotError``: checksum or values).
         CacheFullError: no free state slot, or fewer free blocks than ``snapshot.num_blocks``.
     """
-    from .manager import RequestRecord
 
     if not isinstance(request_id, str):
         raise TypeError(f"request ids are str, got {type(request_id).__name__} {request_id!r}")

@@ -56,10 +56,10 @@ from torch import Tensor
 
 from .errors import CacheFullError, IncompatibleSnapshotError, InvalidPlanError
 from .prefix_states import PREFIX_STATE_NAMES, PrefixStates, prefix_state_bytes
+from .records import CacheGeometry, RequestRecord
 
 if TYPE_CHECKING:
-    from .manager import HybridCache, RequestRecord
-    from .preempt import CacheGeometry
+    from .manager import HybridCache
 
 __all__ = [
     "PREFIX_STATE_NAMES",
@@ -184,8 +184,6 @@ class PrefixCache:
     """
 
     def __init__(self, cache: HybridCache, num_states: int) -> None:
-        from .preempt import CacheGeometry
-
         self.cache = cache
         self.block_size = cache.block_size
         self.has_pool = cache.min_ratio > 0

@@ -33,7 +33,7 @@ from .errors import StaleBatchError, StepOrderError
 
 if TYPE_CHECKING:
     from .batch import StepBatch
-    from .manager import RequestRecord
+    from .records import RequestRecord
 
 __all__ = ["StepLedger", "StepTicket"]
 

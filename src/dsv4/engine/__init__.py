@@ -8,7 +8,8 @@
   or any deterministic callback of the token id;
 * ``prefix_plan`` — ``PrefixPlanner``: where prefill chunks end and which requests wait, for prefix caching;
 * ``runner``    — ``Engine`` / ``EngineConfig``: builds the layers (random, shared-random or checkpoint weights),
-  the cache and the scheduler; runs steps; ``RunStats.summary()`` gives throughput, latency and memory;
+  the cache and the scheduler; runs steps;
+* ``stats``     — ``StepRecord`` per step, ``RunStats`` per run: ``summary()`` gives throughput, latency and memory;
 * ``graphs``    — CUDA-graph decode (one graph per decode batch-size bucket; ``prepare_forward`` outside);
 * ``check``     — ``spot_check``: traced requests, layer by layer, against ``dsv4.reference``.
 """
@@ -17,8 +18,9 @@ from .check import SpotCheckRow, spot_check
 from .hidden import HashHidden, TokenHidden
 from .prefix_plan import PrefixPlanner
 from .requests import LengthSpec, Request, make_requests
-from .runner import DENSE_BF16_BYTES_PER_TOKEN_LAYER, Engine, EngineConfig, RunStats, StepRecord, Trace, pick_device
+from .runner import Engine, EngineConfig, Trace, pick_device
 from .scheduler import RequestTooLargeError, ScheduledStep, Scheduler, SchedulerConfig
+from .stats import DENSE_BF16_BYTES_PER_TOKEN_LAYER, RunStats, StepRecord
 
 __all__ = [
     "DENSE_BF16_BYTES_PER_TOKEN_LAYER",

@@ -4,7 +4,8 @@
 * ``runs_here(t)``: the Triton kernels can take ``t`` (a CUDA tensor, or any tensor under the interpreter).
 * ``sm_count(device)``: streaming multiprocessors of a CUDA device (cached); ``INTERPRETER_SMS`` elsewhere.
 * ``is_sm90(device)``: a Hopper GPU (compute capability 9.x) with Gluon importable — where the ``*_sm90`` kernels run.
-* ``facts(device)``: all of these as one ``DeviceFacts``, what a step's launch plan reads.
+* ``DeviceFacts``: all of these as one record, what a step's launch plan reads (``kernels.device_facts.facts``
+  fills one in for a real device: it asks kernels that probe it, which import this module).
 
 The byte layout of the cache entries (584-B KV entries, 68-B MXFP4 indexer keys) is ``dsv4.formats.layouts``'s;
 it is re-exported here so that kernels and launchers state it once.
@@ -35,7 +36,7 @@ from ..formats.layouts import (
 __all__ = [
     "DeviceFacts", "FP8_KEY_BYTES", "INDEXER_KEY_DIM", "INTERPRETER_SMS", "KV_DATA_BYTES", "KV_DIM", "KV_ENTRY_BYTES",
     "KV_FP8_BLOCK", "KV_NOPE_DIM", "KV_ROPE_DIM", "KV_SCALE_BYTES", "MXFP4_KEY_BYTES", "has_gluon", "interpreting",
-    "facts", "is_sm90", "runs_here", "sm_count",
+    "is_sm90", "runs_here", "sm_count",
 ]
 
 #: Multiprocessors a launch plans for when the kernels run in the interpreter (no device to ask).
@@ -91,7 +92,7 @@ def is_sm90(device: torch.device | str) -> bool:
 
 @dataclass(frozen=True)
 class DeviceFacts:
-    """What a step's launch plan needs to know about the device it runs on (``facts``; tests build one by hand to
+    """What a step's launch plan needs to know about the device it runs on (``device_facts.facts``; tests build one by hand to
     plan for an H200 on any machine).
 
     Attributes:
@@ -109,21 +110,3 @@ class DeviceFacts:
     sm90: bool
     resident_clusters: Callable[[int], int] | None = None
     fp8_gemm: str | None = None
-
-
-def facts(device: torch.device | str) -> DeviceFacts:
-    """The facts of ``device`` (cheap after the first call: every query is cached)."""
-    device = torch.device(device)
-    sm90 = is_sm90(device)
-    clusters = fp8_gemm = None
-    if sm90:
-        from .attention import sm90_serial  # compiles one kernel when a plan first asks
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        clusters = functools.partial(sm90_serial.resident_clusters, index)
-    if device.type == "cuda":
-        from .project.fp8_gemm import scaled_mm_works  # one probe per device
-
-        fp8_gemm = "scaled_mm" if scaled_mm_works(device) else "bf16"
-    return DeviceFacts(kernels=device.type == "cuda" or interpreting(), sm_count=sm_count(device), sm90=sm90,
-                       resident_clusters=clusters, fp8_gemm=fp8_gemm)

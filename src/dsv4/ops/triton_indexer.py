@@ -21,7 +21,7 @@ from .. import formats
 from ..cache.batch import StepBatch
 from ..cache.manager import LayerCache
 from ..config import ModelConfig
-from ..kernels import device
+from ..kernels import device, device_facts
 from ..kernels.indexer.plan import IndexerPlan, head_pad, plan_indexer
 from ..kernels.indexer.queries import mxfp4_queries
 from ..kernels.indexer.scores import index_scores
@@ -153,7 +153,7 @@ def indexer_plan(layer: LayerCache, batch: StepBatch, m: int, k: int, heads: int
     """The indexer's launches for ``batch`` on ``layer`` (``plan_indexer`` from the batch's shapes, the layer's key
     format and pool geometry, and ``facts`` — default: those of the pool's device)."""
     storage = layer.schema.index_storage
-    dev = facts if facts is not None else device.facts(layer.index_pages.device)
+    dev = facts if facts is not None else device_facts.facts(layer.index_pages.device)
     return plan_indexer(
         tokens=batch.num_tokens, requests=batch.num_requests, max_new=batch.max_new,
         entries=batch.addressable_entries(m), k=k, heads=heads,

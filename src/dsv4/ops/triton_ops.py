@@ -19,7 +19,8 @@ from torch import Tensor
 from ..cache.batch import StepBatch
 from ..cache.manager import HybridCache
 from ..config import LayerKind
-from ..kernels.device import DeviceFacts, facts
+from ..kernels.device import DeviceFacts
+from ..kernels.device_facts import facts
 from ..kernels.write.plan import plan_write
 from . import projections, triton_attention, triton_indexer
 from .triton_attention import attend
