@@ -304,8 +304,6 @@ def _warmup_only(args: argparse.Namespace, engine: Any, requests: list, say: Cal
     """``dsv4 warmup``: compile the workload's kernels into the on-disk cache, run nothing else."""
     from ..engine.warmup import warm_up
 
-    if engine.device.type != "cuda" or engine.backend != "triton":
-        say(f"warm-up: nothing to compile (backend {engine.backend} on {engine.device}: no Triton kernels)")
     report = warm_up(engine, requests, progress=not args.no_progress and args.json != "-")
     say(report.describe())
     if args.json:

@@ -96,6 +96,8 @@ class WarmupReport:
         """One line for the CLI."""
         if self.warm_start:
             done = "all compiled already (manifest)"
+        elif not self.workers:
+            done = "nothing to compile (no Triton kernels on this device and backend)"
         elif self.error:
             done = f"the compile workers failed ({self.error}): compiled serially while loading"
         else:
