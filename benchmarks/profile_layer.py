@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import json
+import pstats
 import re
+import warnings
 
 import torch
 
@@ -62,7 +66,35 @@ def cache_bytes(cfg: dsv4.ModelConfig, kind: LayerKind, batch: int, context: int
     return tokens * per_token
 
 
-def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefill: int, copy_bw: float) -> dict:
+def host_profile(run, calls: int = 20, top: int = 15) -> dict:
+    """Where an eager call spends its host time: cProfile of ``calls`` calls (the ``top`` functions by own time) and
+    every host-device synchronisation it makes (``torch.cuda.set_sync_debug_mode``), with the line that made it."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
+    syncs: collections.Counter[str] = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            syncs[f"{w.filename}:{w.lineno}"] += 1
+    return {"cprofile": buf.getvalue(), "syncs_per_call": dict(syncs)}
+
+
+def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefill: int, copy_bw: float,
+                 host: int = 0) -> dict:
     """Time, launches and roofline of one step of layer ``li``."""
     kind = cfg.layer_kind(li)
     w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
@@ -100,7 +132,8 @@ def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefi
                                                                                           context, new)
     floor = nbytes / copy_bw
     kernels = sorted(((k, n, us) for k, (n, us) in total.items()), key=lambda r: -r[2])
-    return {"layer": li, "kind": kind.name, "batch": batch, "context": context, "new_tokens": new,
+    extra = host_profile(run, top=host) if host else {}
+    return {**extra, "layer": li, "kind": kind.name, "batch": batch, "context": context, "new_tokens": new,
             "graph_us": t_graph * 1e6, "eager_us": t_eager * 1e6, "eager_over_graph": t_eager / t_graph,
             "launches": launches, "bytes": nbytes, "roofline_us": floor * 1e6, "roofline_frac": floor / t_graph,
             "plan": plan.describe(), "kernels": [{"name": k, "calls": n, "us": us} for k, n, us in kernels]}
@@ -113,6 +146,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192, help="tokens each request holds before the step")
     ap.add_argument("--prefill", type=int, default=0, help="a prefill chunk of this many tokens per request")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per layer kind (0: none)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also print the N functions that take an eager call's host time, and its host syncs")
     ap.add_argument("--json", help="write the rows (and the environment) here")
     a = ap.parse_args()
     cfg = dsv4.ModelConfig.preset(a.preset)
@@ -127,13 +162,16 @@ def main() -> None:
     rows = []
     for b in a.batch:
         for kind, li in kinds.items():
-            r = profile_kind(cfg, li, b, a.context, a.prefill, bw)
+            r = profile_kind(cfg, li, b, a.context, a.prefill, bw, a.host_profile)
             rows.append(r)
             print(f"{kind.name + ' ' + str(li):<10}{b:>5}{r['graph_us']:>10.1f}{r['eager_us']:>10.1f}"
                   f"{r['eager_over_graph']:>9.2f}{r['launches']:>9}{r['bytes'] / 1e6:>8.1f}{r['roofline_us']:>9.1f}"
                   f"{100 * r['roofline_frac']:>7.1f}%", flush=True)
             for k in r["kernels"][: a.top]:
                 print(f"      {k['us']:8.1f} us {k['calls']:3d}x  {k['name']}")
+            if a.host_profile:
+                print(f"      host syncs per eager call: {r['syncs_per_call'] or 'none'}")
+                print(r["cprofile"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"environment": environment("cuda"), "copy_bw": bw, "rows": rows}, f, indent=1, default=str)
