@@ -23,9 +23,11 @@ import io
 import json
 import pstats
 import re
+import time
 import warnings
 
 import torch
+import triton
 
 import dsv4
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
@@ -93,6 +95,32 @@ def host_profile(run, calls: int = 20, top: int = 15) -> dict:
     return {"cprofile": buf.getvalue(), "syncs_per_call": dict(syncs)}
 
 
+@triton.jit
+def _empty_kernel(x_ptr, n):
+    pass
+
+
+def host_launch_costs(calls: int = 2000) -> dict[str, float]:
+    """Host µs per call of the building blocks of an eager step, on this machine: a Triton launch of a 2-argument
+    kernel, a cuBLAS BF16 GEMM of one row, a ``torch.empty``, an elementwise torch op."""
+    x = torch.zeros(64, device="cuda", dtype=torch.bfloat16)
+    a, b = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16), torch.zeros(256, 256, device="cuda",
+                                                                                 dtype=torch.bfloat16)
+    ops = {"triton_launch": lambda: _empty_kernel[(1,)](x, 64), "torch_mm": lambda: torch.mm(a, b),
+           "torch_empty": lambda: torch.empty(64, device="cuda"), "torch_add": lambda: x.add(1)}
+    out = {}
+    for name, fn in ops.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefill: int, copy_bw: float,
                  host: int = 0) -> dict:
     """Time, launches and roofline of one step of layer ``li``."""
@@ -157,6 +185,8 @@ def main() -> None:
     bw = measure_copy_bandwidth("cuda")
     what = f"prefill chunk of {a.prefill} tokens" if a.prefill else "decode step"
     print(f"{torch.cuda.get_device_name()}  {a.preset} {what}, context {a.context}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    costs = host_launch_costs()
+    print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     print(f"{'layer':<10}{'B':>5}{'graph us':>10}{'eager us':>10}{'eager/gr':>9}{'launches':>9}{'MB':>8}"
           f"{'roof us':>9}{'roof %':>8}")
     rows = []
@@ -174,7 +204,8 @@ def main() -> None:
                 print(r["cprofile"])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"environment": environment("cuda"), "copy_bw": bw, "rows": rows}, f, indent=1, default=str)
+            json.dump({"environment": environment("cuda"), "copy_bw": bw, "host_us_per_call": costs, "rows": rows},
+                      f, indent=1, default=str)
 
 
 if __name__ == "__main__":

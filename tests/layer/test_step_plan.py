@@ -119,3 +119,27 @@ def test_plan_describes_itself() -> None:
     text = plan.describe()
     for word in ("SWA", "CSA", "HCA", "write", "attention", "B=64"):
         assert word in text, text
+
+
+def test_projection_plan_h200() -> None:
+    """FP8 projections on an H200 (cuBLAS over the quantized values as the fallback): a 4-row decode step runs every
+    projection on the Triton block GEMM, a 64-row one only the wide ``wq_b``, a prefill chunk none; every launch's
+    tiles divide the weight blocks and split K without empty splits."""
+    from dsv4.kernels.project.plan import fp8_projection_shapes
+
+    facts = DeviceFacts(kernels=True, sm_count=132, sm90=True, resident_clusters=lambda n: 132 // n, fp8_gemm="bf16")
+    cfg = dsv4.ModelConfig.preset("v4-flash")
+    shapes = fp8_projection_shapes(cfg)
+    for requests, new, triton_shapes in ((4, 1, set(shapes.values())), (64, 1, {shapes["wq_b"]}), (1, 2048, set())):
+        _, plan = _plan(_flash_cache(requests, 1024), new, facts)
+        for kind in (LayerKind.CSA, LayerKind.HCA, LayerKind.SWA):
+            proj = plan.layer(kind).projection
+            assert proj.rows == requests * new and proj.fallback == "bf16"
+            assert set(proj.launches) == triton_shapes, (requests, new)
+            for (n, k), launch in proj.launches.items():
+                kblocks = -(-k // 128)
+                assert 128 % launch.bn == 0 and launch.bm >= min(requests * new, 16)
+                assert (launch.split - 1) * -(-kblocks // launch.split) < kblocks  # the last split has blocks
+        assert "projections:" in plan.describe()
+    _, plan = _plan(_flash_cache(4, 1024), 1, OFF_HOPPER)  # no FP8 GEMM fact: the torch reference's project
+    assert plan.layer(LayerKind.CSA).projection is None

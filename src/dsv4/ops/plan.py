@@ -28,8 +28,8 @@ class LayerPlan:
         kind: the layer kind.
         kernels: the Triton kernels run this layer's norms and queries (a CUDA device or the interpreter, BF16
             activations); the stages below say which of the cache's formats they also handle.
-        projection: how the FP8 projections run (``kernels.project.fp8_gemm.GEMMS``; ``None``: the torch reference's
-            ``project``, e.g. without FP8 projections in the numerics).
+        projection: how the FP8 projections run (``kernels.project.plan.ProjectionPlan``; ``None``: the torch
+            reference's ``project``, e.g. without FP8 projections in the numerics).
         write: ``kernels.write.plan.WritePlan`` of the writes before attention (``None``: torch).
         indexer: the CSA indexer's plan (scores kernel and top-k; ``None``: torch, or not a CSA layer).
         attention: the sparse attention's plan (kernel, splits, key source, merge; ``None``: torch).
@@ -37,14 +37,14 @@ class LayerPlan:
 
     kind: LayerKind
     kernels: bool = False
-    projection: str | None = None
+    projection: Any = None
     write: Any = None
     indexer: Any = None
     attention: Any = None
 
     def describe(self) -> list[str]:
         """One line per planned stage."""
-        lines = [f"projections: {self.projection or 'torch'} (FP8 GEMMs)"] if self.projection else []
+        lines = [f"projections: {self.projection.describe()}"] if self.projection is not None else []
         for stage in ("write", "indexer", "attention"):
             p = getattr(self, stage)
             if p is not None:

@@ -22,6 +22,7 @@ from ..config import LayerKind
 from ..kernels.device import DeviceFacts
 from ..kernels.device_facts import facts
 from ..kernels.write.plan import plan_write
+from ..kernels.project.plan import fp8_projection_shapes, plan_projections
 from . import projections, triton_attention, triton_indexer
 from .triton_attention import attend
 from .triton_indexer import indexer_queries, indexer_topk
@@ -70,7 +71,10 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
         if dev.kernels and kind is LayerKind.CSA:
             indexer = triton_indexer.indexer_plan(cache.layer(schema.layer_idx), batch, m, cfg.index_topk,
                                                   cfg.index_n_heads, nm.score_dtype, dev)
-        projection = dev.fp8_gemm if kernels and nm.fp8_projections else None
+        projection = None
+        if kernels and nm.fp8_projections and dev.fp8_gemm is not None:
+            projection = plan_projections(batch.num_tokens, fp8_projection_shapes(cfg, heads), dev.fp8_gemm,
+                                          dev.sm_count, triton_gemm=dev.sm90)
         layers[kind] = LayerPlan(kind, kernels=kernels, projection=projection, write=write, indexer=indexer,
                                  attention=attention)
     summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"

@@ -1,5 +1,7 @@
 """The Triton backend's projections: the FP8-GEMM projections of SPEC §1.3 as the step's plan says
-(``LayerPlan.projection``: ``kernels.project.fp8_gemm``), handed to ``ops.projections`` as its ``Project``."""
+(``LayerPlan.projection``: a ``kernels.project.plan.ProjectionPlan`` — the Triton block GEMM's launch per weight
+shape, else the device's fallback way of ``kernels.project.fp8_gemm``), handed to ``ops.projections`` as its
+``Project``."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from torch import Tensor
 
 from ..formats.block_fp8 import BlockFp8Weight
 from ..kernels.device import runs_here
-from ..kernels.project import fp8_gemm
+from ..kernels.project import block_gemm, fp8_gemm
+from ..kernels.project.plan import ProjectionPlan
 from ..numerics import Numerics
 from ..reference.primitives import project as reference_project
 from ..weights import Projection
@@ -20,15 +23,19 @@ __all__ = ["projector"]
 
 
 def projector(step: LayerStep) -> projections.Project:
-    """The step's FP8-GEMM projection (``LayerPlan.projection``: ``kernels.project.fp8_gemm``), or the torch
-    reference's ``project`` where the plan has none."""
-    gemm = step.plan.projection
-    if gemm is None:
+    """The step's FP8-GEMM projection (``LayerPlan.projection``), or the torch reference's ``project`` where the
+    plan has none."""
+    plan = step.plan.projection
+    if plan is None:
         return reference_project
-    return functools.partial(_project_fp8, gemm=gemm)
+    return functools.partial(_project_fp8, plan=plan)
 
 
-def _project_fp8(x: Tensor, weight: Projection, numerics: Numerics, gemm: str) -> Tensor:
-    if numerics.fp8_projections and isinstance(weight, BlockFp8Weight) and runs_here(x):
-        return fp8_gemm.fp8_linear(x, weight, numerics.act_dtype, gemm)
-    return reference_project(x, weight, numerics)
+def _project_fp8(x: Tensor, weight: Projection, numerics: Numerics, plan: ProjectionPlan) -> Tensor:
+    if not (numerics.fp8_projections and isinstance(weight, BlockFp8Weight) and runs_here(x)):
+        return reference_project(x, weight, numerics)
+    launch = plan.launch(*weight.shape)
+    if launch is None:
+        return fp8_gemm.fp8_linear(x, weight, numerics.act_dtype, plan.fallback)
+    x2 = x.reshape(-1, x.shape[-1])
+    return block_gemm.block_fp8_linear(x2, weight, numerics.act_dtype, launch).reshape(*x.shape[:-1], -1)

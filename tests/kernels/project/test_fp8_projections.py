@@ -1,6 +1,7 @@
-"""The GPU's FP8 projections (``kernels.project.fp8_gemm``): the activation quantization kernel bit for bit against
-``formats.block_fp8`` (Triton interpreter on the CPU; the GPU), and both GEMM ways against the reference FP8 GEMM
-on random inputs (GPU, M = 1, 7, 64, 256, 8192)."""
+"""The GPU's FP8 projections (``kernels.project``): the activation quantization kernel bit for bit against
+``formats.block_fp8`` (Triton interpreter on the CPU; the GPU), and every GEMM way (cuBLAS BF16, ``_scaled_mm``,
+the Triton block GEMM) against the reference FP8 GEMM on random inputs (the interpreter on small shapes; the GPU,
+M = 1, 7, 64, 256, 8192)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ for M, K in ((3, 128), (5, 200), (2, 640)):
     assert torch.equal(s, torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps.int() - 127)), (M, K)
     v, s2 = quantize_activations(x, values=True)
     assert torch.equal(s2, s) and v.dtype == torch.bfloat16
+
+# the Triton block GEMM: FP32 sums of the same exact products (codes bit-cast, never float-cast to FP8, so the
+# interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K, both quantizations
+from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_linear
+from dsv4.kernels.project.block_gemm import GemmConfig, block_fp8_linear
+for M, N, K, bn, split, quantized in ((3, 256, 512, 64, 1, False), (5, 192, 640, 64, 3, False),
+                                      (17, 128, 384, 32, 2, False), (1, 64, 200, 64, 2, False),
+                                      (21, 192, 640, 64, 1, True), (4, 128, 384, 128, 3, True)):
+    w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g) * K**-0.5)
+    x = (torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))).bfloat16()
+    got = block_fp8_linear(x, w, torch.float32, GemmConfig(bm=16, bn=bn, split=split, quantized=quantized))
+    want = reference_linear(x, w, torch.float32)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6, (M, N, K, split)
 print("ok")
 """
 
@@ -33,13 +47,14 @@ def test_activation_quantization_kernel_in_interpreter() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", ["scaled_mm", "bf16"])
+@pytest.mark.parametrize("gemm", ["scaled_mm", "bf16", "triton"])
 @pytest.mark.parametrize("M", [1, 7, 64, 256, 8192])
 def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_fp8_linear, quantize_activations
-    from dsv4.kernels.project import fp8_gemm
+    from dsv4.kernels.device import sm_count
+    from dsv4.kernels.project import block_gemm, fp8_gemm
 
     if gemm == "scaled_mm" and not fp8_gemm.scaled_mm_works(torch.device("cuda")):
         pytest.skip("torch._scaled_mm does not take the blockwise recipe here (the plan runs 'bf16')")
@@ -51,7 +66,14 @@ def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     q, s = fp8_gemm.quantize_activations(x)
     codes, exps = quantize_activations(x)
     assert torch.equal(q.view(torch.uint8), codes)
-    got = fp8_gemm.fp8_linear(x, w, torch.bfloat16, gemm).float()
+    if gemm == "triton":
+        config = block_gemm.gemm_config(M, N, K, sm_count("cuda"))
+        got = block_gemm.block_fp8_linear(x, w, torch.bfloat16, config)
+        again = block_gemm.block_fp8_linear(x, w, torch.bfloat16, config)
+        assert torch.equal(got, again)  # split partials summed in split order, the tile counters back at zero
+        got = got.float()
+    else:
+        got = fp8_gemm.fp8_linear(x, w, torch.bfloat16, gemm).float()
     want = reference_fp8_linear(x, w, torch.float32)  # FP32 sums of the same products
     rel = ((got - want).norm() / want.norm()).item()
     assert torch.isfinite(got).all() and rel < 4e-3, rel  # BF16 output rounding and summation order only

@@ -1,0 +1,135 @@
+"""The official FP8 projections of one ``--preset`` layer at decode and prefill row counts, every GEMM way the
+plan can pick, against the weight-read roofline.
+
+Ways: ``bf16`` (the activations' quantized values times the weight's BF16 copy on cuBLAS), ``scaled_mm``
+(``torch._scaled_mm`` with blockwise scales, where this torch takes it and gets it right; the probe's figures are
+printed either way), ``triton`` (``kernels.project.block_gemm``: the block-scaled FP8 GEMM on FP8 tensor cores) —
+``gemm_config``'s launch and, with ``--sweep``, other tile / split / warp / stage / quantization choices. Each timing includes the
+activation quantization (the user's call). Errors are relative L2 against the reference's FP32 sums of the same
+products (``formats.block_fp8.fp8_linear``).
+
+Roofline: the FP8 weight (values + scales) read once at the copy bandwidth measured in the same run.
+
+    python benchmarks/bench_fp8_projections.py [--preset v4-flash] [--rows 1 4 16 64 128 8192] [--sweep] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import traceback
+
+import torch
+
+import dsv4
+from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
+from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_fp8_linear
+from dsv4.kernels.device import sm_count
+from dsv4.kernels.project import block_gemm, fp8_gemm
+
+REQUIRES_CUDA = True
+#: row counts ``--sweep`` explores (each launch shape compiles once: a wider sweep costs minutes)
+SWEEP_ROWS = (4, 64, 8192)
+#: weights ``--sweep`` explores: the large square-ish one, the long-K one and the narrow one
+SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv")
+
+
+def fp8_projections(cfg: dsv4.ModelConfig) -> dict[str, BlockFp8Weight]:
+    """The layer's FP8 projection weights (random, as checkpoints store them), by name."""
+    kind = {li: cfg.layer_kind(li) for li in range(cfg.num_layers)}
+    li = next((i for i, k in kind.items() if k.name == "CSA"), 0)
+    w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
+    return {n: v for n, v in w.named_parameters() if isinstance(v, BlockFp8Weight)}
+
+
+def scaled_mm_probe() -> str:
+    """Why ``torch._scaled_mm`` does or does not take the blockwise recipe here: 'ok' or the first error per M."""
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = BlockFp8Weight.quantize(torch.randn(256, 256, generator=g, device="cuda") * 0.05)
+    for m in (1, 16, 32, 64, 128):
+        x = torch.randn(m, 256, generator=g, device="cuda").bfloat16()
+        try:
+            got = fp8_gemm.fp8_linear(x, w, torch.bfloat16, "scaled_mm").float()
+            want = reference_fp8_linear(x, w, torch.float32)
+            out.append(f"M={m}: rel {((got - want).norm() / want.norm()).item():.1e}")
+        except Exception as e:  # noqa: BLE001 - the probe reports whatever torch raises
+            out.append(f"M={m}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    return "; ".join(out)
+
+
+def run_way(x: torch.Tensor, w: BlockFp8Weight, way: str, config: block_gemm.GemmConfig | None):
+    if way == "triton":
+        return lambda: block_gemm.block_fp8_linear(x, w, torch.bfloat16, config)
+    return lambda: fp8_gemm.fp8_linear(x, w, torch.bfloat16, way)
+
+
+def sweep_configs(plan: block_gemm.GemmConfig) -> list[block_gemm.GemmConfig]:
+    """The plan's launch and neighbours of it."""
+    out = [plan]
+    if plan.quantized:  # prefill tiles
+        shapes = [(128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3)]
+        out += [dataclasses.replace(plan, bm=bm, bn=bn, num_warps=w, num_stages=st) for bm, bn, w, st in shapes]
+    else:
+        for bn in (64, 128):
+            for split in sorted({plan.split, plan.split * 2}):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=warps, num_stages=stages))
+        out.append(dataclasses.replace(plan, quantized=True))
+    return list(dict.fromkeys(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="v4-flash")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 8192])
+    ap.add_argument("--sweep", action="store_true", help="also time neighbouring Triton launches")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    cfg = dsv4.ModelConfig.preset(a.preset)
+    bw = measure_copy_bandwidth("cuda")
+    sms = sm_count("cuda")
+    probe = scaled_mm_probe()
+    print(f"{torch.cuda.get_device_name()}  {a.preset}; copy bandwidth {bw / 1e12:.2f} TB/s; {sms} SMs")
+    print(f"torch {torch.__version__} _scaled_mm blockwise probe: {probe}")
+    ways = ["bf16", "triton"] + (["scaled_mm"] if fp8_gemm.scaled_mm_works(torch.device("cuda")) else [])
+    print(f"{'weight':<16}{'N x K':>14}{'M':>6}{'way':>10}{'us':>9}{'roof us':>9}{'roof %':>8}{'rel err':>10}  launch")
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for name, w in fp8_projections(cfg).items():
+        N, K = w.shape
+        floor = w.nbytes / bw
+        for M in a.rows:
+            x = (torch.randn(M, K, generator=g, device="cuda") * torch.exp(torch.randn(M, 1, generator=g,
+                                                                                        device="cuda"))).bfloat16()
+            want = reference_fp8_linear(x, w, torch.float32)
+            plan = block_gemm.gemm_config(M, N, K, sms)
+            cases = [(way, plan if way == "triton" else None) for way in ways]
+            if a.sweep and M in SWEEP_ROWS and name in SWEEP_WEIGHTS:
+                cases += [("triton", c) for c in sweep_configs(plan)[1:]]
+            for way, config in cases:
+                try:
+                    fn = run_way(x, w, way, config)
+                    got = fn().float()
+                    rel = ((got - want).norm() / want.norm()).item()
+                    t = time_cuda(fn, warmup=5, iters=50, graph=True)
+                except Exception:  # noqa: BLE001 - one failing launch must not hide the others
+                    print(f"{name:<16}{M:>6} {way} {config}: FAILED\n{traceback.format_exc(limit=2)}")
+                    continue
+                launch = "" if config is None else (f"bm{config.bm} bn{config.bn} split{config.split} "
+                                                    f"w{config.num_warps} s{config.num_stages}"
+                                                    + (" q" if config.quantized else "")
+                                                    + (" (plan)" if config == plan else ""))
+                rows.append({"weight": name, "N": N, "K": K, "M": M, "way": way, "launch": launch,
+                             "us": t * 1e6, "roofline_us": floor * 1e6, "rel_err": rel})
+                print(f"{name:<16}{f'{N}x{K}':>14}{M:>6}{way:>10}{t * 1e6:>9.1f}{floor * 1e6:>9.1f}"
+                      f"{100 * floor / t:>7.1f}%{rel:>10.1e}  {launch}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"environment": environment("cuda"), "copy_bw": bw, "scaled_mm_probe": probe, "rows": rows},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

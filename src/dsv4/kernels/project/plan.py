@@ -1,0 +1,74 @@
+"""How a step's FP8 projections run (``ProjectionPlan``), decided once per step from its row count.
+
+The five FP8 projections of a layer (``weights.FP8_PROJECTIONS``) have fixed shapes; a step multiplies each by
+``rows`` activation rows (its tokens). Per weight shape the plan holds the Triton block GEMM's launch
+(``block_gemm.gemm_config``) where that kernel was measured faster than the device's fallback way (``fallback``:
+cuBLAS over the quantized values, ``"bf16"``, or ``torch._scaled_mm``, ``"scaled_mm"``), and ``None`` elsewhere.
+The rule's figures: ``benchmarks/RESULTS.md``, "FP8 projections".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...config import ModelConfig
+from .block_gemm import DECODE_ROWS, GemmConfig, gemm_config
+
+__all__ = ["ProjectionPlan", "fp8_projection_shapes", "plan_projections", "triton_gemm_wins"]
+
+#: decode steps of at most this many rows take the Triton GEMM for every projection
+ALL_SHAPES_ROWS = 16
+#: weights with at least this many output columns (``wq_b``) take it up to ``DECODE_ROWS`` rows
+WIDE_N = 16384
+
+
+def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[str, tuple[int, int]]:
+    """``{name: (N, K)}`` of a layer's FP8 projections (``heads``: the query heads a rank computes)."""
+    H = cfg.num_heads if heads is None else heads
+    d = cfg.hidden_size
+    return {"wq_a": (cfg.q_lora_rank, d), "wq_b": (H * cfg.head_dim, cfg.q_lora_rank), "wkv": (cfg.head_dim, d),
+            "wo_b": (d, cfg.o_groups * cfg.o_lora_rank),
+            "indexer.wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)}
+
+
+def triton_gemm_wins(rows: int, n: int, k: int) -> bool:
+    """Whether the Triton block GEMM beats cuBLAS over the quantized values for this shape (measured on the H200:
+    few rows, or a wide weight up to the decode row limit)."""
+    return rows <= ALL_SHAPES_ROWS or (rows <= DECODE_ROWS and n >= WIDE_N)
+
+
+@dataclass(frozen=True)
+class ProjectionPlan:
+    """A step's FP8-projection launches.
+
+    Attributes:
+        rows: activation rows per projection (the step's tokens).
+        fallback: the way shapes without a Triton launch run (``fp8_gemm.GEMMS``).
+        launches: ``{(N, K): GemmConfig}`` — the Triton block GEMM's launch per weight shape that takes it.
+    """
+
+    rows: int
+    fallback: str
+    launches: dict[tuple[int, int], GemmConfig] = field(default_factory=dict)
+
+    def launch(self, n: int, k: int) -> GemmConfig | None:
+        """The Triton launch of an ``[n, k]`` weight, or ``None`` (the fallback way)."""
+        return self.launches.get((n, k))
+
+    def describe(self) -> str:
+        if not self.launches:
+            return f"{self.fallback} GEMMs over the quantized values ({self.rows} rows)"
+        shapes = ", ".join(f"{n}x{k} ({c.describe()})" for (n, k), c in self.launches.items())
+        return f"Triton block GEMM for {shapes}; else {self.fallback} ({self.rows} rows)"
+
+
+def plan_projections(rows: int, shapes: dict[str, tuple[int, int]], fallback: str, sms: int,
+                     triton_gemm: bool) -> ProjectionPlan:
+    """The plan for a step of ``rows`` rows over these weight shapes; ``triton_gemm``: the device runs the
+    Triton block GEMM (FP8 tensor cores: Hopper)."""
+    launches = {}
+    if triton_gemm and rows > 0:
+        for n, k in shapes.values():
+            if triton_gemm_wins(rows, n, k):
+                launches[(n, k)] = gemm_config(rows, n, k, sms)
+    return ProjectionPlan(rows=rows, fallback=fallback, launches=launches)
