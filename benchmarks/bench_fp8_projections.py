@@ -30,7 +30,7 @@ from dsv4.kernels.project import block_gemm, fp8_gemm
 
 REQUIRES_CUDA = True
 #: row counts ``--sweep`` explores (each launch shape compiles once: a wider sweep costs minutes)
-SWEEP_ROWS = (4, 64, 8192)
+SWEEP_ROWS = (4, 64)
 #: weights ``--sweep`` explores: the large square-ish one, the long-K one and the narrow one
 SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv")
 
@@ -68,15 +68,10 @@ def run_way(x: torch.Tensor, w: BlockFp8Weight, way: str, config: block_gemm.Gem
 def sweep_configs(plan: block_gemm.GemmConfig) -> list[block_gemm.GemmConfig]:
     """The plan's launch and neighbours of it."""
     out = [plan]
-    if plan.quantized:  # prefill tiles
-        shapes = [(128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3)]
-        out += [dataclasses.replace(plan, bm=bm, bn=bn, num_warps=w, num_stages=st) for bm, bn, w, st in shapes]
-    else:
-        for bn in (64, 128):
-            for split in sorted({plan.split, plan.split * 2}):
-                for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                    out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=warps, num_stages=stages))
-        out.append(dataclasses.replace(plan, quantized=True))
+    for bn in (64, 128):
+        for split in sorted({plan.split, plan.split * 2}):
+            for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=warps, num_stages=stages))
     return list(dict.fromkeys(out))
 
 
@@ -85,6 +80,7 @@ def main() -> None:
     ap.add_argument("--preset", default="v4-flash")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 8192])
     ap.add_argument("--sweep", action="store_true", help="also time neighbouring Triton launches")
+    ap.add_argument("--triton-rows", type=int, default=8192, help="time the Triton GEMM up to this many rows")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = dsv4.ModelConfig.preset(a.preset)
@@ -105,7 +101,8 @@ def main() -> None:
                                                                                         device="cuda"))).bfloat16()
             want = reference_fp8_linear(x, w, torch.float32)
             plan = block_gemm.gemm_config(M, N, K, sms)
-            cases = [(way, plan if way == "triton" else None) for way in ways]
+            cases = [(way, plan if way == "triton" else None) for way in ways
+                     if way != "triton" or M <= a.triton_rows]
             if a.sweep and M in SWEEP_ROWS and name in SWEEP_WEIGHTS:
                 cases += [("triton", c) for c in sweep_configs(plan)[1:]]
             for way, config in cases:
@@ -119,7 +116,6 @@ def main() -> None:
                     continue
                 launch = "" if config is None else (f"bm{config.bm} bn{config.bn} split{config.split} "
                                                     f"w{config.num_warps} s{config.num_stages}"
-                                                    + (" q" if config.quantized else "")
                                                     + (" (plan)" if config == plan else ""))
                 rows.append({"weight": name, "N": N, "K": K, "M": M, "way": way, "launch": launch,
                              "us": t * 1e6, "roofline_us": floor * 1e6, "rel_err": rel})

@@ -122,15 +122,16 @@ def test_plan_describes_itself() -> None:
 
 
 def test_projection_plan_h200() -> None:
-    """FP8 projections on an H200 (cuBLAS over the quantized values as the fallback): a 4-row decode step runs every
-    projection on the Triton block GEMM, a 64-row one only the wide ``wq_b``, a prefill chunk none; every launch's
-    tiles divide the weight blocks and split K without empty splits."""
+    """FP8 projections on an H200 (cuBLAS over the quantized values as the fallback): decode steps of 4 and 64 rows
+    run the two large projections (``wq_b``, ``wo_b``) on the Triton block GEMM, a prefill chunk none; every
+    launch's tiles divide the weight blocks and split K without empty splits."""
     from dsv4.kernels.project.plan import fp8_projection_shapes
 
     facts = DeviceFacts(kernels=True, sm_count=132, sm90=True, resident_clusters=lambda n: 132 // n, fp8_gemm="bf16")
     cfg = dsv4.ModelConfig.preset("v4-flash")
     shapes = fp8_projection_shapes(cfg)
-    for requests, new, triton_shapes in ((4, 1, set(shapes.values())), (64, 1, {shapes["wq_b"]}), (1, 2048, set())):
+    large = {shapes["wq_b"], shapes["wo_b"]}
+    for requests, new, triton_shapes in ((4, 1, large), (64, 1, large), (1, 2048, set())):
         _, plan = _plan(_flash_cache(requests, 1024), new, facts)
         for kind in (LayerKind.CSA, LayerKind.HCA, LayerKind.SWA):
             proj = plan.layer(kind).projection

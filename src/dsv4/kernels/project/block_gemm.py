@@ -1,19 +1,20 @@
 """The official FP8 projections as one Triton kernel: the block-scaled FP8 GEMM of SPEC §1.3 on FP8 tensor cores.
 
-``y = x @ wᵀ`` for ``x`` BF16 ``[M, K]`` and ``w`` a ``BlockFp8Weight`` ``[N, K]`` (E4M3, one power-of-two scale
-per 128 × 128 block). Each program owns a ``[BM, BN]`` tile of ``y`` and a range of 128-wide K blocks. Per K block
-it takes the activations' E4M3 codes and UE8M0 scales — quantized in the kernel from the BF16 rows (decode: few
-rows, so each program redoing its rows' quantization costs less than a launch; ``quant.fp8_block_qdq``, the same
-bits as ``fp8_gemm.quantize_activations``) or read from that launch's output (prefill: ``quantized``) —, multiplies
-codes on FP8 tensor cores (a fresh FP32 sum per K block) and adds the block's sum times both scales into an FP32
-accumulator. Every product is exact, so the result differs from the reference's FP32 sums only in summation order.
+``y = x @ wᵀ`` for ``x`` BF16 ``[M, K]`` (few rows: a decode step's tokens) and ``w`` a ``BlockFp8Weight``
+``[N, K]`` (E4M3, one power-of-two scale per 128 × 128 block). Each program owns a ``[BM, BN]`` tile of ``y`` and a
+range of 128-wide K blocks. Per K block it quantizes its rows' activations as the official ``act_quant`` does
+(1 × 128 blocks, UE8M0 scales: ``quant.fp8_block_qdq``, the same bits as ``fp8_gemm.quantize_activations``; with few
+rows, each program redoing it costs less than a launch), multiplies the E4M3 codes on FP8 tensor cores (a fresh
+FP32 sum per K block) and adds the block's sum times both scales into an FP32 accumulator. Every product is exact,
+so the result differs from the reference's FP32 sums only in summation order.
 
 Weight-bound shapes with few output tiles (``wkv``: N = 512) split K over several programs; their FP32 partial
 tiles go to a workspace and the last program of a tile to arrive (a counter per tile, which that program resets)
 sums them in split order: the result does not depend on arrival order, and the GEMM stays one launch.
 
 ``GemmConfig`` is one launch's decisions; ``gemm_config`` the rule, applied by the step's plan
-(``ProjectionPlan``) once per step and weight shape.
+(``ProjectionPlan``) once per step and weight shape. Large row counts (prefill) stay on cuBLAS: this kernel measured
+slower there (``benchmarks/RESULTS.md``, "FP8 projections").
 """
 
 from __future__ import annotations
@@ -28,53 +29,46 @@ from torch import Tensor
 
 from ...formats.block_fp8 import ACT_BLOCK, WEIGHT_BLOCK, BlockFp8Weight
 from ..quant import exp2i, fp8_block_qdq
-from .fp8_gemm import quantize_activations
 
-__all__ = ["DECODE_ROWS", "GemmConfig", "block_fp8_linear", "gemm_config"]
+__all__ = ["GemmConfig", "block_fp8_linear", "gemm_config"]
 
-#: up to this many rows the kernel quantizes its own activations and uses row tiles of at most 64
-DECODE_ROWS = 128
 #: tile counters per device (split-K launches use one per output tile; each is back at 0 after the launch)
 _COUNTERS = 1 << 14
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """One launch: ``[bm, bn]`` output tiles, K blocks split over ``split`` programs per tile; ``quantized``: the
-    activations are quantized by a launch before (else in the kernel)."""
+    """One launch: ``[bm, bn]`` output tiles, K blocks split over ``split`` programs per tile."""
 
     bm: int
     bn: int
     split: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    quantized: bool = False
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
         return triton.cdiv(N, self.bn), triton.cdiv(M, self.bm), self.split
 
     def describe(self) -> str:
         split = f", split {self.split}" if self.split > 1 else ""
-        return f"{self.bm}x{self.bn}{split}{', pre-quantized' if self.quantized else ''}"
+        return f"{self.bm}x{self.bn}{split}"
 
 
 @functools.lru_cache(maxsize=None)
 def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     """The launch for ``[M, K] @ [N, K]ᵀ`` on a device of ``sms`` SMs.
 
-    Decode (M ≤ ``DECODE_ROWS``): the smallest row tile that holds M (16 … 64), 128-column tiles, activations
-    quantized in the kernel, and K split until about two programs per SM stream the weight (each split keeping
-    ≥ 2 K blocks). Prefill: 128 × 128 tiles over pre-quantized activations, 8 warps.
+    The smallest row tile that holds M (16 … 64), 128-column tiles, 4 warps, 3 stages; where the tiles do not
+    cover the SMs, K split until about two programs per SM stream the weight (each split keeping ≥ 2 K blocks).
+    The choices measured best on the H200 (``benchmarks/bench_fp8_projections.py --sweep``).
     """
     if M <= 0:
         raise ValueError(f"gemm_config: M must be positive, got {M}")
-    if M > DECODE_ROWS:
-        return GemmConfig(bm=128, bn=128, num_warps=8, num_stages=3, quantized=True)
     bm = min(64, max(16, triton.next_power_of_2(M)))
     bn = 128
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     kblocks = triton.cdiv(K, ACT_BLOCK)
-    split = max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))
+    split = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))
     split = triton.cdiv(kblocks, triton.cdiv(kblocks, split))  # no empty split
     if tiles * split > _COUNTERS:
         split = 1
@@ -82,15 +76,12 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                           NKB, MN, KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           SPLIT: tl.constexpr, QUANTIZED: tl.constexpr):
+def _block_fp8_gemm_kernel(x_ptr, stride_x, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K, NKB, MN,
+                           KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
     """Tile ``(pid0, pid1)`` of ``out`` ``[M, N]``, K blocks ``pid2·KB_PER_SPLIT …`` (see the module docstring).
 
-    x: bf16 ``[M, K]`` (row stride ``stride_x``) — or, ``QUANTIZED``, its E4M3 codes with fp32 scales
-    ``x_scale`` ``[NKB, M]`` (``fp8_gemm.quantize_activations``); w: e4m3 ``[N, K]`` contiguous; w_scale: fp32
-    ``[⌈N/128⌉, NKB]``; part: fp32 ``[SPLIT, M, N]`` workspace (MN = M·N); count: int32 per tile (0 before and
-    after)."""
+    x: bf16 ``[M, K]`` (row stride ``stride_x``); w: e4m3 ``[N, K]`` contiguous; w_scale: fp32 ``[⌈N/128⌉, NKB]``;
+    part: fp32 ``[SPLIT, M, N]`` workspace (MN = M·N); count: int32 per tile (0 before and after)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -106,15 +97,11 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w_ptr, w_scale_ptr, out
         kb = kb0 + i
         k = kb * 128 + kk
         k_ok = k < K
-        x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :]
-        if QUANTIZED:
-            a = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            x_scale = tl.load(x_scale_ptr + kb * M + rows, mask=row_ok & (kb < NKB), other=0.0)
-        else:
-            x = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            code, _, ebyte = fp8_block_qdq(x, 1)
-            a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-            x_scale = exp2i(ebyte - 127)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        code, _, ebyte = fp8_block_qdq(x, 1)
+        a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        x_scale = exp2i(ebyte - 127)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         block = tl.dot(a, tl.trans(w))
@@ -164,13 +151,9 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
     if M == 0:
         return out
     nkb = triton.cdiv(K, ACT_BLOCK)
-    x_scale = None
-    if config.quantized:
-        x, x_scale = quantize_activations(x)
-        x_scale = x_scale.t()  # the launch's contiguous [NKB, M]
     part = out if config.split == 1 else torch.empty((config.split, M, N), dtype=torch.float32, device=x.device)
     _block_fp8_gemm_kernel[config.grid(M, N)](
-        x, x.stride(0), x if x_scale is None else x_scale, w.data, w.scale, out, part, _counters(x.device), M, N,
-        K, nkb, M * N, KB_PER_SPLIT=triton.cdiv(nkb, config.split), BM=config.bm, BN=config.bn,
-        SPLIT=config.split, QUANTIZED=config.quantized, num_warps=config.num_warps, num_stages=config.num_stages)
+        x, x.stride(0), w.data, w.scale, out, part, _counters(x.device), M, N, K, nkb, M * N,
+        KB_PER_SPLIT=triton.cdiv(nkb, config.split), BM=config.bm, BN=config.bn, SPLIT=config.split,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out

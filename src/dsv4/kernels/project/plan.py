@@ -12,14 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...config import ModelConfig
-from .block_gemm import DECODE_ROWS, GemmConfig, gemm_config
+from .block_gemm import GemmConfig, gemm_config
 
 __all__ = ["ProjectionPlan", "fp8_projection_shapes", "plan_projections", "triton_gemm_wins"]
 
-#: decode steps of at most this many rows take the Triton GEMM for every projection
-ALL_SHAPES_ROWS = 16
-#: weights with at least this many output columns (``wq_b``) take it up to ``DECODE_ROWS`` rows
-WIDE_N = 16384
+#: steps of at most this many rows (decode) take the Triton GEMM ...
+TRITON_ROWS = 64
+#: ... for weights of at least this many values (V4-Flash: ``wq_b``, ``wo_b``, 32 Mi each; the smaller ones are
+#: launch-latency bound either way)
+TRITON_MIN_VALUES = 1 << 24
 
 
 def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[str, tuple[int, int]]:
@@ -33,8 +34,8 @@ def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[st
 
 def triton_gemm_wins(rows: int, n: int, k: int) -> bool:
     """Whether the Triton block GEMM beats cuBLAS over the quantized values for this shape (measured on the H200:
-    few rows, or a wide weight up to the decode row limit)."""
-    return rows <= ALL_SHAPES_ROWS or (rows <= DECODE_ROWS and n >= WIDE_N)
+    decode rows over a large weight)."""
+    return rows <= TRITON_ROWS and n * k >= TRITON_MIN_VALUES
 
 
 @dataclass(frozen=True)
