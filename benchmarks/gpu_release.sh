@@ -4,12 +4,13 @@
 #                                                      GPU tests of the newest paths
 #   bash benchmarks/gpu_release.sh prefix hf ab        call 2: prefix-cache bench, transformers generate() (needs the
 #                                                      transformers >= 5.24 wheel in .whl/), old vs new tree A/B
+#   ... layer-ab                                       one layer of each kind, the tree in .ab/pre vs this one
 # Each part writes one log (and JSON) under $OUT (at most 8 files come back from a device call).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
 O=${OUT:-out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader; date -u
 ACCEPT="--preset v4-flash --backend triton --device cuda --requests 64 --prompt-len 8192 --gen-len 256 \
-  --check-requests 0 --no-progress"
+  --no-progress"
 for part in "$@"; do
   case $part in
   run)  # issue 36: a fresh Triton cache (cold), then the same run again on it (warm)
@@ -17,12 +18,21 @@ for part in "$@"; do
     for t in cold warm; do
       echo "== $t" >> "$O/run.log"
       s=$SECONDS
-      timeout ${RUN_S:-230} python3 -m dsv4.cli run $ACCEPT --triton-cache /tmp/tc-release --json "$O/run_$t.json" \
-        >> "$O/run.log" 2>&1
+      check=0; [ $t = warm ] && check=${WARM_CHECK:-0}  # the warm run may also spot-check requests
+      timeout ${RUN_S:-230} python3 -m dsv4.cli run $ACCEPT --check-requests $check --triton-cache /tmp/tc-release \
+        --json "$O/run_$t.json" >> "$O/run.log" 2>&1
       echo "== run $t rc=$? process wall $((SECONDS - s)) s" | tee -a "$O/run.log"
     done
-    grep -E "^== |warm-up|JIT|decode |prefill |total |decode-only|with prefill|first token|first step|CUDA graphs" \
+    grep -E "^== |warm-up|JIT|decode |prefill |total |decode-only|with prefill|first token|first step|CUDA graphs|check|PASS|FAIL" \
       "$O/run.log" ;;
+  layer-ab)  # one layer of each kind on the tree before this change (.ab/pre) and this one, alternating
+    for tree in pre new pre new; do
+      if [ $tree = pre ]; then P=.ab/pre/src; B=.ab/pre/benchmarks; else P=src; B=benchmarks; fi
+      PYTHONPATH=$P TRITON_CACHE_DIR=/tmp/tc-ab-$tree timeout ${AB_S:-90} python3 $B/profile_layer.py --batch 64 4 \
+        --top 0 >> "$O/layer_ab.log" 2>&1
+      echo "== layer $tree rc=$?"
+    done
+    grep -E "^(SWA|CSA|HCA)|^== " "$O/layer_ab.log" ;;
   layer)  # issue 38: one layer of each kind, graph and eager, next to its roofline
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${LAYER_S:-120} python3 benchmarks/profile_layer.py --batch 64 4 \
       --top 6 --json "$O/layer.json" > "$O/layer.log" 2>&1
