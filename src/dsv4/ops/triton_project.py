@@ -9,6 +9,7 @@ import functools
 
 from torch import Tensor
 
+from ..cache.workspace import Workspace
 from ..formats.block_fp8 import BlockFp8Weight
 from ..kernels.device import runs_here
 from ..kernels.project import block_gemm, fp8_gemm
@@ -28,14 +29,16 @@ def projector(step: LayerStep) -> projections.Project:
     plan = step.plan.projection
     if plan is None:
         return reference_project
-    return functools.partial(_project_fp8, plan=plan)
+    return functools.partial(_project_fp8, plan=plan, workspace=step.cache.workspace)
 
 
-def _project_fp8(x: Tensor, weight: Projection, numerics: Numerics, plan: ProjectionPlan) -> Tensor:
+def _project_fp8(x: Tensor, weight: Projection, numerics: Numerics, plan: ProjectionPlan,
+                 workspace: Workspace) -> Tensor:
     if not (numerics.fp8_projections and isinstance(weight, BlockFp8Weight) and runs_here(x)):
         return reference_project(x, weight, numerics)
     launch = plan.launch(*weight.shape)
     if launch is None:
         return fp8_gemm.fp8_linear(x, weight, numerics.act_dtype, plan.fallback)
     x2 = x.reshape(-1, x.shape[-1])
-    return block_gemm.block_fp8_linear(x2, weight, numerics.act_dtype, launch).reshape(*x.shape[:-1], -1)
+    out = block_gemm.block_fp8_linear(x2, weight, numerics.act_dtype, launch, workspace)
+    return out.reshape(*x.shape[:-1], -1)

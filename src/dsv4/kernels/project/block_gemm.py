@@ -27,13 +27,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...cache.workspace import Workspace
 from ...formats.block_fp8 import ACT_BLOCK, WEIGHT_BLOCK, BlockFp8Weight
 from ..quant import exp2i, fp8_block_qdq
 
-__all__ = ["GemmConfig", "block_fp8_linear", "gemm_config"]
+__all__ = ["COUNTERS", "GemmConfig", "block_fp8_linear", "gemm_config"]
 
-#: tile counters per device (split-K launches use one per output tile; each is back at 0 after the launch)
-_COUNTERS = 1 << 14
+#: tile counters (split-K launches use one per output tile; each is back at 0 after the launch)
+COUNTERS = 1 << 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     kblocks = triton.cdiv(K, ACT_BLOCK)
     split = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))
     split = triton.cdiv(kblocks, triton.cdiv(kblocks, split))  # no empty split
-    if tiles * split > _COUNTERS:
+    if tiles * split > COUNTERS:
         split = 1
     return GemmConfig(bm=bm, bn=bn, split=split)
 
@@ -126,10 +127,11 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, w_ptr, w_scale_ptr, out_ptr, part_pt
 
 @functools.lru_cache(maxsize=None)
 def _counters(device: torch.device) -> Tensor:
-    return torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
-def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, config: GemmConfig) -> Tensor:
+def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, config: GemmConfig,
+                     workspace: Workspace | None = None) -> Tensor:
     """``x @ wᵀ`` with the official FP8 quantization points (``formats.block_fp8.fp8_linear``'s math).
 
     Args:
@@ -137,6 +139,9 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
         w: ``[N, K]`` block-scaled FP8 weight (N, K need not be multiples of 128).
         out_dtype: the output's dtype (the numerics' activation dtype).
         config: the launch (``gemm_config(M, N, K, sms)``, made by the step's plan).
+        workspace: where a split launch keeps its FP32 partials (``"gemm_partials"``) and tile counters
+            (``"gemm_tile_counters"``, zero between launches) — the cache's, inside a step; without one, a fresh
+            partial buffer and one counter buffer per device.
     Returns:
         ``[M, N]`` in ``out_dtype``.
     """
@@ -151,9 +156,16 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
     if M == 0:
         return out
     nkb = triton.cdiv(K, ACT_BLOCK)
-    part = out if config.split == 1 else torch.empty((config.split, M, N), dtype=torch.float32, device=x.device)
+    part, counters = out, out
+    if config.split > 1:
+        if workspace is None:
+            part = torch.empty((config.split, M, N), dtype=torch.float32, device=x.device)
+            counters = _counters(x.device)
+        else:
+            part = workspace.get("gemm_partials", (config.split, M, N), torch.float32)
+            counters = workspace.get("gemm_tile_counters", (COUNTERS,), torch.int32, zero=True)
     _block_fp8_gemm_kernel[config.grid(M, N)](
-        x, x.stride(0), w.data, w.scale, out, part, _counters(x.device), M, N, K, nkb, M * N,
+        x, x.stride(0), w.data, w.scale, out, part, counters, M, N, K, nkb, M * N,
         KB_PER_SPLIT=triton.cdiv(nkb, config.split), BM=config.bm, BN=config.bn, SPLIT=config.split,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
