@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .schema import PER_REQUEST, LayerCacheSchema
 from .state import StateCache
+from .transfer import index_tensor
 
 __all__ = ["PREFIX_STATE_NAMES", "PrefixStates", "prefix_state_bytes"]
 
@@ -60,8 +61,7 @@ class PrefixStates:
         """Copy the live state of ``slots`` into snapshot ``rows`` (one gather + scatter per tensor, no sync)."""
         if not rows:
             return
-        src = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        dst = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        src, dst = index_tensor(slots, self.device), index_tensor(rows, self.device)
         for layer, d in self.tensors.items():
             for name, t in d.items():
                 t.index_copy_(0, dst, state.tensors[layer][name].index_select(0, src))
