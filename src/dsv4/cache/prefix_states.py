@@ -67,7 +67,8 @@ class PrefixStates:
                 t.index_copy_(0, dst, state.tensors[layer][name].index_select(0, src))
 
     def restore(self, state: StateCache, row: int, slot: int) -> None:
-        """Copy snapshot ``row`` into state ``slot`` (the slot's other tensors keep their reset values)."""
-        for layer, d in self.tensors.items():
-            for name, t in d.items():
-                state.tensors[layer][name][slot].copy_(t[row])
+        """Copy snapshot ``row`` into state ``slot`` (the slot's other tensors keep their reset values): one
+        multi-tensor copy (a few launches on CUDA, not one per layer and tensor)."""
+        pairs = [(state.tensors[layer][name][slot], t[row]) for layer, d in self.tensors.items() for name, t in d.items()]
+        if pairs:
+            torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
