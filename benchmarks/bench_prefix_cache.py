@@ -8,6 +8,12 @@ start of the run), throughput (prompt + generated tokens served per second of th
 the hit rate and the memory the prefix cache held. With prefix caching the first request of a group computes the
 prefix, ending a step where it ends; the others wait for it and start from it (``dsv4.engine.prefix_plan``).
 
+Per step (JSON ``steps``; the printout sums up the steps with prefill tokens): requests, prefill and decode tokens,
+wall / GPU / host milliseconds, the host's milliseconds before the layers' first launch (scheduling, admissions,
+``prepare_forward``) and, on a GPU, the host-device synchronisations the step made (``torch.cuda.set_sync_debug_mode``;
+JSON ``sync_sites``: the lines that made them). A prefill step is eager, so a synchronisation inside it stalls the
+host's launches until the device has drained its queue.
+
 On a GPU each mode first runs the whole workload once untimed, so no Triton compile lands in the timed run
 (``--no-warmup`` to skip). ``--check`` (default on) spot-checks the prefix run against ``dsv4.reference``: a
 group's first request and a request that hit, over their whole sequences, one layer of each kind.
@@ -23,11 +29,15 @@ to first token p50 at least 3x better.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
+import math
 import platform
 import sys
 import time
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,6 +45,7 @@ import torch
 import dsv4
 from dsv4.engine import Engine, EngineConfig, make_requests, spot_check
 from dsv4.engine.runner import pick_device
+from dsv4.engine.stats import StepRecord, percentiles
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +77,65 @@ def workload(args: argparse.Namespace, cfg: dsv4.ModelConfig) -> list[dsv4.engin
                          shared_prefix=args.shared_prefix, prefix_groups=args.groups)
 
 
+class SyncCounter:
+    """While active (``with``) on CUDA, counts host-device synchronisations by the line that made them
+    (``torch.cuda.set_sync_debug_mode("warn")``); as ``Engine.run``'s ``on_step`` callback, notes the running count
+    at each step's end (``at_step``). Elsewhere it counts nothing (``at_step`` stays empty)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.sites: collections.Counter[str] = collections.Counter()
+        self.at_step: list[int] = []
+        self._caught: list[warnings.WarningMessage] = []
+
+    def __enter__(self) -> SyncCounter:
+        if self.cuda:
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self._drain()
+            self._warnings.__exit__(*exc)
+
+    def _drain(self) -> None:
+        self.sites.update(f"{w.filename}:{w.lineno}" for w in self._caught if "synchroniz" in str(w.message))
+        self._caught.clear()
+
+    def __call__(self, rec: StepRecord) -> None:
+        if self.cuda:
+            self._drain()
+            self.at_step.append(sum(self.sites.values()))
+
+
+def step_figures(steps: Sequence[StepRecord], syncs_at_step: Sequence[int]) -> list[dict[str, Any]]:
+    """One dict per step: requests, tokens, wall / GPU / host / before-launch ms, and host syncs (``None`` when not
+    counted; the first step's count includes the run's setup)."""
+    out, prev = [], 0
+    for i, r in enumerate(steps):
+        syncs = None
+        if i < len(syncs_at_step):
+            syncs, prev = syncs_at_step[i] - prev, syncs_at_step[i]
+        out.append({"step": r.step, "kind": r.kind, "requests": r.num_requests, "prefill_tokens": r.prefill_tokens,
+                    "decode_tokens": r.decode_tokens, "wall_ms": r.seconds * 1e3, "gpu_ms": r.gpu_seconds * 1e3,
+                    "host_ms": r.host_seconds * 1e3, "prepare_ms": r.prepare_seconds * 1e3, "syncs": syncs})
+    return out
+
+
+def prefill_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Medians over the steps with prefill tokens (``step_figures`` rows), and their most host syncs."""
+    pre = [r for r in rows if r["prefill_tokens"]]
+    p50 = lambda key: percentiles([r[key] for r in pre])["p50"]  # noqa: E731
+    syncs = [r["syncs"] for r in pre[1:] if r["syncs"] is not None]  # the first step's count includes the setup
+    return {"steps": len(pre), "requests_p50": p50("requests"), "prefill_tokens_p50": p50("prefill_tokens"),
+            "wall_ms_p50": p50("wall_ms"), "gpu_ms_p50": p50("gpu_ms"), "host_ms_p50": p50("host_ms"),
+            "prepare_ms_p50": p50("prepare_ms"), "syncs_max": max(syncs) if syncs else math.nan}
+
+
 def run_mode(engine: Engine, args: argparse.Namespace, prefix: bool, warmup: bool, check: bool) -> dict[str, Any]:
     """One timed run of the workload (after an untimed one if ``warmup``); returns its figures."""
     engine.config = dataclasses.replace(engine.config, prefix_caching=prefix)  # same engine, other mode
@@ -76,8 +146,10 @@ def run_mode(engine: Engine, args: argparse.Namespace, prefix: bool, warmup: boo
                     for k in {engine.cfg.layer_kind(i) for i in engine.layer_ids}})
     group0 = [r.request_id for r in requests if r.number % args.groups == 0]
     engine.trace([group0[0], group0[-1]] if check else [], kinds)
-    stats = engine.run(requests)
+    with SyncCounter(engine.device) as syncs:
+        stats = engine.run(requests, on_step=syncs)
     s = stats.summary()
+    steps = step_figures(stats.steps, syncs.at_step)
     served = s["prompt_tokens"] + s["decode_tokens"]
     out = {
         "prefix_caching": prefix,
@@ -97,6 +169,9 @@ def run_mode(engine: Engine, args: argparse.Namespace, prefix: bool, warmup: boo
         "prefix_cache_bytes_peak": s["prefix_cache_bytes_peak"],
         "cache_bytes_peak": s["cache_bytes_peak"],
         "steps": s["steps"],
+        "prefill_steps": prefill_summary(steps),
+        "step_figures": steps,
+        "sync_sites": dict(syncs.sites.most_common(8)),
     }
     if check:
         engine.graphs = None
@@ -199,6 +274,17 @@ def main(argv: list[str] | None = None) -> int:
         ("prefix cache memory at peak", "-", f"{pc['prefix_cache_bytes_peak'] / 2**20:.1f} MiB", ""),
         ("Triton JIT inside timed steps (s)", f"{cold['jit_s']:.1f}", f"{pc['jit_s']:.1f}", ""),
     ]
+    cs, ps = cold["prefill_steps"], pc["prefill_steps"]
+    rows += [
+        ("steps with prefill tokens", f"{cs['steps']}", f"{ps['steps']}", "medians below"),
+        ("  requests / step", f"{cs['requests_p50']}", f"{ps['requests_p50']}", ""),
+        ("  prefill tokens / step", f"{cs['prefill_tokens_p50']:,}", f"{ps['prefill_tokens_p50']:,}", ""),
+    ] + [
+        (f"  {label} ms / step", f"{cs[key]:.1f}", f"{ps[key]:.1f}", note)
+        for label, key, note in (("wall", "wall_ms_p50", ""), ("GPU", "gpu_ms_p50", "events around the launches"),
+                                 ("host", "host_ms_p50", ""), ("host before launch", "prepare_ms_p50",
+                                                               "schedule, admissions, prepare_forward"))
+    ] + [("  host syncs / step (most)", f"{cs['syncs_max']}", f"{ps['syncs_max']}", "GPU only; JSON sync_sites")]
     w = max(len(r[0]) for r in rows)
     print(f"\n{'':<{w}}  {'cold':>14}  {'prefix cache':>14}")
     for name, a, b, note in rows:

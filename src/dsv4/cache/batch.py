@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .steps import StepTicket
+from .transfer import to_device
 
 __all__ = ["StepBatch", "visible_entries", "build_step_batch"]
 
@@ -117,6 +118,8 @@ class StepBatch:
         prefix_captures: ``[(b, P, row)]`` — block boundaries P strictly inside request b's new tokens at which every
             layer snapshots its live state into ``PrefixStates`` row ``row`` (``dsv4.ops.prefix_capture``); a step
             with captures is not graph-safe (CUDA-graph replays skip it).
+        prefix_capture_index: the captures' index tensors on the device (``dsv4.cache.capture_index``, built
+            with them; ``None`` without captures).
     """
 
     request_ids: list[str]
@@ -157,6 +160,7 @@ class StepBatch:
     #: the cache state this batch was prepared for (``dsv4.cache.steps``); ``None``: not bound to any cache
     ticket: StepTicket | None = field(default=None, repr=False, compare=False)
     prefix_captures: list[tuple[int, int, int]] = field(default_factory=list)
+    prefix_capture_index: Any = field(default=None, repr=False, compare=False)
 
     #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
     _STATIC = (
@@ -332,10 +336,7 @@ def build_step_batch(
 
     keep = positions >= end[req] - window
     dev = torch.device(device)
-    if dev.type == "cuda":  # pinned staging: the copies never wait for the device's queue (a step in flight)
-        to = lambda t: t.pin_memory().to(dev, non_blocking=True)  # noqa: E731
-    else:
-        to = lambda t: t.to(dev)  # noqa: E731
+    to = lambda t: to_device(t, dev)  # noqa: E731 - pinned staging: never waits for a step in flight
     return StepBatch(
         request_ids=list(request_ids),
         num_new=[int(x) for x in num_new],

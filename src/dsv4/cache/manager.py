@@ -19,11 +19,12 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig, require_config
+from ..config import LayerKind, ModelConfig, require_config
 from ..numerics import Numerics, NumericsLike, resolve_numerics
 from ..validate import require_device
 from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch
+from .capture_index import build_capture_index
 from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
 from .pool import CompressedPool
 from .preempt import RequestSnapshot, restore_request, save_request
@@ -175,6 +176,7 @@ class HybridCache:
             for s in layer_schemas(cfg, self.layer_indices, self.numerics, self.block_size, self.cp_rank, self.cp_size)
         }
         self.ratios: tuple[int, ...] = tuple(sorted({s.ratio for s in self.schemas.values() if s.ratio}))
+        self._csa_ratios = {s.ratio for s in self.schemas.values() if s.kind is LayerKind.CSA}
         self.min_ratio: int = self.ratios[0] if self.ratios else 0
         state_per_slot = sum(s.state_bytes_per_request for s in self.schemas.values())
         pool_per_block = sum(s.pool_bytes_per_block for s in self.schemas.values())
@@ -434,6 +436,8 @@ class HybridCache:
         batch.ticket = self.steps.open_step(self._requests, [(rid, int(n)) for rid, n in items])
         self.prefix.after_step(items, step_ids)
         batch.prefix_captures = self.prefix.plan_captures(items)
+        batch.prefix_capture_index = build_capture_index(
+            batch.prefix_captures, batch.num_new, batch.start_positions, self.cfg.window, self._csa_ratios, self.device)
         return batch
 
     def repeatable(self, batch: StepBatch) -> StepBatch:

@@ -93,6 +93,13 @@ def as_token_ids(token_ids: object, what: str = "token_ids") -> array:
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(f"{what} must be a sequence of ints, got {type(token_ids).__name__}")
     ids = list(token_ids)
+    if all(issubclass(t, int) and t is not bool for t in set(map(type, ids))):  # plain ints: checked in C
+        try:
+            arr = array("q", ids)
+        except OverflowError:  # ≥ 2⁶³ (or < −2⁶³): the loop below names it
+            arr = None
+        if arr is not None and (not arr or min(arr) >= 0):
+            return arr
     for t in ids:
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
             raise TypeError(f"{what} must be a sequence of ints, got an element {t!r} ({type(t).__name__})")

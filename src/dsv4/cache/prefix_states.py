@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .schema import PER_REQUEST, LayerCacheSchema
 from .state import StateCache
+from .transfer import index_tensor
 
 __all__ = ["PREFIX_STATE_NAMES", "PrefixStates", "prefix_state_bytes"]
 
@@ -60,14 +61,14 @@ class PrefixStates:
         """Copy the live state of ``slots`` into snapshot ``rows`` (one gather + scatter per tensor, no sync)."""
         if not rows:
             return
-        src = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        dst = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        src, dst = index_tensor(slots, self.device), index_tensor(rows, self.device)
         for layer, d in self.tensors.items():
             for name, t in d.items():
                 t.index_copy_(0, dst, state.tensors[layer][name].index_select(0, src))
 
     def restore(self, state: StateCache, row: int, slot: int) -> None:
-        """Copy snapshot ``row`` into state ``slot`` (the slot's other tensors keep their reset values)."""
-        for layer, d in self.tensors.items():
-            for name, t in d.items():
-                state.tensors[layer][name][slot].copy_(t[row])
+        """Copy snapshot ``row`` into state ``slot`` (the slot's other tensors keep their reset values): one
+        multi-tensor copy (a few launches on CUDA, not one per layer and tensor)."""
+        pairs = [(state.tensors[layer][name][slot], t[row]) for layer, d in self.tensors.items() for name, t in d.items()]
+        if pairs:
+            torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])

@@ -46,6 +46,7 @@ from torch import Tensor
 from ..cache import HybridCache, blocks_for_tokens, layer_schemas
 from ..cache.schema import resolve_layers
 from ..cache.batch import StepBatch
+from ..cache.transfer import to_device
 from ..config import LayerKind, ModelConfig, require_config
 from ..formats.block_fp8 import BlockFp8Weight
 from ..layer import Attention
@@ -166,13 +167,6 @@ class EngineConfig:
             require_bool("overlap_host", self.overlap_host)
         if self.warmup is not None:
             require_bool("warmup", self.warmup)
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on ``device`` without waiting for the device's queue (pinned staging on CUDA)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -599,9 +593,10 @@ class Engine:
                 step_ids[rid] = ids[at : at + n]
                 at += n
         batch = self.cache.prepare_forward(plan.plan, token_ids=step_ids)
-        ids = _to_device(ids, self.device)
+        ids = to_device(ids, self.device)
         keep = self._trace_layers if any(rid in self.traces for rid, _ in plan.plan) else []
         cuda = self.device.type == "cuda"
+        t_launch = time.perf_counter()
         if cuda:
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
@@ -639,7 +634,7 @@ class Engine:
             tokens_cached=tokens_cached, cache_bytes_in_use=in_use,
             jit_seconds=(clock.seconds - jit0) if clock is not None else 0.0,
             jit_kernels=(clock.kernels - kernels0) if clock is not None else 0,
-            prefix_bytes=self.cache.prefix_cache_bytes(),
+            prefix_bytes=self.cache.prefix_cache_bytes(), prepare_seconds=t_launch - t0,
         )
         self._records.append(rec)
         return rec

@@ -26,8 +26,9 @@ class StepRecord:
 
     ``seconds``: the step's wall time — host start to device completion, or, with ``EngineConfig.overlap_host``,
     from the previous step's completion to this one's (the period of the pipelined loop). ``host_seconds``: the
-    host's work for the step (scheduling, ``prepare_forward``, launches). ``gpu_seconds``: its GPU time (CUDA
-    events around its launches; ``nan`` on the CPU)."""
+    host's work for the step (scheduling, ``prepare_forward``, launches); ``prepare_seconds`` the part of it before
+    the layers' first launch (scheduling and admissions, ``prepare_forward``, the token ids). ``gpu_seconds``: its
+    GPU time (CUDA events around its launches; ``nan`` on the CPU)."""
 
     step: int
     num_requests: int
@@ -42,6 +43,7 @@ class StepRecord:
     prefix_bytes: int = 0
     host_seconds: float = math.nan
     gpu_seconds: float = math.nan
+    prepare_seconds: float = math.nan
 
     @property
     def kind(self) -> str:

@@ -13,18 +13,22 @@ would hold at P into row ``row`` of ``PrefixStates``:
   in the step (``reference.compressor.project`` of those rows: the step's own FP32 projection up to GEMM rounding)
   and, for positions before ``s``, the pre-step tail.
 
-The compressor tails are not live at a block boundary (``dsv4.cache.prefix``), so nothing else is needed. Index lists
-are built on the host: a step with captures is not graph-safe (CUDA-graph replays never carry captures).
+The compressor tails are not live at a block boundary (``dsv4.cache.prefix``), so nothing else is needed. The
+index tensors (which tokens, ring slots and tail rows) come built with the batch (``StepBatch.prefix_capture_index``,
+``dsv4.cache.capture_index``): a layer only gathers, computes and scatters on the device, with no host loop and no
+host synchronisation. A step with captures is still not graph-safe (its index tensors change shape from step to
+step; CUDA-graph replays never carry captures).
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from ..cache.batch import StepBatch
+from ..cache.capture_index import CaptureIndex, build_capture_index
 from ..config import LayerKind
 from ..reference.compressor import project
 from ..reference.rope import apply_rope
@@ -38,80 +42,61 @@ def capture_prefix_states(step: LayerStep, x: Tensor, kv_in: Tensor) -> None:
     """Write the layer's state at each capture's boundary into its snapshot row (see the module doc).
 
     Args:
-        step: the layer's step (``step.batch.prefix_captures``; ``step.cache.prefix_states``: the snapshot rows).
+        step: the layer's step (``step.batch.prefix_captures`` and their index tensors; ``step.cache.prefix_states``:
+            the snapshot rows).
         x: ``[T, d]`` the step's attention inputs (act dtype).
         kv_in: ``[T, D]`` ``RMSNorm(W_kv x)`` of the step's tokens (the input of the window entries).
     """
     batch, layer, weights = step.batch, step.cache, step.weights
-    caps = batch.prefix_captures
-    if not caps:
+    if not batch.prefix_captures:
         return
-    rows_t = layer.prefix_states
-    state, W, dev = layer.state, batch.window, x.device
-    cu = list(itertools.accumulate(batch.num_new, initial=0))
-    slot = batch.slots[torch.tensor([b for b, _, _ in caps], device=dev)]  # [C] state slot of each capture
-    rows = torch.tensor([row for _, _, row in caps], device=dev)
+    index = batch.prefix_capture_index
+    if index is None:  # a batch whose captures were set by hand (tests): index them here
+        m = [layer.schema.ratio] if layer.schema.kind is LayerKind.CSA else []
+        index = build_capture_index(batch.prefix_captures, batch.num_new, batch.start_positions, batch.window, m,
+                                    x.device)
+    rows_t, state, W = layer.prefix_states, layer.state, batch.window
+    slot = batch.slots.index_select(0, index.requests)  # [C] state slot of each capture
     for name in ("ring", "ring_positions"):
-        rows_t[name].index_copy_(0, rows, state[name].index_select(0, slot))
-    # the step's positions of the window before P
-    dst, tok = [], []
-    for b, point, row in caps:
-        s = batch.start_positions[b]
-        for p in range(max(s, point - W), point):
-            dst.append(row)
-            tok.append(cu[b] + p - s)
-    if tok:
-        tok_t, dst_t = torch.tensor(tok, device=dev), torch.tensor(dst, device=dev)
-        pos = batch.positions[tok_t]
-        kv = step.numerics.qdq_kv(apply_rope(kv_in[tok_t], pos, step.inv_freq), step.cfg.nope_dim)  # as stored
-        layer.schema.kv_storage.write(rows_t["ring"], dst_t, pos % W, kv.float())
-        rows_t["ring_positions"][dst_t, pos % W] = pos.to(rows_t["ring_positions"].dtype)
+        rows_t[name].index_copy_(0, index.rows, state[name].index_select(0, slot))
+    if index.ring_tok.numel():  # the step's positions of the window before P
+        pos = batch.positions.index_select(0, index.ring_tok)
+        kv = step.numerics.qdq_kv(apply_rope(kv_in.index_select(0, index.ring_tok), pos, step.inv_freq),
+                                  step.cfg.nope_dim)  # as stored
+        layer.schema.kv_storage.write(rows_t["ring"], index.ring_dst, pos % W, kv.float())
+        rows_t["ring_positions"][index.ring_dst, pos % W] = pos.to(rows_t["ring_positions"].dtype)
     if layer.schema.kind is LayerKind.CSA:
         m = layer.schema.ratio
         for cw, prefix in ((weights.compressor, ""), (weights.indexer.compressor, "index_")):
-            _capture_prev_half(x, cw, state, rows_t, prefix, batch, caps, cu, slot, rows, m, step.numerics.act_dtype)
+            _capture_prev_half(x, cw, state, rows_t, prefix, batch, index, slot, m, step.numerics.act_dtype)
 
 
 def _capture_prev_half(
     x: Tensor,
     cw,
-    state: dict[str, Tensor],
-    rows_t: dict[str, Tensor],
+    state: Mapping[str, Tensor],
+    rows_t: Mapping[str, Tensor],
     prefix: str,
     batch: StepBatch,
-    caps: list[tuple[int, int, int]],
-    cu: list[int],
+    index: CaptureIndex,
     slot: Tensor,
-    rows: Tensor,
     m: int,
     weight_dtype: torch.dtype,
 ) -> None:
     """CSA: ``{prefix}prev_kv / prev_gate`` ``[m, c]`` at each capture's P = first half of window ``[P − m, P)``."""
     tail_kv, tail_gate = state[f"{prefix}tail_kv"], state[f"{prefix}tail_gate"]
     c = tail_kv.shape[-1] // 2
-    C, dev = len(caps), x.device
-    step_dst, step_tok, tail_dst, tail_cap, tail_row = [], [], [], [], []
-    for i, (b, point, _) in enumerate(caps):
-        s = batch.start_positions[b]
-        for r in range(m):
-            p = point - m + r
-            if p >= s:
-                step_dst.append(i * m + r)
-                step_tok.append(cu[b] + p - s)
-            else:  # the window began before the step: its row is in the tail (written by an earlier step)
-                tail_dst.append(i * m + r)
-                tail_cap.append(i)
-                tail_row.append(p % m)
+    C, dev = index.rows.numel(), x.device
+    half = index.prev[m]
     kv = torch.empty(C * m, c, dtype=torch.float32, device=dev)
     gate = torch.empty_like(kv)
-    if step_tok:
-        tok = torch.tensor(step_tok, device=dev)
-        a, z = project(x[tok], cw, batch.positions[tok], weight_dtype)
-        d = torch.tensor(step_dst, device=dev)
-        kv[d], gate[d] = a[:, :c], z[:, :c]
-    if tail_dst:
-        d = torch.tensor(tail_dst, device=dev)
-        src_slot, src_row = slot[torch.tensor(tail_cap, device=dev)], torch.tensor(tail_row, device=dev)
-        kv[d], gate[d] = tail_kv[src_slot, src_row, :c], tail_gate[src_slot, src_row, :c]
-    rows_t[f"{prefix}prev_kv"].index_copy_(0, rows, kv.view(C, m, c))
-    rows_t[f"{prefix}prev_gate"].index_copy_(0, rows, gate.view(C, m, c))
+    if half.step_tok.numel():
+        tok = half.step_tok
+        a, z = project(x.index_select(0, tok), cw, batch.positions.index_select(0, tok), weight_dtype)
+        kv[half.step_dst], gate[half.step_dst] = a[:, :c], z[:, :c]
+    if half.tail_dst.numel():  # the window began before the step: its row is in the tail (written by an earlier step)
+        src_slot = slot.index_select(0, half.tail_cap)
+        kv[half.tail_dst] = tail_kv[src_slot, half.tail_row, :c]
+        gate[half.tail_dst] = tail_gate[src_slot, half.tail_row, :c]
+    rows_t[f"{prefix}prev_kv"].index_copy_(0, index.rows, kv.view(C, m, c))
+    rows_t[f"{prefix}prev_gate"].index_copy_(0, index.rows, gate.view(C, m, c))
