@@ -39,9 +39,9 @@ import torch
 import dsv4
 from dsv4.cache.schema import resolve_layers
 from dsv4.engine import Engine, EngineConfig, LengthSpec, make_requests
-from dsv4.engine.shape_store import step_shapes, step_shapes_key
+from dsv4.engine.shape_store import step_shapes_key
 from dsv4.engine.source_digest import source_digest
-from dsv4.engine.warmup import graph_shapes, plan_step_shapes
+from dsv4.engine.warmup import graph_shapes, plan_step_shapes, stored_step_shapes as step_shapes
 from dsv4.numerics import resolve_numerics
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")

@@ -19,9 +19,10 @@ import pytest
 
 import dsv4
 from dsv4.engine import Engine, EngineConfig, make_requests
-from dsv4.engine import shape_store
-from dsv4.engine.shape_store import _checksum, entry_path, step_shapes, step_shapes_key
+from dsv4.engine import shape_store, warmup
+from dsv4.engine.shape_store import _checksum, entry_path, step_shapes_key
 from dsv4.engine.warmup import plan_step_shapes, warm_up
+from dsv4.engine.warmup import stored_step_shapes as step_shapes
 
 TINY = dsv4.ModelConfig.preset("tiny")
 CONFIG_ARGS = dict(device="cpu", max_running=3, max_batched_tokens=96, block_size=64, seed=0)
@@ -49,7 +50,7 @@ def test_a_second_warm_up_reads_what_the_replay_found(engine: Engine, tmp_path, 
     assert truth[0] and truth[1]  # eager shapes and graph buckets both
     first = warm_up(engine, _requests())
     assert not first.shapes_stored
-    monkeypatch.setattr(shape_store, "plan_step_shapes", lambda *a: pytest.fail("replayed although stored"))
+    monkeypatch.setattr(warmup, "plan_step_shapes", lambda *a: pytest.fail("replayed although stored"))
     second = warm_up(engine, _requests())
     assert second.shapes_stored and second.graph_buckets == truth[1] and second.eager_shapes == len(truth[0])
     eager, buckets, stored = step_shapes(engine, _requests())
@@ -59,7 +60,7 @@ def test_a_second_warm_up_reads_what_the_replay_found(engine: Engine, tmp_path, 
 def test_the_stored_shapes_are_those_a_replay_in_another_process_finds(engine: Engine, tmp_path) -> None:
     """The entry is written by a fresh interpreter (another string-hash seed): the scheduling is the same there."""
     code = ("import dsv4; from dsv4.engine import Engine, EngineConfig, make_requests; "
-            "from dsv4.engine.shape_store import step_shapes; Engine._want_graphs = lambda self: True; "
+            "from dsv4.engine.warmup import stored_step_shapes as step_shapes; Engine._want_graphs = lambda self: True; "
             f"eng = Engine(dsv4.ModelConfig.preset('tiny'), config=EngineConfig(**{CONFIG_ARGS!r})); "
             "assert not step_shapes(eng, make_requests(7, 'uniform:8:200', 'uniform:1:12', seed=0), "
             f"{str(tmp_path)!r})[2]")
@@ -173,7 +174,7 @@ def test_a_corrupt_or_tampered_entry_is_ignored_and_replaced(engine: Engine, tmp
     with open(path, "w") as f:
         f.write(bad if isinstance(bad, str) else json.dumps(bad))
     replays = []
-    monkeypatch.setattr(shape_store, "plan_step_shapes", lambda *a: replays.append(1) or plan_step_shapes(*a))
+    monkeypatch.setattr(warmup, "plan_step_shapes", lambda *a: replays.append(1) or plan_step_shapes(*a))
     eager, buckets, stored = step_shapes(engine, _requests(), str(tmp_path))
     assert not stored and replays == [1] and (eager, buckets) == truth
     with open(path) as f:

@@ -1,10 +1,11 @@
-"""A run's step shapes, stored: ``plan_step_shapes``' result kept on disk, so that a warm start skips the replay.
+"""A run's step shapes (``StepShape``), stored: ``plan_step_shapes``' result kept on disk, so that a warm start
+skips the replay (``dsv4.engine.warmup.stored_step_shapes`` reads and writes the entries).
 
 The replay (``dsv4.engine.warmup.plan_step_shapes``) schedules a whole run on the host. Its result depends only on
 what it reads — the model configuration, the stack's layers, the numerics, the engine's limits (everything in
 ``EngineConfig`` but the fields in ``_NOT_REPLAYED``), whether decode steps run as CUDA graphs, the context-parallel
-split, the requests (all but their token ids) — and on the code that schedules and plans the cache. ``step_shapes``
-keys an entry by a SHA-256 digest of all of these, the ``.py`` sources of the whole ``dsv4`` package, the dsv4 and
+split, the requests (all but their token ids) — and on the code that schedules and plans the cache.
+``step_shapes_key`` keys an entry by a SHA-256 digest of all of these, the ``.py`` sources of the whole ``dsv4`` package, the dsv4 and
 torch versions included (so any code change misses), and keeps it next to the warm-up manifests::
 
     <Triton cache dir>/dsv4-warmup/shapes-<key[:32]>.json
@@ -12,7 +13,7 @@ torch versions included (so any code change misses), and keeps it next to the wa
      "sha256": "<64 hex: the digest of the canonical JSON of the four fields above>"}
 
 An entry is trusted only if it parses, has exactly this schema, names the expected key, its checksum holds and its
-shapes are possible for this engine and these requests (``_parse``); anything else — a torn or truncated write, a
+shapes are possible for this engine and these requests (``load_step_shapes``); anything else — a torn or truncated write, a
 hand-edited or copied file, an older format — is ignored: the replay runs and rewrites the entry (atomically, by
 rename). What an entry says only decides which kernels compile before the first step and which decode graphs are
 captured: a wrong but well-formed one costs compiles inside steps or eager decode steps, never a wrong result.
@@ -26,6 +27,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,15 +35,30 @@ import torch
 from .. import __version__
 from .graphs import decode_table_width
 from .source_digest import source_digest
-from .warmup import StepShape, graph_sizes, plan_step_shapes, triton_cache_dir
 
-__all__ = ["SCHEMA", "entry_path", "step_shapes", "step_shapes_key"]
+__all__ = ["SCHEMA", "StepShape", "entry_path", "load_step_shapes", "step_shapes_key", "store_step_shapes"]
 
 SCHEMA = "dsv4-step-shapes/1"
 
 #: ``EngineConfig`` fields the replay does not read (the device and the backend enter as whether decode steps run
 #: as CUDA graphs, ``Engine._want_graphs``).
 _NOT_REPLAYED = frozenset({"backend", "device", "weights", "seed", "check_finite", "vocab", "overlap_host", "warmup"})
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step's fixed-shape geometry: its requests' new-token counts (plan order) and its block-table width."""
+
+    num_new: tuple[int, ...]
+    width: int
+
+    def key(self, ratios: Sequence[int]) -> tuple:
+        """What the kernels' specialisations depend on (``ops.plan.StepPlan``'s inputs and the integers Triton
+        specialises on): tokens, requests, most new tokens per request, block-table width and, per compression
+        ratio ``m``, the emit capacity ``Σ_b ⌈num_new[b] / m⌉``."""
+        return (sum(self.num_new), len(self.num_new), max(self.num_new), self.width,
+                tuple(sum(-(-n // m) for n in self.num_new) for m in ratios))
+
 
 
 def step_shapes_key(engine, requests: Sequence) -> str:
@@ -57,9 +74,9 @@ def step_shapes_key(engine, requests: Sequence) -> str:
     return h.hexdigest()
 
 
-def entry_path(key: str, directory: str | None = None) -> str:
-    """Where the entry of ``key`` lives (``directory``: default Triton's cache directory)."""
-    return os.path.join(directory or triton_cache_dir(), "dsv4-warmup", f"shapes-{key[:32]}.json")
+def entry_path(key: str, directory: str) -> str:
+    """Where the entry of ``key`` lives in the cache directory ``directory``."""
+    return os.path.join(directory, "dsv4-warmup", f"shapes-{key[:32]}.json")
 
 
 def _checksum(body: dict[str, Any]) -> str:
@@ -70,11 +87,12 @@ def _is_int(x: Any, lo: int, hi: int) -> bool:
     return type(x) is int and lo <= x <= hi
 
 
-def _parse(entry: Any, key: str, engine, requests: Sequence) -> tuple[list[StepShape], list[int]] | None:
+def _parse(entry: Any, key: str, engine, requests: Sequence, sizes: Sequence[int]
+           ) -> tuple[list[StepShape], list[int]] | None:
     """The shapes an entry holds, or ``None`` unless it is whole, of this schema and key, and possible: every step
     of at most ``max_running`` requests and ``max_batched_tokens`` tokens, none longer than the longest request,
     block tables no wider than the longest request's, no two eager shapes with the same kernel key, the buckets
-    ascending graph sizes of this engine (none without graphs)."""
+    ascending and among ``sizes``."""
     if not isinstance(entry, dict) or set(entry) != {"schema", "key", "eager", "buckets", "sha256"}:
         return None
     body = {k: entry[k] for k in ("schema", "key", "eager", "buckets")}
@@ -98,25 +116,28 @@ def _parse(entry: Any, key: str, engine, requests: Sequence) -> tuple[list[StepS
         keys.add(shape.key(ratios))
         eager.append(shape)
     buckets = entry["buckets"]
-    sizes = graph_sizes(engine) if engine._want_graphs() else []
     if not (isinstance(buckets, list) and all(type(b) is int and b in sizes for b in buckets)
             and buckets == sorted(set(buckets))):
         return None
     return eager, list(buckets)
 
 
-def _load(path: str, key: str, engine, requests: Sequence) -> tuple[list[StepShape], list[int]] | None:
+def load_step_shapes(path: str, key: str, engine, requests: Sequence, sizes: Sequence[int]
+                     ) -> tuple[list[StepShape], list[int]] | None:
+    """``(eager step shapes, graph buckets)`` from the entry at ``path`` if it is valid for ``key``, ``engine`` and
+    ``requests`` (module docstring; ``sizes``: the decode batch sizes the engine can capture, none without
+    graphs), else ``None``."""
     try:
         with open(path, encoding="utf-8") as f:
             entry = json.load(f)
     except (OSError, ValueError):  # missing, unreadable, not JSON / not UTF-8
         return None
-    return _parse(entry, key, engine, requests)
+    return _parse(entry, key, engine, requests, sizes)
 
 
-def _store(path: str, key: str, eager: Sequence[StepShape], buckets: Sequence[int]) -> None:
-    """Write the entry atomically (a temporary file renamed over it); a cache directory that cannot be written
-    only costs the next run a replay."""
+def store_step_shapes(path: str, key: str, eager: Sequence[StepShape], buckets: Sequence[int]) -> None:
+    """Write the entry of ``key`` at ``path`` atomically (a temporary file renamed over it); a cache directory that
+    cannot be written only costs the next run a replay."""
     body = {"schema": SCHEMA, "key": key, "eager": [[list(s.num_new), s.width] for s in eager],
             "buckets": list(buckets)}
     try:
@@ -132,17 +153,3 @@ def _store(path: str, key: str, eager: Sequence[StepShape], buckets: Sequence[in
     except OSError:
         pass
 
-
-def step_shapes(engine, requests: Sequence, directory: str | None = None
-                ) -> tuple[list[StepShape], list[int], bool]:
-    """``plan_step_shapes(engine, requests)``: ``(eager step shapes, graph buckets, stored)``, from the stored
-    entry when a valid one exists (``stored`` True), else replayed and stored. ``directory``: the cache directory
-    (default Triton's, ``triton_cache_dir()``)."""
-    key = step_shapes_key(engine, requests)
-    path = entry_path(key, directory)
-    found = _load(path, key, engine, requests)
-    if found is not None:
-        return found[0], found[1], True
-    eager, buckets = plan_step_shapes(engine, requests)
-    _store(path, key, eager, buckets)
-    return eager, buckets, False

@@ -15,7 +15,7 @@ which depend only on a step's fixed-shape geometry) and the integer arguments Tr
 3. *loads* them: this process runs each shape once more, which reads the kernels from disk (milliseconds each). The
    run's steps then meet no compile and no load (its JIT clock stays at zero).
 
-Step 1's result is stored in the same cache directory (``dsv4.engine.shape_store``, keyed by everything the replay
+Step 1's result is stored in the same cache directory (``stored_step_shapes``, ``dsv4.engine.shape_store``, keyed by everything the replay
 depends on, the package's sources included): a second run of the same workload skips the replay.
 
 A manifest in the cache directory names what a warm-up compiled (keyed by the kernels' sources, the versions, the
@@ -41,24 +41,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import LayerKind, ModelConfig
+from .shape_store import StepShape, entry_path, load_step_shapes, step_shapes_key, store_step_shapes
 
-__all__ = ["StepShape", "WarmupReport", "graph_shapes", "graph_sizes", "plan_step_shapes", "triton_cache_dir",
-           "warm_up"]
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """One step's fixed-shape geometry: its requests' new-token counts (plan order) and its block-table width."""
-
-    num_new: tuple[int, ...]
-    width: int
-
-    def key(self, ratios: Sequence[int]) -> tuple:
-        """What the kernels' specialisations depend on (``ops.plan.StepPlan``'s inputs and the integers Triton
-        specialises on): tokens, requests, most new tokens per request, block-table width and, per compression
-        ratio ``m``, the emit capacity ``Σ_b ⌈num_new[b] / m⌉``."""
-        return (sum(self.num_new), len(self.num_new), max(self.num_new), self.width,
-                tuple(sum(-(-n // m) for n in self.num_new) for m in ratios))
+__all__ = ["StepShape", "WarmupReport", "graph_shapes", "graph_sizes", "plan_step_shapes", "stored_step_shapes",
+           "triton_cache_dir", "warm_up"]
 
 
 @dataclass
@@ -172,6 +158,21 @@ def plan_step_shapes(engine, requests: Sequence) -> tuple[list[StepShape], list[
     return list(eager.values()), sorted(buckets)
 
 
+def stored_step_shapes(engine, requests: Sequence, directory: str | None = None
+                       ) -> tuple[list[StepShape], list[int], bool]:
+    """``plan_step_shapes(engine, requests)`` as ``(eager step shapes, graph buckets, stored)``: from the stored
+    replay (``dsv4.engine.shape_store``) when a valid entry exists (``stored`` True), else replayed and stored.
+    ``directory``: the cache directory (default ``triton_cache_dir()``)."""
+    key = step_shapes_key(engine, requests)
+    path = entry_path(key, directory or triton_cache_dir())
+    found = load_step_shapes(path, key, engine, requests, graph_sizes(engine) if engine._want_graphs() else [])
+    if found is not None:
+        return found[0], found[1], True
+    eager, buckets = plan_step_shapes(engine, requests)
+    store_step_shapes(path, key, eager, buckets)
+    return eager, buckets, False
+
+
 def _kinds(cfg: ModelConfig, layers: Sequence[int]) -> list[int]:
     """One layer of each kind among ``layers``."""
     first: dict[LayerKind, int] = {}
@@ -280,11 +281,9 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
     (``Engine(parallel=...)``) it only plans."""
     from .jit_clock import JitClock
 
-    from .shape_store import step_shapes
-
     t_all = time.perf_counter()
     report = WarmupReport(cache_dir=triton_cache_dir())
-    eager, buckets, report.shapes_stored = step_shapes(engine, requests)
+    eager, buckets, report.shapes_stored = stored_step_shapes(engine, requests)
     report.shapes_s = time.perf_counter() - t_all
     report.eager_shapes, report.graph_buckets = len(eager), buckets
     if engine.device.type != "cuda" or engine.backend != "triton" or getattr(engine, "parallel", None) is not None:
