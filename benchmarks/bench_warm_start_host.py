@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("step_shapes_key (digest, package sources)", _median(lambda: step_shapes_key(eng, reqs), args.repeat)))
     with tempfile.TemporaryDirectory() as d:
         def miss() -> None:
-            for f in os.listdir(os.path.join(d, "dsv4-warmup")) if os.path.isdir(os.path.join(d, "dsv4-warmup")) else []:
-                os.unlink(os.path.join(d, "dsv4-warmup", f))
+            stored = os.path.join(d, "dsv4-warmup")
+            for f in os.listdir(stored) if os.path.isdir(stored) else []:
+                os.unlink(os.path.join(stored, f))
             assert not step_shapes(eng, reqs, d)[2]
 
         rows.append(("step_shapes, nothing stored (replay + store)", _median(miss, args.repeat)))
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                              args.repeat)))
         eager, buckets, _ = step_shapes(eng, reqs, d)
     rows.append(("graph_shapes", _median(lambda: graph_shapes(eng, reqs, buckets), args.repeat)))
-    rows.append(("manifest source digest (kernels + ops)", _median(lambda: source_digest("kernels", "ops"), args.repeat)))
+    rows.append(("manifest source digest (kernels + ops)",
+                 _median(lambda: source_digest("kernels", "ops"), args.repeat)))
     rows.append(("submit: the cache (meta) + every request's token ids",
                  _median(lambda: (eng.build_cache(reqs, device=torch.device("meta")),
                                   [eng._assign_token_ids(r) for r in reqs]), args.repeat)))

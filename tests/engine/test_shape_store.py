@@ -60,7 +60,8 @@ def test_a_second_warm_up_reads_what_the_replay_found(engine: Engine, tmp_path, 
 def test_the_stored_shapes_are_those_a_replay_in_another_process_finds(engine: Engine, tmp_path) -> None:
     """The entry is written by a fresh interpreter (another string-hash seed): the scheduling is the same there."""
     code = ("import dsv4; from dsv4.engine import Engine, EngineConfig, make_requests; "
-            "from dsv4.engine.warmup import stored_step_shapes as step_shapes; Engine._want_graphs = lambda self: True; "
+            "from dsv4.engine.warmup import stored_step_shapes as step_shapes; "
+            "Engine._want_graphs = lambda self: True; "
             f"eng = Engine(dsv4.ModelConfig.preset('tiny'), config=EngineConfig(**{CONFIG_ARGS!r})); "
             "assert not step_shapes(eng, make_requests(7, 'uniform:8:200', 'uniform:1:12', seed=0), "
             f"{str(tmp_path)!r})[2]")

@@ -5,18 +5,19 @@ The replay (``dsv4.engine.warmup.plan_step_shapes``) schedules a whole run on th
 what it reads — the model configuration, the stack's layers, the numerics, the engine's limits (everything in
 ``EngineConfig`` but the fields in ``_NOT_REPLAYED``), whether decode steps run as CUDA graphs, the context-parallel
 split, the requests (all but their token ids) — and on the code that schedules and plans the cache.
-``step_shapes_key`` keys an entry by a SHA-256 digest of all of these, the ``.py`` sources of the whole ``dsv4`` package, the dsv4 and
-torch versions included (so any code change misses), and keeps it next to the warm-up manifests::
+``step_shapes_key`` keys an entry by a SHA-256 digest of all of these, of the ``.py`` sources of the whole ``dsv4``
+package (any code change misses) and of the dsv4 and torch versions; the entry lives next to the warm-up manifests::
 
     <Triton cache dir>/dsv4-warmup/shapes-<key[:32]>.json
     {"schema": "dsv4-step-shapes/1", "key": "<64 hex>", "eager": [[[n, ...], width], ...], "buckets": [c, ...],
      "sha256": "<64 hex: the digest of the canonical JSON of the four fields above>"}
 
 An entry is trusted only if it parses, has exactly this schema, names the expected key, its checksum holds and its
-shapes are possible for this engine and these requests (``load_step_shapes``); anything else — a torn or truncated write, a
-hand-edited or copied file, an older format — is ignored: the replay runs and rewrites the entry (atomically, by
-rename). What an entry says only decides which kernels compile before the first step and which decode graphs are
-captured: a wrong but well-formed one costs compiles inside steps or eager decode steps, never a wrong result.
+shapes are possible for this engine and these requests (``load_step_shapes``); anything else — a torn or truncated
+write, a hand-edited or copied file, an older format — is ignored: the replay runs and rewrites the entry
+(atomically, by rename). What an entry says only decides which kernels compile before the first step and which
+decode graphs are captured: a wrong but well-formed one costs compiles inside steps or eager decode steps, never a
+wrong result.
 """
 
 from __future__ import annotations

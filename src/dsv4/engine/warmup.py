@@ -15,8 +15,8 @@ which depend only on a step's fixed-shape geometry) and the integer arguments Tr
 3. *loads* them: this process runs each shape once more, which reads the kernels from disk (milliseconds each). The
    run's steps then meet no compile and no load (its JIT clock stays at zero).
 
-Step 1's result is stored in the same cache directory (``stored_step_shapes``, ``dsv4.engine.shape_store``, keyed by everything the replay
-depends on, the package's sources included): a second run of the same workload skips the replay.
+Step 1's result is stored in the same cache directory (``stored_step_shapes``, ``dsv4.engine.shape_store``; keyed by
+everything the replay depends on, the package's sources included): a second run of the same workload skips it.
 
 A manifest in the cache directory names what a warm-up compiled (keyed by the kernels' sources, the versions, the
 device, the model and the shapes): a second run on the same machine skips step 2. It only saves time — a kernel
@@ -100,7 +100,8 @@ class WarmupReport:
                     f"runs, the slowest {self.slowest_task_s:.1f} s)")
         shapes = "stored" if self.shapes_stored else "replayed"
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
-                f"{self.graph_buckets} ({shapes} in {self.shapes_s:.2f} s); {done}; {self.kernels_loaded} kernels loaded in {self.load_s:.1f} s — "
+                f"{self.graph_buckets} ({shapes} in {self.shapes_s:.2f} s); {done}; {self.kernels_loaded} kernels "
+                f"loaded in {self.load_s:.1f} s — "
                 f"Triton cache {self.cache_dir}")
 
 
