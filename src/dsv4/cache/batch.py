@@ -286,10 +286,9 @@ def build_step_batch(
         max_blocks = longest
     elif max_blocks < longest:
         raise ValueError(f"max_blocks={max_blocks} is smaller than the longest block table of the step ({longest})")
-    tables = torch.full((B, max_blocks), -1, dtype=torch.int64)
-    for b, t in enumerate(block_tables):  # host loop over requests only
-        if len(t):
-            tables[b, : len(t)] = torch.tensor(list(t), dtype=torch.int64)
+    # one tensor from the −1-padded host lists (a tensor per request costs more than the whole table)
+    tables = torch.tensor([[*t] + [-1] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64)
+    tables = tables.reshape(B, max_blocks)
 
     per_m: dict[str, dict[int, Tensor]] = {
         k: {}

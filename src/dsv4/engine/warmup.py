@@ -15,6 +15,9 @@ which depend only on a step's fixed-shape geometry) and the integer arguments Tr
 3. *loads* them: this process runs each shape once more, which reads the kernels from disk (milliseconds each). The
    run's steps then meet no compile and no load (its JIT clock stays at zero).
 
+Step 1's result is stored in the same cache directory (``stored_step_shapes``, ``dsv4.engine.shape_store``; keyed by
+everything the replay depends on, the package's sources included): a second run of the same workload skips it.
+
 A manifest in the cache directory names what a warm-up compiled (keyed by the kernels' sources, the versions, the
 device, the model and the shapes): a second run on the same machine skips step 2. It only saves time — a kernel
 missing from the cache is compiled in step 3 all the same.
@@ -38,23 +41,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import LayerKind, ModelConfig
+from .shape_store import StepShape, entry_path, load_step_shapes, step_shapes_key, store_step_shapes
 
-__all__ = ["StepShape", "WarmupReport", "graph_shapes", "plan_step_shapes", "triton_cache_dir", "warm_up"]
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """One step's fixed-shape geometry: its requests' new-token counts (plan order) and its block-table width."""
-
-    num_new: tuple[int, ...]
-    width: int
-
-    def key(self, ratios: Sequence[int]) -> tuple:
-        """What the kernels' specialisations depend on (``ops.plan.StepPlan``'s inputs and the integers Triton
-        specialises on): tokens, requests, most new tokens per request, block-table width and, per compression
-        ratio ``m``, the emit capacity ``Σ_b ⌈num_new[b] / m⌉``."""
-        return (sum(self.num_new), len(self.num_new), max(self.num_new), self.width,
-                tuple(sum(-(-n // m) for n in self.num_new) for m in ratios))
+__all__ = ["StepShape", "WarmupReport", "graph_shapes", "graph_sizes", "plan_step_shapes", "stored_step_shapes",
+           "triton_cache_dir", "warm_up"]
 
 
 @dataclass
@@ -64,6 +54,9 @@ class WarmupReport:
     Attributes:
         eager_shapes: distinct eager step shapes of the run (prefill chunks, mixed steps, unbucketed decodes).
         graph_buckets: decode batch sizes the run's decode steps use (the CUDA graphs worth capturing).
+        shapes_stored: whether the step shapes came from a stored replay (``dsv4.engine.shape_store``) rather than
+            a replay of the run's scheduling.
+        shapes_s: seconds to get the step shapes (the replay, or reading its stored result).
         workers: worker processes that compiled (0: the manifest said all was compiled already).
         tasks: (shape, layer kind) runs the workers made.
         compile_s: wall time of the workers' pass, their start included (0 on a warm start).
@@ -78,6 +71,8 @@ class WarmupReport:
 
     eager_shapes: int = 0
     graph_buckets: list[int] = field(default_factory=list)
+    shapes_stored: bool = False
+    shapes_s: float = 0.0
     workers: int = 0
     tasks: int = 0
     compile_s: float = 0.0
@@ -103,8 +98,10 @@ class WarmupReport:
         else:
             done = (f"compiled by {self.workers} workers in {self.compile_s:.1f} s ({self.tasks} shape x layer-kind "
                     f"runs, the slowest {self.slowest_task_s:.1f} s)")
+        shapes = "stored" if self.shapes_stored else "replayed"
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
-                f"{self.graph_buckets}; {done}; {self.kernels_loaded} kernels loaded in {self.load_s:.1f} s — "
+                f"{self.graph_buckets} ({shapes} in {self.shapes_s:.2f} s); {done}; {self.kernels_loaded} kernels "
+                f"loaded in {self.load_s:.1f} s — "
                 f"Triton cache {self.cache_dir}")
 
 
@@ -113,12 +110,20 @@ def triton_cache_dir() -> str:
     return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
+def graph_sizes(engine) -> list[int]:
+    """The decode batch sizes ``engine`` can capture as CUDA graphs, ascending (``EngineConfig.graph_batch_sizes``,
+    else ``dsv4.engine.graphs.default_batch_sizes``)."""
+    from .graphs import default_batch_sizes
+
+    c = engine.config
+    return sorted(c.graph_batch_sizes or default_batch_sizes(c.max_running))
+
+
 def plan_step_shapes(engine, requests: Sequence) -> tuple[list[StepShape], list[int]]:
     """The distinct step shapes a run of ``requests`` on ``engine`` will launch, from its scheduling replayed on a
     ``meta``-device cache (no memory, no layers run): ``(eager step shapes, decode batch sizes the CUDA graphs
     serve)`` (without graphs every step is eager). Prefix caching is not replayed (its hits shorten some prefill
     chunks: those may still compile inside a step)."""
-    from .graphs import default_batch_sizes
     from .scheduler import Scheduler, SchedulerConfig
 
     c = engine.config
@@ -133,7 +138,7 @@ def plan_step_shapes(engine, requests: Sequence) -> tuple[list[StepShape], list[
     for r in reqs:
         sched.add(r)
     graphs = engine._want_graphs()
-    sizes = sorted(c.graph_batch_sizes or default_batch_sizes(c.max_running))
+    sizes = graph_sizes(engine)
     eager: dict[tuple, StepShape] = {}
     buckets: set[int] = set()
     while sched.has_work:
@@ -152,6 +157,21 @@ def plan_step_shapes(engine, requests: Sequence) -> tuple[list[StepShape], list[
         cache.claim_step(batch)
         sched.commit(plan)
     return list(eager.values()), sorted(buckets)
+
+
+def stored_step_shapes(engine, requests: Sequence, directory: str | None = None
+                       ) -> tuple[list[StepShape], list[int], bool]:
+    """``plan_step_shapes(engine, requests)`` as ``(eager step shapes, graph buckets, stored)``: from the stored
+    replay (``dsv4.engine.shape_store``) when a valid entry exists (``stored`` True), else replayed and stored.
+    ``directory``: the cache directory (default ``triton_cache_dir()``)."""
+    key = step_shapes_key(engine, requests)
+    path = entry_path(key, directory or triton_cache_dir())
+    found = load_step_shapes(path, key, engine, requests, graph_sizes(engine) if engine._want_graphs() else [])
+    if found is not None:
+        return found[0], found[1], True
+    eager, buckets = plan_step_shapes(engine, requests)
+    store_step_shapes(path, key, eager, buckets)
+    return eager, buckets, False
 
 
 def _kinds(cfg: ModelConfig, layers: Sequence[int]) -> list[int]:
@@ -224,14 +244,9 @@ def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
     shapes)."""
     import triton
 
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.sha256()
-    for sub in ("kernels", "ops"):  # the kernels and the plans that pick their constexprs
-        for root, _, files in sorted(os.walk(os.path.join(package, sub))):
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    with open(os.path.join(root, f), "rb") as fh:
-                        h.update(f.encode() + fh.read())
+    from .source_digest import source_digest
+
+    h = hashlib.sha256(source_digest("kernels", "ops"))  # the kernels and the plans that pick their constexprs
     ratios = sorted({engine.cfg.ratio(li) for li in engine.layer_ids if engine.cfg.ratio(li)})
     h.update(repr((triton.__version__, torch.__version__, torch.cuda.get_device_name(engine.device),
                    dataclasses.astuple(engine.cfg), _kinds(engine.cfg, engine.layer_ids), engine.numerics.name,
@@ -269,7 +284,8 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
 
     t_all = time.perf_counter()
     report = WarmupReport(cache_dir=triton_cache_dir())
-    eager, buckets = plan_step_shapes(engine, requests)
+    eager, buckets, report.shapes_stored = stored_step_shapes(engine, requests)
+    report.shapes_s = time.perf_counter() - t_all
     report.eager_shapes, report.graph_buckets = len(eager), buckets
     if engine.device.type != "cuda" or engine.backend != "triton" or getattr(engine, "parallel", None) is not None:
         # nothing to compile; under TP / CP the workers' single-process layers would compile other head counts
