@@ -73,6 +73,10 @@ def _batch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.xfail(reason="known (issue 34): on this tiny random model the official numerics amplify rounding ~500x, "
+                          "so the torch backend itself fails this criterion when its attention inputs are perturbed "
+                          "by 1e-4; H200 2026-11-28: Triton logits 4.9e-2 / 1.15e-1 apart at step 0, noise floor "
+                          "2.1e-1 / 1.4e-1 (see the noise-floor test below)", strict=False)
 @pytest.mark.parametrize("numerics", list(NUMERICS))
 def test_triton_backend_generates_the_torch_backends_tokens(numerics: str) -> None:
     pytest.importorskip("triton")
