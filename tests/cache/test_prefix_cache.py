@@ -390,6 +390,27 @@ def test_export_import_into_another_cache() -> None:
     other.assert_same(before)
 
 
+def test_import_after_a_step_computing_the_same_prefix() -> None:
+    """The last step of a request that computed the snapshot's prefix is published by ``import_prefix`` itself: the
+    import then finds that prefix cached and adds nothing (it used to overwrite the request's nodes)."""
+    case = CASES[9]
+    src = make_cache(case, prefix_states=2)
+    owner = owner_prompt(case)
+    src.add_request("owner", owner)
+    run(src, "owner", owner, list(case.before))
+    src.release("owner")
+    snap = src.export_prefix(hit_prompt(case))
+    dst = make_cache(case, prefix_states=2)
+    dst.add_request("twin", owner)
+    run(dst, "twin", owner, [case.point])  # one step: its blocks are not published yet
+    assert not dst.prefix.nodes
+    assert dst.import_prefix(snap) == 0
+    dst.check_invariants()
+    dst.add_request("hit", hit_prompt(case))
+    assert dst.cached_tokens("hit") == case.point
+    assert dst.block_table("hit")[: case.point // case.block_size] == dst.block_table("twin")[: case.point // case.block_size]
+
+
 def test_memory_accounting() -> None:
     plain = HybridCache(TINY, layers=[0, 1, 2], max_requests=2, memory_bytes=1 << 20, block_size=16)
     with_prefix = HybridCache(TINY, layers=[0, 1, 2], max_requests=2, memory_bytes=1 << 20, block_size=16,

@@ -117,6 +117,8 @@ def import_prefix(prefix: PrefixCache, snap: PrefixSnapshot, ids: array) -> int:
             f"{prefix.num_evictable()} evictable of {allocator.num_blocks}"
         )
     prefix.apply_pending()
+    if any(key in prefix.nodes for key in keys):  # the pending publication computed the same prefix
+        return 0
     prefix.ensure_free_blocks(need)
     blocks = allocator.allocate(need)
     dev = prefix.cache.device
