@@ -72,7 +72,8 @@ def check_prefix_snapshot(prefix: PrefixCache, snap: object) -> array:
     """``IncompatibleSnapshotError`` unless ``snap`` fits the cache of ``prefix``; returns its token ids."""
     if not isinstance(snap, PrefixSnapshot):
         raise IncompatibleSnapshotError(f"expected a PrefixSnapshot from export_prefix, got {type(snap).__name__}")
-    diffs = snap.geometry.mismatch(prefix.geometry) if isinstance(snap.geometry, type(prefix.geometry)) else ["no geometry"]
+    geometry = prefix.geometry
+    diffs = snap.geometry.mismatch(geometry) if isinstance(snap.geometry, type(geometry)) else ["no geometry"]
     if diffs:
         raise IncompatibleSnapshotError("prefix snapshot comes from a cache of another geometry: " + "; ".join(diffs))
     try:
