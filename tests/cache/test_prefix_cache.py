@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dsv4
-from dsv4.cache import CacheFullError, HybridCache, IncompatibleSnapshotError, InvalidPlanError
+from dsv4.cache import CacheFullError, HybridCache, IncompatibleSnapshotError, InvalidPlanError, PrefixSnapshot
 from dsv4.cache.prefix import PREFIX_STATE_NAMES, as_token_ids
 
 from support.oracle import check_against_reference
@@ -362,15 +362,20 @@ def test_token_ids_checked_and_hit_capped() -> None:
     assert cache.cached_tokens("gen") == 32
 
 
-def test_export_import_into_another_cache() -> None:
-    case = CASES[9]
-    want, _, _ = cold(case)
+def exported(case: Case) -> PrefixSnapshot | None:
+    """The prefix of ``case`` exported from a cache where a released owner computed it."""
     src = make_cache(case, prefix_states=2)
     owner = owner_prompt(case)
     src.add_request("owner", owner)
     run(src, "owner", owner, list(case.before))
     src.release("owner")
-    snap = src.export_prefix(hit_prompt(case))
+    return src.export_prefix(hit_prompt(case))
+
+
+def test_export_import_into_another_cache() -> None:
+    case = CASES[9]
+    want, _, _ = cold(case)
+    snap = exported(case)
     assert snap is not None and snap.num_blocks == case.point // case.block_size
     dst = make_cache(case, prefix_states=1, num_blocks=9, max_requests=2)
     dst.add_request("busy")
@@ -388,6 +393,23 @@ def test_export_import_into_another_cache() -> None:
     with pytest.raises(IncompatibleSnapshotError, match="another geometry: numerics 'official' != 'exact'"):
         other.import_prefix(snap)
     other.assert_same(before)
+
+
+def test_import_after_a_step_computing_the_same_prefix() -> None:
+    """The last step of a request that computed the snapshot's prefix is published by ``import_prefix`` itself: the
+    import then finds that prefix cached and adds nothing (it used to overwrite the request's nodes)."""
+    case = CASES[9]
+    snap = exported(case)
+    dst = make_cache(case, prefix_states=2)
+    dst.add_request("twin", owner_prompt(case))
+    run(dst, "twin", owner_prompt(case), [case.point])  # one step: its blocks are not published yet
+    assert not dst.prefix.nodes
+    assert dst.import_prefix(snap) == 0
+    dst.check_invariants()
+    dst.add_request("hit", hit_prompt(case))
+    assert dst.cached_tokens("hit") == case.point
+    k = case.point // case.block_size
+    assert dst.block_table("hit")[:k] == dst.block_table("twin")[:k]
 
 
 def test_memory_accounting() -> None:
