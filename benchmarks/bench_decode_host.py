@@ -106,7 +106,7 @@ class OpCounter(TorchDispatchMode):
     """Counts the torch (aten) ops dispatched while active, and the ``to_device`` calls of the modules that move
     host-built tensors to the step's device."""
 
-    MODULES = ("dsv4.cache.batch", "dsv4.cache.capture_index", "dsv4.engine.runner")
+    MODULES = ("dsv4.cache.packed", "dsv4.cache.capture_index", "dsv4.engine.runner")
 
     def __init__(self) -> None:
         super().__init__()
