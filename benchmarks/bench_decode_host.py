@@ -106,7 +106,7 @@ class OpCounter(TorchDispatchMode):
     """Counts the torch (aten) ops dispatched while active, and the ``to_device`` calls of the modules that move
     host-built tensors to the step's device."""
 
-    MODULES = ("dsv4.cache.packed", "dsv4.cache.capture_index", "dsv4.engine.runner")
+    MODULES = ("dsv4.cache.batch", "dsv4.cache.packed", "dsv4.cache.capture_index", "dsv4.engine.runner")
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,7 +120,9 @@ class OpCounter(TorchDispatchMode):
 
     def __enter__(self) -> "OpCounter":
         for name in self.MODULES:
-            mod = sys.modules[name]
+            mod = sys.modules.get(name)
+            if mod is None or not hasattr(mod, "to_device"):
+                continue
             orig = self._saved[name] = mod.to_device
 
             def counted(t: Tensor, device: torch.device, _orig: Any = orig) -> Tensor:
