@@ -28,16 +28,23 @@ Graph-safe kernels read only the fixed-shape device tensors (never ``num_emit`` 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from .packed import Packing, pack_to_device
 from .steps import StepTicket
-from .transfer import to_device
 
 __all__ = ["StepBatch", "visible_entries", "build_step_batch"]
+
+_PER_M = (
+    "entries_before", "entries_after", "entries_to_emit", "cu_emit", "visible_entries", "emit_pad_request",
+    "emit_pad_entry", "num_emit_device", "emit_request", "emit_entry", "emit_block", "emit_slot", "emit_position",
+)
 
 
 def visible_entries(positions: Tensor, m: int) -> Tensor:
@@ -161,6 +168,8 @@ class StepBatch:
     ticket: StepTicket | None = field(default=None, repr=False, compare=False)
     prefix_captures: list[tuple[int, int, int]] = field(default_factory=list)
     prefix_capture_index: Any = field(default=None, repr=False, compare=False)
+    #: the one device buffer the device tensors are views of (``dsv4.cache.packed``; ``None``: separate tensors)
+    packing: Packing | None = field(default=None, repr=False, compare=False)
 
     #: device tensors copied in place by ``copy_`` (the per-ratio dicts are listed in ``_PER_RATIO_STATIC``)
     _STATIC = (
@@ -224,6 +233,32 @@ class StepBatch:
             mismatch.append(f"block table width ({other.block_tables.shape[1]} > {self.block_tables.shape[1]})")
         if mismatch:
             raise ValueError(f"StepBatch.copy_: geometry differs in {', '.join(mismatch)}")
+        if self._packed_head() and other._packed_head() and self.packing.head_layout == other.packing.head_layout:
+            n = self.packing.head_bytes  # both hold every fixed-shape tensor at the same offsets: one copy
+            self.packing.buffer[:n].copy_(other.packing.buffer[:n])
+        else:
+            self._copy_fields(other)
+        for name in self._PER_RATIO_VARIABLE:
+            getattr(self, name).update(getattr(other, name))
+        self.request_ids = list(other.request_ids)
+        self.start_positions = list(other.start_positions)
+        self.num_emit = dict(other.num_emit)
+        self.ticket = other.ticket
+        return self
+
+    def _packed_head(self) -> bool:
+        """Whether the fixed-shape device tensors are still the views ``build_step_batch`` packed at the head of
+        ``packing.buffer`` (``packing.head``: ``_STATIC``, the block table, ``_PER_RATIO_STATIC``; a field replaced
+        since, e.g. by assignment, makes it ``False``)."""
+        p = self.packing
+        if p is None:
+            return False
+        have = [getattr(self, k) for k in self._STATIC + ("block_tables",)]
+        have += [getattr(self, k).get(m) for k in self._PER_RATIO_STATIC for m in self.ratios]
+        return len(have) == len(p.head) and all(a is b for a, b in zip(have, p.head))
+
+    def _copy_fields(self, other: "StepBatch") -> None:
+        """``copy_``'s fixed-shape tensors one by one."""
         for name in self._STATIC:
             getattr(self, name).copy_(getattr(other, name))
         for name in self._PER_RATIO_STATIC:
@@ -236,13 +271,6 @@ class StepBatch:
         else:
             self.block_tables[:, :w].copy_(other.block_tables)
             self.block_tables[:, w:].fill_(-1)
-        for name in self._PER_RATIO_VARIABLE:
-            getattr(self, name).update(getattr(other, name))
-        self.request_ids = list(other.request_ids)
-        self.start_positions = list(other.start_positions)
-        self.num_emit = dict(other.num_emit)
-        self.ticket = other.ticket
-        return self
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{r}:{s}+{n}" for r, s, n in zip(self.request_ids, self.start_positions, self.num_new))
@@ -272,91 +300,89 @@ def build_step_batch(
     CUDA graph reuses (``StepBatch.copy_``); ``None``: the longest table of the step.
     """
     B = len(request_ids)
-    n = torch.tensor(list(num_new), dtype=torch.int64)
-    start = torch.tensor(list(start_positions), dtype=torch.int64)
+    n = np.array(num_new, dtype=np.int64).reshape(B)
+    start = np.array(start_positions, dtype=np.int64).reshape(B)
     end = start + n
     T = int(n.sum())
-    cu = torch.zeros(B + 1, dtype=torch.int64)
-    torch.cumsum(n, 0, out=cu[1:])
-    req = torch.repeat_interleave(torch.arange(B), n)  # [T]
-    positions = start[req] + torch.arange(T) - cu[:-1][req]
-    slot_t = torch.tensor(list(slots), dtype=torch.int64)
-    longest = max((len(t) for t in block_tables), default=0)
+    cu = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(n, out=cu[1:])
+    req = np.repeat(np.arange(B, dtype=np.int64), n)  # [T]
+    positions = start[req] + np.arange(T, dtype=np.int64) - cu[:-1][req]
+    slot_t = np.array(slots, dtype=np.int64).reshape(B)
+    lengths = [len(t) for t in block_tables]
+    longest = max(lengths, default=0)
     if max_blocks is None:
         max_blocks = longest
     elif max_blocks < longest:
         raise ValueError(f"max_blocks={max_blocks} is smaller than the longest block table of the step ({longest})")
-    # one tensor from the −1-padded host lists (a tensor per request costs more than the whole table)
-    tables = torch.tensor([[*t] + [-1] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64)
-    tables = tables.reshape(B, max_blocks)
+    # one array from the −1-padded host lists (an array per request costs more than the whole table)
+    tables = np.full((B, max_blocks), -1, dtype=np.int64)
+    if longest:
+        filled = np.arange(max_blocks) < np.array(lengths)[:, None]
+        tables[filled] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=sum(lengths))
 
-    per_m: dict[str, dict[int, Tensor]] = {
-        k: {}
-        for k in (
-            "entries_before", "entries_after", "entries_to_emit", "cu_emit", "emit_request", "emit_entry",
-            "emit_block", "emit_slot", "emit_position", "visible_entries", "emit_pad_request", "emit_pad_entry",
-            "num_emit_device",
-        )
-    }
+    ms = sorted(set(ratios))
+    per_m: dict[str, dict[int, np.ndarray]] = {k: {} for k in _PER_M}
     num_emit: dict[int, int] = {}
     emit_capacity: dict[int, int] = {}
-    for m in sorted(set(ratios)):
+    for m in ms:
         before, after = start // m, end // m
         emit = after - before
-        cu_e = torch.zeros(B + 1, dtype=torch.int64)
-        torch.cumsum(emit, 0, out=cu_e[1:])
+        cu_e = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(emit, out=cu_e[1:])
         E = int(cu_e[-1])
-        e_req = torch.repeat_interleave(torch.arange(B), emit)
-        e_entry = before[e_req] + torch.arange(E) - cu_e[:-1][e_req]
+        e_req = np.repeat(np.arange(B, dtype=np.int64), emit)
+        e_entry = before[e_req] + np.arange(E, dtype=np.int64) - cu_e[:-1][e_req]
         e_pos = e_entry * m
-        e_block = tables[e_req, e_pos // block_size] if E else torch.zeros(0, dtype=torch.int64)
+        e_block = tables[e_req, e_pos // block_size]
         if E and bool((e_block < 0).any()):
             raise AssertionError(f"block tables do not cover the entries emitted at ratio {m} (internal error)")
         num_emit[m] = E
-        per_m["entries_before"][m] = before
-        per_m["entries_after"][m] = after
-        per_m["entries_to_emit"][m] = emit
-        per_m["cu_emit"][m] = cu_e
-        per_m["emit_request"][m] = e_req.to(torch.int32)
-        per_m["emit_entry"][m] = e_entry
-        per_m["emit_block"][m] = e_block
-        per_m["emit_slot"][m] = (e_pos % block_size) // m
-        per_m["emit_position"][m] = e_pos
-        per_m["visible_entries"][m] = visible_entries(positions, m)
-        cap = int(sum(-(-int(k) // m) for k in num_new))
+        cap = int((-(-n // m)).sum())
         emit_capacity[m] = cap
-        pad_req = torch.full((cap,), -1, dtype=torch.int32)
-        pad_req[:E] = e_req.to(torch.int32)
-        pad_entry = torch.zeros(cap, dtype=torch.int64)
+        pad_req = np.full(cap, -1, dtype=np.int32)
+        pad_req[:E] = e_req
+        pad_entry = np.zeros(cap, dtype=np.int64)
         pad_entry[:E] = e_entry
-        per_m["emit_pad_request"][m] = pad_req
-        per_m["emit_pad_entry"][m] = pad_entry
-        per_m["num_emit_device"][m] = torch.tensor([E], dtype=torch.int32)
+        for k, a in (
+            ("entries_before", before), ("entries_after", after), ("entries_to_emit", emit), ("cu_emit", cu_e),
+            ("visible_entries", (positions + 1) // m), ("emit_pad_request", pad_req), ("emit_pad_entry", pad_entry),
+            ("num_emit_device", np.array([E], dtype=np.int32)), ("emit_request", e_req.astype(np.int32)),
+            ("emit_entry", e_entry), ("emit_block", e_block), ("emit_slot", (e_pos % block_size) // m),
+            ("emit_position", e_pos),
+        ):
+            per_m[k][m] = a
 
     keep = positions >= end[req] - window
-    dev = torch.device(device)
-    to = lambda t: to_device(t, dev)  # noqa: E731 - pinned staging: never waits for a step in flight
+    fixed = {
+        "token_request": req.astype(np.int32), "positions": positions, "cu_seqlens": cu.astype(np.int32),
+        "start_pos": start, "end_pos": end, "slots": slot_t, "token_slots": slot_t[req],
+        "block_tables": tables.astype(np.int32), "ring_slots": positions % window, "ring_keep": keep,
+        "ring_rows": np.flatnonzero(keep).astype(np.int64, copy=False),
+    }
+    # the fixed-shape tensors first (one device copy moves a whole step into a captured batch), then the emit lists
+    head = [fixed[k] for k in StepBatch._STATIC + ("block_tables",)]
+    head += [per_m[k][m] for k in StepBatch._PER_RATIO_STATIC for m in ms]
+    tail = [per_m[k][m] for k in StepBatch._PER_RATIO_VARIABLE for m in ms]
+    packing, (head_t, tail_t) = pack_to_device([head, tail], torch.device(device))
+    it = iter(head_t)
+    tensors: dict[str, Any] = {k: next(it) for k in StepBatch._STATIC + ("block_tables",)}
+    for k in StepBatch._PER_RATIO_STATIC:
+        tensors[k] = {m: next(it) for m in ms}
+    it = iter(tail_t)
+    for k in StepBatch._PER_RATIO_VARIABLE:
+        tensors[k] = {m: next(it) for m in ms}
     return StepBatch(
         request_ids=list(request_ids),
-        num_new=[int(x) for x in num_new],
-        start_positions=[int(x) for x in start_positions],
+        num_new=n.tolist(),
+        start_positions=start.tolist(),
         num_tokens=T,
-        max_new=max((int(x) for x in num_new), default=0),
+        max_new=int(n.max()) if B else 0,
         block_size=block_size,
         window=window,
-        ratios=tuple(sorted(set(ratios))),
+        ratios=tuple(ms),
         num_emit=num_emit,
         emit_capacity=emit_capacity,
-        token_request=to(req.to(torch.int32)),
-        positions=to(positions),
-        cu_seqlens=to(cu.to(torch.int32)),
-        start_pos=to(start),
-        end_pos=to(end),
-        slots=to(slot_t),
-        token_slots=to(slot_t[req]),
-        block_tables=to(tables.to(torch.int32)),
-        ring_slots=to(positions % window),
-        ring_keep=to(keep),
-        ring_rows=to(keep.nonzero().squeeze(1)),
-        **{k: {m: to(t) for m, t in d.items()} for k, d in per_m.items()},
+        packing=packing,
+        **tensors,
     )

@@ -376,7 +376,7 @@ class HybridCache:
                 raise InvalidPlanError(f"request {rid!r} appears more than once in the plan")
             seen.add(rid)
             rec = self._record(rid)
-            if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+            if type(n) is not int and (not isinstance(n, numbers.Integral) or isinstance(n, bool)):
                 raise InvalidPlanError(f"request {rid!r}: new-token count must be an int, got {type(n).__name__} {n!r}")
             if n < 1:
                 raise InvalidPlanError(f"request {rid!r}: new-token count must be >= 1, got {n}")

@@ -43,6 +43,7 @@ class CompressedPool:
                     t.name: torch.full((self.num_blocks, *t.shape), t.fill, dtype=t.dtype, device=self.device)
                     for t in specs
                 }
+        self._bytes_per_block = sum(t.shape[1] * t.element_size() for d in self.tensors.values() for t in d.values())
 
     def kv_pages(self, layer_idx: int) -> Tensor:
         return self.tensors[layer_idx]["kv_pages"]
@@ -52,7 +53,8 @@ class CompressedPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(t.shape[1] * t.element_size() for d in self.tensors.values() for t in d.values())
+        """Bytes of one block over every layer (fixed at construction)."""
+        return self._bytes_per_block
 
     def nbytes(self) -> int:
         """Bytes of all pool pages."""

@@ -73,7 +73,7 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Bytes of one row."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def blocks_for_tokens(num_tokens: int, min_ratio: int, block_size: int) -> int:

@@ -50,6 +50,7 @@ class StateCache:
             for layer, specs in self.specs.items()
         }
         self._free_slots: list[int] = list(range(self.max_requests - 1, -1, -1))  # LIFO, slot 0 first
+        self._bytes_per_slot = sum(spec.nbytes for specs in self.specs.values() for spec in specs)
 
     # ---------------------------------------------------------------- slots
     @property
@@ -95,7 +96,8 @@ class StateCache:
     # ---------------------------------------------------------------- bytes
     @property
     def bytes_per_slot(self) -> int:
-        return sum(spec.nbytes for specs in self.specs.values() for spec in specs)
+        """Bytes of one slot's state over every layer (fixed at construction: read once per engine step)."""
+        return self._bytes_per_slot
 
     def nbytes(self) -> int:
         """Bytes of all state tensors."""

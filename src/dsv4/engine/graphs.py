@@ -117,13 +117,7 @@ def pad_step_batch(
         window=cache.cfg.window,
         device=cache.device,
     )
-    try:
-        b = build_step_batch(**kwargs, max_blocks=max_blocks)
-    except TypeError:  # an older build_step_batch without max_blocks: pad the table here
-        b = build_step_batch(**kwargs)
-        bt = torch.full((rows, max_blocks), -1, dtype=b.block_tables.dtype, device=b.block_tables.device)
-        bt[:, : b.block_tables.shape[1]] = b.block_tables
-        b.block_tables = bt
+    b = build_step_batch(**kwargs, max_blocks=max_blocks)
     b.ticket = ticket
     return b
 

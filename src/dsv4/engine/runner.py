@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -295,6 +296,8 @@ class Engine:
         layer_schemas(cfg, self.layer_ids, self.numerics, config.block_size)  # validates block_size early
         self.hidden = hidden if hidden is not None else TokenHidden(cfg.hidden_size, config.seed)
         self._ids: dict[str, Tensor] = {}  # request id -> int64 [total_len] token ids (CPU), prompt + generated
+        self._flat_ids: Tensor | None = None  # after submit: every request's ids end to end, _ids views of it
+        self._id_offsets: dict[str, int] | None = None  # request id -> where its ids start in _flat_ids
         self.check_finite = config.check_finite if config.check_finite is not None else self.device.type == "cpu"
         self.parallel = self._check_parallel(parallel)
         t0 = time.perf_counter()
@@ -493,7 +496,29 @@ class Engine:
 
     def step_token_ids(self, plan: Sequence[tuple[str, int]], starts: Sequence[int]) -> Tensor:
         """int64 ``[T]`` (CPU) the token ids of a step's tokens: ``plan``'s requests from ``starts`` on."""
-        return torch.cat([self._ids[rid][s : s + n] for (rid, n), s in zip(plan, starts)])
+        at = self._id_offsets
+        if at is None or any(rid not in at for rid, _ in plan):
+            return torch.cat([self._ids[rid][s : s + n] for (rid, n), s in zip(plan, starts)])
+        # one gather from the submitted requests' ids laid end to end (a slice per request costs more)
+        B = len(plan)
+        n = np.fromiter((k for _, k in plan), dtype=np.int64, count=B)
+        lo = np.fromiter((at[rid] for rid, _ in plan), dtype=np.int64, count=B)
+        hi = lo + np.fromiter((len(self._ids[rid]) for rid, _ in plan), dtype=np.int64, count=B)
+        first = lo + np.asarray(starts, dtype=np.int64).reshape(B)
+        if not B or bool((n < 0).any() or (first < lo).any() or (first + n > hi).any()):
+            return torch.cat([self._ids[rid][s : s + k] for (rid, k), s in zip(plan, starts)])
+        idx = np.repeat(first - (np.cumsum(n) - n), n) + np.arange(int(n.sum()), dtype=np.int64)
+        return self._flat_ids[torch.from_numpy(idx)]
+
+    def _lay_out_token_ids(self) -> None:
+        """Lay every submitted request's ids end to end (``_flat_ids``, ``_id_offsets``); ``_ids`` become views."""
+        flat = torch.cat(list(self._ids.values())) if self._ids else torch.zeros(0, dtype=torch.int64)
+        self._id_offsets, at = {}, 0
+        for rid, ids in self._ids.items():
+            self._id_offsets[rid] = at
+            self._ids[rid] = flat[at : at + len(ids)]
+            at += len(ids)
+        self._flat_ids = flat
 
     def _assign_token_ids(self, r: Request) -> None:
         """Every token id of ``r``: its prompt's (drawn from the seed if it has none), then generated ones."""
@@ -569,6 +594,7 @@ class Engine:
                 r.number = i
             self._assign_token_ids(r)
             self.scheduler.add(r)
+        self._lay_out_token_ids()
         self._alloc_traces({r.request_id: r for r in requests})
         self._records = []
         self._events = []

@@ -217,9 +217,11 @@ class Scheduler:
                 budget -= n
         # 3. admission (FCFS; with prefix caching, requests waiting for an in-flight prefix are passed over)
         self._blocked_reason = None
-        avail = self.available_blocks()
+        avail: int | None = None  # computed when a request is first considered (nothing waits in steady decode)
         passed: list[Request] = []
         while self.waiting and budget > 0:
+            if avail is None:
+                avail = self.available_blocks()
             r = self.waiting[0]
             if r.arrival_step > self.step_no:
                 self._blocked_reason = "not arrived"
