@@ -36,7 +36,7 @@ def test_plan_per_gpu(capsys, tmp_path):
 def test_attention_weight_bytes_counts_what_the_engine_holds():
     """The planner's count against the tensors of the tiny layers as the engine holds them (FP8 projections with
     their scales, BF16 matrices, FP32 vectors), whole and as TP shards."""
-    from dsv4.engine.runner import _engine_weights
+    from dsv4.engine.weights import engine_weights as _engine_weights
 
     cfg = dsv4.ModelConfig.preset("tiny")
     cfg128 = __import__("dataclasses").replace(cfg, o_lora_rank=128)

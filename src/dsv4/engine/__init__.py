@@ -7,8 +7,12 @@
 * ``hidden``    — token hidden states (no embeddings in scope): ``TokenHidden`` (a seeded embedding per token id)
   or any deterministic callback of the token id;
 * ``prefix_plan`` — ``PrefixPlanner``: where prefill chunks end and which requests wait, for prefix caching;
-* ``runner``    — ``Engine`` / ``EngineConfig``: builds the layers (random, shared-random or checkpoint weights),
-  the cache and the scheduler; runs steps;
+* ``runner``    — ``Engine``: builds the layers, the cache and the scheduler; runs steps;
+* ``config``    — ``EngineConfig`` (how the engine runs), ``pick_device``;
+* ``weights``   — ``WeightSource``: the layers' weights (random, shared-random, checkpoint or given; whole or a
+  tensor-parallel shard) as the engine holds them; ``weights_bytes``;
+* ``trace``     — ``Trace``: a traced request's per-layer inputs and outputs, for the spot check;
+* ``token_ids`` — every submitted request's token ids, laid end to end; a step's ids in one gather;
 * ``stats``     — ``StepRecord`` per step, ``RunStats`` per run: ``summary()`` gives throughput, latency and memory;
 * ``graphs``    — CUDA-graph decode (one graph per decode batch-size bucket; ``prepare_forward`` outside);
 * ``check``     — ``spot_check``: traced requests, layer by layer, against ``dsv4.reference``.

@@ -28,19 +28,18 @@ share of the heads (tensor parallelism: sharded weights, one all-reduce per laye
 Timing: each step is timed on the host around all of the above, with a device synchronisation at its end (a
 serving loop needs the step's results before it can schedule the next decode), so step latency includes the
 host-side scheduling and ``prepare_forward``.
+
+The engine's parts live beside it: ``config`` (``EngineConfig``), ``weights`` (``WeightSource``: the layers'
+weights), ``token_ids`` (the requests' token ids; a step's in one gather), ``trace`` (per-layer records for the
+spot check).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -48,194 +47,30 @@ from ..cache import HybridCache, blocks_for_tokens, layer_schemas
 from ..cache.schema import resolve_layers
 from ..cache.batch import StepBatch
 from ..cache.transfer import to_device
-from ..config import LayerKind, ModelConfig, require_config
-from ..formats.block_fp8 import BlockFp8Weight
+from ..config import ModelConfig, require_config
 from ..layer import Attention
 from ..numerics import Numerics, resolve_numerics
 from ..ops import StepPlan
 from ..reference.primitives import rms_norm
-from ..validate import require_bool, require_choice, require_device, require_instance, require_int
+from ..validate import require_bool, require_instance
 from ..weights import AttentionWeights
-from .hidden import TokenHidden, generated_token_ids
+from .config import EngineConfig, pick_device
+from .hidden import TokenHidden
 from .jit_clock import JitClock
-from .requests import DEFAULT_VOCAB, Request, prompt_token_ids
+from .requests import Request
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import DENSE_BF16_BYTES_PER_TOKEN_LAYER, RunStats, StepRecord  # noqa: F401 - re-exported
+from .token_ids import lay_out_token_ids, request_token_ids, step_token_ids
+from .trace import Trace, alloc_traces, fill_prefix_traces, record_traces, trace_layers
+from .weights import WeightSource, weights_bytes  # noqa: F401 - weights_bytes re-exported
 
 if TYPE_CHECKING:
     from ..distributed import Parallel
 
-__all__ = ["DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace"]
-
-_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def pick_device(name: str | torch.device | None, arg: str = "device") -> torch.device:
-    """``"auto"`` / ``None`` → CUDA when available, else CPU. ``ValueError`` naming ``arg`` for a device that is
-    not ``cpu`` / ``cuda[:N]`` or does not exist here (CUDA without a GPU)."""
-    if name is None or name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = require_device(arg, name)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"{arg} {name!r} cannot run the engine; use auto, cpu, cuda or cuda:N")
-    return dev
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs.
-
-    Attributes:
-        backend: ``"auto"`` (Triton on CUDA when available, else torch), ``"torch"`` or ``"triton"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` …
-        numerics: ``"official"`` (BF16 activations, 584-B FP8 KV entries, 68-B MXFP4 indexer keys) or ``"exact"``.
-        block_size: token positions per pool block (a multiple of every compression ratio).
-        max_running: concurrently running requests (state slots).
-        max_batched_tokens: token budget per step.
-        max_prefill_chunk: largest prefill chunk per request and step (default: the budget).
-        decode_tokens: tokens per decode step per request (1–4).
-        cache_memory: cache budget in bytes (pool + state); ``None``: exactly enough for ``max_running``
-            requests of the longest submitted length (nobody ever waits for memory).
-        cuda_graphs: ``"auto"`` (on for CUDA + graph-safe backend), ``"on"`` (error if impossible), ``"off"``.
-        graph_batch_sizes: decode batch sizes to capture (each decode step uses the smallest that fits; larger
-            decode batches run eagerly). ``None``: powers of two up to ``max_running``.
-        weights: ``"random"`` (distinct random weights per layer), ``"shared"`` (one random set per layer kind,
-            shared by every layer of that kind: less memory, faster start) or a checkpoint directory.
-        seed: weights, hidden states, and the token ids of requests submitted without them.
-        check_finite: check every step's output for NaN/Inf (a device sync per step; on by default on the CPU), and
-            what the layers leave in the cache (their ``nan_policy``: ``"raise"`` on the CPU — a step that would
-            leave NaN/Inf is rolled back —, ``"flag"`` on CUDA — checked at the end of the step).
-        prefix_caching: reuse cached prompt prefixes (``dsv4.cache.prefix``; see ``dsv4.engine.scheduler``).
-        prefix_states: state snapshots the prefix cache keeps (default ``2 · max_running``; each
-            ``HybridCache.prefix_state_bytes``, out of ``cache_memory`` when that is given).
-        vocab: token ids of requests without them, and generated ones, are drawn from ``[0, vocab)``.
-        overlap_host: on CUDA, let the host schedule and prepare the next step while the GPU runs this one (no
-            device synchronisation per step; each step's GPU time is measured with CUDA events and its wall time
-            is the interval between consecutive step completions). Default: on for CUDA. Off: every step ends
-            with a device synchronisation (latency of an isolated step).
-        warmup: before the first step, compile every kernel the run will launch, in parallel over the CPU cores,
-            into Triton's on-disk cache (``dsv4.engine.warmup``), and capture CUDA graphs only for the decode
-            batch sizes the run uses. Default: on for the Triton backend on CUDA.
-    """
-
-    backend: str = "auto"
-    device: str = "auto"
-    numerics: str = "official"
-    block_size: int = 256
-    max_running: int = 16
-    max_batched_tokens: int = 2048
-    max_prefill_chunk: int | None = None
-    decode_tokens: int = 1
-    cache_memory: int | None = None
-    cuda_graphs: str = "auto"
-    graph_batch_sizes: tuple[int, ...] | None = None
-    weights: str = "random"
-    seed: int = 0
-    check_finite: bool | None = None
-    prefix_caching: bool = False
-    prefix_states: int | None = None
-    vocab: int = DEFAULT_VOCAB
-    overlap_host: bool | None = None
-    warmup: bool | None = None
-
-    def __post_init__(self) -> None:
-        """Validate every field: ``TypeError`` / ``ValueError`` naming it (nothing is truncated or defaulted)."""
-        require_choice("backend", self.backend, ("auto", "torch", "triton"))
-        if not isinstance(self.device, (str, torch.device)) or not _DEVICE_RE.fullmatch(str(self.device)):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if not isinstance(self.numerics, Numerics):
-            require_choice("numerics", self.numerics, ("official", "exact"))
-        require_int("block_size", self.block_size, 1)
-        require_int("max_running", self.max_running, 1)
-        require_int("max_batched_tokens", self.max_batched_tokens, 1)
-        if self.max_prefill_chunk is not None:
-            require_int("max_prefill_chunk", self.max_prefill_chunk, 1)
-        require_int("decode_tokens", self.decode_tokens, 1, 4)
-        if self.cache_memory is not None:
-            require_int("cache_memory", self.cache_memory, 0)
-        require_choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
-        if self.graph_batch_sizes is not None:
-            if isinstance(self.graph_batch_sizes, (str, bytes)) or not isinstance(self.graph_batch_sizes, Iterable):
-                raise TypeError(f"graph_batch_sizes must be a sequence of ints, got {self.graph_batch_sizes!r}")
-            sizes = tuple(require_int("graph_batch_sizes entry", b, 1) for b in self.graph_batch_sizes)
-            object.__setattr__(self, "graph_batch_sizes", sizes)
-        if not isinstance(self.weights, (str, os.PathLike)) or not str(self.weights):
-            raise TypeError(f"weights must be 'random', 'shared' or a checkpoint directory, got {self.weights!r}")
-        require_int("seed", self.seed, 0)
-        if self.check_finite is not None:
-            require_bool("check_finite", self.check_finite)
-        if self.overlap_host is not None:
-            require_bool("overlap_host", self.overlap_host)
-        if self.warmup is not None:
-            require_bool("warmup", self.warmup)
-
-
-@dataclass
-class Trace:
-    """A traced request's per-layer inputs and outputs, filled as its tokens run (positions ``0 … L−1``).
-
-    A request that started from a cached prefix of P tokens never ran them: its rows ``0 … P−1`` are copied from
-    a traced request that computed the same prefix (``prefix_from``; the same token ids give the same inputs and
-    outputs there), else ``missing`` = P and the spot check refuses it.
-
-    Attributes:
-        x: ``{layer: [L, d]}`` act dtype, the layer's input (``rms_norm`` of the residual).
-        y: ``{layer: [L, d]}`` act dtype, the layer's output.
-        entry_idx: ``{layer: [L, K]}`` int64 compressed entries attended (CSA layers only; −1 padded).
-        filled: tokens recorded so far.
-        prefix_from: the traced request whose rows ``0 … P−1`` were copied.
-        missing: leading rows no traced request computed (0: complete).
-    """
-
-    request_id: str
-    length: int
-    x: dict[int, Tensor] = field(default_factory=dict)
-    y: dict[int, Tensor] = field(default_factory=dict)
-    entry_idx: dict[int, Tensor] = field(default_factory=dict)
-    filled: int = 0
-    prefix_from: str | None = None
-    missing: int = 0
-
-
-def _engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) -> AttentionWeights:
-    """Weights as an engine holds them: block-scaled FP8 projections as they are (the checkpoint's bytes), other
-    matrices in the activation dtype (what the checkpoint ships in and the GEMMs read: BF16 for the official
-    numerics), vectors (norms, sinks) and the position biases in FP32."""
-
-    def cast(path: str, t: Tensor) -> Tensor:
-        small = t.dim() < 2 or path.endswith("ape")
-        return t.to(device=device, dtype=torch.float32 if small else act)
-
-    def mv(x: Any, path: str) -> Any:
-        if isinstance(x, BlockFp8Weight):
-            return x.to(device)
-        if isinstance(x, Tensor):
-            return cast(path, x)
-        if dataclasses.is_dataclass(x):
-            return dataclasses.replace(x, **{f.name: mv(getattr(x, f.name), f.name) for f in dataclasses.fields(x)})
-        return x
-
-    return mv(w, "")
-
-
-def weights_bytes(cfg: ModelConfig, layers: Sequence[int], act_bytes: int = 2) -> int:
-    """Bytes of the attention weights of ``layers`` as the engine holds them (matrices at ``act_bytes``)."""
-    total = 0
-    for li in layers:
-        d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        mats = cfg.q_lora_rank * d + H * D * cfg.q_lora_rank + D * d + cfg.o_groups * cfg.o_lora_rank * (H * D // cfg.o_groups)
-        mats += d * cfg.o_groups * cfg.o_lora_rank
-        vecs = cfg.q_lora_rank + D + H
-        kind = cfg.layer_kind(li)
-        if kind is LayerKind.CSA:
-            mats += 2 * (2 * D * d) + cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank + cfg.index_n_heads * d
-            mats += 2 * (2 * cfg.index_head_dim * d)
-            vecs += D + cfg.index_head_dim + cfg.csa_ratio * (2 * D + 2 * cfg.index_head_dim)
-        elif kind is LayerKind.HCA:
-            mats += 2 * D * d
-            vecs += D + cfg.hca_ratio * D
-        total += mats * act_bytes + vecs * 4
-    return total
+__all__ = [
+    "DENSE_BF16_BYTES_PER_TOKEN_LAYER", "Engine", "EngineConfig", "RunStats", "StepRecord", "Trace", "pick_device",
+    "weights_bytes",
+]
 
 
 class Engine:
@@ -301,7 +136,9 @@ class Engine:
         self.check_finite = config.check_finite if config.check_finite is not None else self.device.type == "cpu"
         self.parallel = self._check_parallel(parallel)
         t0 = time.perf_counter()
-        self.weights = self._build_weights(weights, progress)
+        self._weight_source = WeightSource.open(cfg, self.layer_ids, config, self.numerics, self.device, weights,
+                                                self.parallel)
+        self.weights = self._weight_source.build(progress)
         # NaN policy of the layers: with check_finite, a CPU step that would leave NaN/Inf is rolled back and raises;
         # on CUDA the layers only flag the requests (no sync, graph-safe) and the step's end checks the flags.
         self.nan_policy = "off" if not self.check_finite else ("flag" if self.device.type == "cuda" else "raise")
@@ -354,106 +191,19 @@ class Engine:
             raise ValueError("context parallelism runs the torch backend's ops: use backend 'torch' or 'auto'")
         return parallel
 
-    def _full_layer_weights(
-        self, weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None, li: int,
-        index: Any,
-    ) -> AttentionWeights:
-        """Layer ``li``'s whole weights from their source (the caller's, the checkpoint, or the seed; ``"shared"``:
-        the first layer of its kind's). Under tensor parallelism with numerics that run no FP8 GEMM, FP8
-        projections come dequantized (exactly; what the layers compute with anyway), so they shard at any group
-        boundary, not only along their 128 × 128 blocks."""
-        cfg, mode = self.cfg, self.config.weights
-        if weights is not None:
-            w = weights[li] if isinstance(weights, Mapping) else weights(li)
-        elif index is not None:
-            w = AttentionWeights.from_checkpoint(index, li, cfg)
-        else:
-            if mode == "shared":
-                li = next(i for i in self.layer_ids if cfg.layer_kind(i) is cfg.layer_kind(li))
-            w = AttentionWeights.random(cfg, li, self.config.seed, device=self.device)
-        split = self.parallel is not None and self.parallel.tp_size > 1
-        return w.for_numerics(self.numerics) if split and not self.numerics.fp8_projections else w
-
     def full_weights(self, layer_idx: int) -> AttentionWeights:
         """Layer ``layer_idx``'s whole weights as the engine holds them (the spot check's reference): its own, or —
         when its layers hold tensor-parallel shards — rebuilt from their source."""
-        if self._full_source is None:
+        if self._weight_source.tp_size == 1:
             return self.weights[layer_idx]
-        return _engine_weights(self._full_source(layer_idx), self.numerics.act_dtype, self.device)
-
-    def _build_weights(
-        self, weights: Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights] | None, progress: bool
-    ) -> dict[int, AttentionWeights]:
-        act, dev, mode = self.numerics.act_dtype, self.device, self.config.weights
-        tp_rank, tp_size = (self.parallel.tp_rank, self.parallel.tp_size) if self.parallel is not None else (0, 1)
-        shared: dict[LayerKind, AttentionWeights] = {}
-        out: dict[int, AttentionWeights] = {}
-        index = None
-        if weights is None and mode not in ("random", "shared"):
-            from ..checkpoint import CheckpointIndex
-
-            index = CheckpointIndex.open(mode)
-        self._full_source: Callable[[int], AttentionWeights] | None = (
-            (lambda li: self._full_layer_weights(weights, li, index)) if tp_size > 1 else None
-        )
-        it: Iterable[int] = self.layer_ids
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(self.layer_ids, desc="layers", unit="layer", leave=False)
-        for li in it:
-            kind = self.cfg.layer_kind(li)
-            if weights is None and mode == "shared" and kind in shared:
-                out[li] = shared[kind]
-                continue
-            if weights is None and index is not None and self.numerics.fp8_projections:
-                w = AttentionWeights.from_checkpoint(index, li, self.cfg, tp_rank=tp_rank, tp_size=tp_size)
-            else:
-                w = self._full_layer_weights(weights, li, index).shard(tp_rank, tp_size)
-            out[li] = _engine_weights(w, act, dev)
-            if weights is None and mode == "shared":
-                shared[kind] = out[li]
-        return out
+        return self._weight_source.full_held(layer_idx)
 
     # ------------------------------------------------------------------ tracing (spot check)
     def trace(self, request_ids: Iterable[str], layers: Iterable[int] | None = None) -> None:
         """Record the per-layer inputs and outputs of ``request_ids`` in ``layers`` (default: all) during the
         next ``run`` (for ``dsv4.engine.check.spot_check``). Costs a device copy per traced layer and step."""
-        self._trace_layers = list(self.layer_ids if layers is None else layers)
-        bad = [li for li in self._trace_layers if li not in self.layer_ids]
-        if bad:
-            raise ValueError(f"cannot trace layers {bad}: not in the engine's stack {self.layer_ids}")
+        self._trace_layers = trace_layers(layers, self.layer_ids)
         self.traces = {rid: Trace(rid, 0) for rid in request_ids}
-
-    def _alloc_traces(self, requests: Mapping[str, Request]) -> None:
-        act = self.numerics.act_dtype
-        for rid, tr in self.traces.items():
-            if rid not in requests:
-                raise ValueError(f"traced request {rid!r} was not submitted")
-            L = requests[rid].total_len
-            tr.length = L
-            for li in self._trace_layers:
-                tr.x[li] = torch.zeros(L, self.cfg.hidden_size, dtype=act, device=self.device)
-                tr.y[li] = torch.zeros(L, self.cfg.hidden_size, dtype=act, device=self.device)
-                if self.cfg.layer_kind(li) is LayerKind.CSA:
-                    tr.entry_idx[li] = torch.full((L, self.cfg.index_topk), -1, dtype=torch.int64, device=self.device)
-
-    def _record_traces(self, batch: StepBatch, kept: Mapping[int, tuple[Tensor, Tensor, Tensor]]) -> None:
-        if not self.traces:
-            return
-        offset = 0
-        for rid, start, n in zip(batch.request_ids, batch.start_positions, batch.num_new):
-            tr = self.traces.get(rid)
-            if tr is not None:
-                for li, (x, y, idx) in kept.items():
-                    tr.x[li][start : start + n] = x[offset : offset + n]
-                    tr.y[li][start : start + n] = y[offset : offset + n]
-                    if li in tr.entry_idx:
-                        dst = tr.entry_idx[li]
-                        k = min(dst.shape[1], idx.shape[1])
-                        dst[start : start + n, :k] = idx[offset : offset + n, :k]
-                tr.filled = max(tr.filled, start + n)
-            offset += n
 
     # ------------------------------------------------------------------ the stack
     def forward_layers(
@@ -496,36 +246,11 @@ class Engine:
 
     def step_token_ids(self, plan: Sequence[tuple[str, int]], starts: Sequence[int]) -> Tensor:
         """int64 ``[T]`` (CPU) the token ids of a step's tokens: ``plan``'s requests from ``starts`` on."""
-        at = self._id_offsets
-        if at is None or any(rid not in at for rid, _ in plan):
-            return torch.cat([self._ids[rid][s : s + n] for (rid, n), s in zip(plan, starts)])
-        # one gather from the submitted requests' ids laid end to end (a slice per request costs more)
-        B = len(plan)
-        n = np.fromiter((k for _, k in plan), dtype=np.int64, count=B)
-        lo = np.fromiter((at[rid] for rid, _ in plan), dtype=np.int64, count=B)
-        hi = lo + np.fromiter((len(self._ids[rid]) for rid, _ in plan), dtype=np.int64, count=B)
-        first = lo + np.asarray(starts, dtype=np.int64).reshape(B)
-        if not B or bool((n < 0).any() or (first < lo).any() or (first + n > hi).any()):
-            return torch.cat([self._ids[rid][s : s + k] for (rid, k), s in zip(plan, starts)])
-        idx = np.repeat(first - (np.cumsum(n) - n), n) + np.arange(int(n.sum()), dtype=np.int64)
-        return self._flat_ids[torch.from_numpy(idx)]
-
-    def _lay_out_token_ids(self) -> None:
-        """Lay every submitted request's ids end to end (``_flat_ids``, ``_id_offsets``); ``_ids`` become views."""
-        flat = torch.cat(list(self._ids.values())) if self._ids else torch.zeros(0, dtype=torch.int64)
-        self._id_offsets, at = {}, 0
-        for rid, ids in self._ids.items():
-            self._id_offsets[rid] = at
-            self._ids[rid] = flat[at : at + len(ids)]
-            at += len(ids)
-        self._flat_ids = flat
+        return step_token_ids(plan, starts, self._ids, self._flat_ids, self._id_offsets)
 
     def _assign_token_ids(self, r: Request) -> None:
         """Every token id of ``r``: its prompt's (drawn from the seed if it has none), then generated ones."""
-        if r.token_ids is None:
-            r.token_ids = prompt_token_ids(self.config.seed, r.number, r.prompt_len, self.config.vocab)
-        gen = generated_token_ids(self.config.seed, r.number, torch.arange(r.prompt_len, r.total_len), self.config.vocab)
-        self._ids[r.request_id] = torch.cat((torch.tensor(r.token_ids, dtype=torch.int64), gen))
+        self._ids[r.request_id] = request_token_ids(r, self.config.seed, self.config.vocab)
 
     # ------------------------------------------------------------------ running
     def build_cache(self, requests: Sequence[Request], device: torch.device | None = None) -> HybridCache:
@@ -594,8 +319,9 @@ class Engine:
                 r.number = i
             self._assign_token_ids(r)
             self.scheduler.add(r)
-        self._lay_out_token_ids()
-        self._alloc_traces({r.request_id: r for r in requests})
+        self._flat_ids, self._id_offsets = lay_out_token_ids(self._ids)
+        alloc_traces(self.traces, self._trace_layers, {r.request_id: r for r in requests}, self.cfg,
+                     self.numerics.act_dtype, self.device)
         self._records = []
         self._events = []
 
@@ -634,7 +360,7 @@ class Engine:
             h, kept = self.forward_layers(batch, self.hidden(ids), keep)
         if self.check_finite:
             self._nonfinite |= ~torch.isfinite(h).all()
-        self._record_traces(batch, kept)
+        record_traces(self.traces, batch, kept)
         if cuda:
             ev1.record()
             self._events.append((ev0, ev1))
@@ -730,7 +456,7 @@ class Engine:
         wall = time.perf_counter() - t_start
         if self.device.type == "cpu":
             self.cache.check_invariants()
-        self._fill_prefix_traces(requests)
+        fill_prefix_traces(self.traces, requests, self._ids)
         return RunStats(
             steps=list(self._records), requests=list(requests), wall_s=wall, setup_s=self.setup_s,
             graph_capture_s=self.graph_capture_s,
@@ -760,23 +486,3 @@ class Engine:
                 r.first_token_s = at[r.prefill_done_step]
             if r.finished_step in at:
                 r.finished_s = at[r.finished_step]
-
-    def _fill_prefix_traces(self, requests: Sequence[Request]) -> None:
-        """Traced requests that started from a cached prefix: copy their rows ``0 … P−1`` from a traced request
-        with the same first P token ids whose rows there are complete (see ``Trace``)."""
-        by_id = {r.request_id: r for r in requests}
-        for rid in sorted((rid for rid in self.traces if by_id[rid].cached_tokens), key=lambda r: by_id[r].cached_tokens):
-            tr, P = self.traces[rid], by_id[rid].cached_tokens
-            donor = next((d for d, t in self.traces.items() if d != rid and P <= t.filled
-                          and (by_id[d].cached_tokens == 0 or t.prefix_from is not None)
-                          and torch.equal(self._ids[d][:P], self._ids[rid][:P])), None)
-            if donor is None:
-                tr.missing = P
-                continue
-            src = self.traces[donor]
-            for li in tr.x:
-                tr.x[li][:P] = src.x[li][:P]
-                tr.y[li][:P] = src.y[li][:P]
-                if li in tr.entry_idx:
-                    tr.entry_idx[li][:P] = src.entry_idx[li][:P]
-            tr.prefix_from = donor
