@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dsv4
+from host_workload import add_workload_args
 from dsv4.cache.batch import StepBatch
 from dsv4.cache.schema import resolve_layers
 from dsv4.engine import Engine, EngineConfig, LengthSpec, make_requests
@@ -54,13 +55,7 @@ from dsv4.numerics import resolve_numerics
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="v4-flash", choices=dsv4.ModelConfig.presets())
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-len", default="8192")
-    p.add_argument("--gen-len", default="256")
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=256)
+    add_workload_args(p)
     p.add_argument("--decode-tokens", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (real CUDA graphs of the stand-in)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: less noise on a busy machine)")

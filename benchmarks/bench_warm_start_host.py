@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import dsv4
+from host_workload import add_workload_args
 from dsv4.cache.schema import resolve_layers
 from dsv4.engine import Engine, EngineConfig, LengthSpec, make_requests
 from dsv4.engine.shape_store import step_shapes_key
@@ -57,13 +58,7 @@ _IMPORTS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="v4-flash", choices=dsv4.ModelConfig.presets())
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-len", default="8192")
-    p.add_argument("--gen-len", default="256")
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=256)
+    add_workload_args(p)
     p.add_argument("--repeat", type=int, default=3, help="runs of each piece (the median is shown)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-imports", action="store_true", help="skip the import timings (fresh interpreters)")
