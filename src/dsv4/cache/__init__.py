@@ -2,10 +2,11 @@
 
 Modules, one job each: ``storage`` (entry codecs over uint8 pages), ``schema`` (per-layer geometry, bytes,
 capacity planning), ``allocator`` (block free list + refcounts), ``state`` (per-slot tensors), ``pool`` (paged
-tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``), ``steps`` (binds a batch to its cache state,
-counts the layers that run it), ``preempt`` (save / restore a request), ``integrity`` (snapshot checksum and value
-checks), ``prefix`` (prefix caching: shared prompt blocks + state snapshots at block boundaries, ``prefix_states``:
-the snapshot rows), ``errors``.
+tensors), ``batch`` (``StepBatch``), ``manager`` (``HybridCache``) with ``layer_view`` (``LayerCache``),
+``plan_check`` (a step's plan validated), ``snapshot`` (whole-cache snapshot and comparison) and ``invariants``,
+``steps`` (binds a batch to its cache state, counts the layers that run it), ``preempt`` (save / restore a request),
+``integrity`` (snapshot checksum and value checks), ``prefix`` (prefix caching: shared prompt blocks + state
+snapshots at block boundaries, ``prefix_states``: the snapshot rows), ``errors``.
 """
 
 from .allocator import BlockAllocator

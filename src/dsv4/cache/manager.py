@@ -9,11 +9,8 @@ Every mutating call validates everything first and changes nothing when it raise
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import numbers
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -21,89 +18,24 @@ from torch import Tensor
 
 from ..config import LayerKind, ModelConfig, require_config
 from ..numerics import Numerics, NumericsLike, resolve_numerics
-from ..validate import require_device
 from .allocator import BlockAllocator
 from .batch import StepBatch, build_step_batch
 from .capture_index import build_capture_index
 from .errors import CacheFullError, DuplicateRequestError, InvalidPlanError, UnknownRequestError
+from .invariants import check_invariants
+from .layer_view import LayerCache, resolve_device
+from .plan_check import Plan, check_int, check_plan_requests, normalise_plan
 from .pool import CompressedPool
 from .preempt import RequestSnapshot, restore_request, save_request
 from .prefix import PrefixCache, PrefixSnapshot, as_token_ids, prefix_state_bytes
 from .records import RequestRecord
-from .schema import LayerCacheSchema, resolve_layers, blocks_for_tokens, layer_schemas
+from .schema import LayerCacheSchema, resolve_layers, layer_schemas
+from .snapshot import CacheSnapshot, cache_tensors, snapshot_differences, take_snapshot
 from .state import StateCache
 from .steps import StepLedger
 from .workspace import Workspace
 
 __all__ = ["HybridCache", "LayerCache", "CacheSnapshot", "RequestRecord"]
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """A device with its index filled in (``"cuda"`` → ``cuda:<current>``), so tensors' ``.device`` compare equal.
-    ``TypeError`` / ``ValueError`` naming ``device`` when it is not a device or does not exist here."""
-    return require_device("device", device)
-
-
-Plan = Mapping[str, int] | Sequence[tuple[str, int]]
-
-
-@dataclass(frozen=True)
-class LayerCache:
-    """What the ops of one layer consume.
-
-    Attributes:
-        schema: the layer's geometry and storage codecs.
-        kv_pages: uint8 ``[num_blocks, kv_page_bytes]`` main KV pool pages (``None`` for SWA).
-        index_pages: uint8 ``[num_blocks, index_page_bytes]`` indexer key pages (CSA only, else ``None``).
-        state: per-slot tensors by name (``ring``, ``ring_positions``, ``tail_kv`` …; see ``dsv4.cache.state``).
-        workspace: the cache's scratch buffers for kernels (shared by all layers; see ``dsv4.cache.workspace``).
-        prefix_states: the layer's prefix-cache state snapshot rows by name (``dsv4.cache.prefix_states``; empty
-            without prefix caching).
-    """
-
-    schema: LayerCacheSchema
-    kv_pages: Tensor | None
-    index_pages: Tensor | None
-    state: Mapping[str, Tensor]
-    workspace: Workspace
-    prefix_states: Mapping[str, Tensor] = field(default_factory=dict)
-
-    @property
-    def ring(self) -> Tensor:
-        """uint8 ``[max_requests, ring_page_bytes]``: the SWA ring of each slot (one page of ``window`` entries)."""
-        return self.state["ring"]
-
-    @property
-    def ring_positions(self) -> Tensor:
-        """int32 ``[max_requests, window]``: position held by each ring slot, −1 = empty."""
-        return self.state["ring_positions"]
-
-
-@dataclass(frozen=True)
-class CacheSnapshot:
-    """Deep copy of a ``HybridCache``'s host records and device tensors (see ``HybridCache.snapshot``)."""
-
-    requests: dict[str, RequestRecord]
-    allocator: tuple[tuple[int, ...], tuple[int, ...]]
-    free_slots: tuple[int, ...]
-    tensors: dict[tuple[str, int, str], Tensor]
-    steps: tuple = ()
-    prefix: tuple = ()
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    """``InvalidPlanError`` unless ``value`` is an int (not a bool) ``>= minimum``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise InvalidPlanError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise InvalidPlanError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _same_bits(a: Tensor, b: Tensor) -> bool:
-    """Bitwise tensor equality (NaN == NaN, −0 ≠ +0)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
 
 class HybridCache:
     """Paged, quantized KV cache of a stack of DeepSeek-V4 attention layers.
@@ -151,17 +83,17 @@ class HybridCache:
         require_config(cfg)
         if (num_blocks is None) == (memory_bytes is None):
             raise InvalidPlanError("give exactly one of num_blocks / memory_bytes")
-        _check_int("block_size", block_size, 1)
-        _check_int("max_requests", max_requests, 1)
+        check_int("block_size", block_size, 1)
+        check_int("max_requests", max_requests, 1)
         if num_blocks is not None:
-            _check_int("num_blocks", num_blocks, 0)
+            check_int("num_blocks", num_blocks, 0)
         if memory_bytes is not None:
-            _check_int("memory_bytes", memory_bytes, 0)
+            check_int("memory_bytes", memory_bytes, 0)
         if max_step_tokens is not None:
-            _check_int("max_step_tokens", max_step_tokens, 1)
-        _check_int("prefix_states", prefix_states, 0)
-        _check_int("cp_size", cp_size, 1)
-        _check_int("cp_rank", cp_rank, 0)
+            check_int("max_step_tokens", max_step_tokens, 1)
+        check_int("prefix_states", prefix_states, 0)
+        check_int("cp_size", cp_size, 1)
+        check_int("cp_rank", cp_rank, 0)
         if cp_rank >= cp_size:
             raise InvalidPlanError(f"cp_rank must be < cp_size ({cp_size}), got {cp_rank}")
         self.cp_rank, self.cp_size = int(cp_rank), int(cp_size)
@@ -364,34 +296,13 @@ class HybridCache:
             CacheFullError: not enough free pool blocks.
         """
         self.steps.check_mutation("prepare_forward")
-        items = self._normalise_plan(plan)
+        items = normalise_plan(plan)
         if max_blocks is not None:
-            _check_int("max_blocks", max_blocks, 0)
-        seen: set[str] = set()
-        needs: list[int] = []
-        for rid, n in items:
-            if not isinstance(rid, str):
-                raise InvalidPlanError(f"plan keys are request ids (str), got {type(rid).__name__} {rid!r}")
-            if rid in seen:
-                raise InvalidPlanError(f"request {rid!r} appears more than once in the plan")
-            seen.add(rid)
-            rec = self._record(rid)
-            if type(n) is not int and (not isinstance(n, numbers.Integral) or isinstance(n, bool)):
-                raise InvalidPlanError(f"request {rid!r}: new-token count must be an int, got {type(n).__name__} {n!r}")
-            if n < 1:
-                raise InvalidPlanError(f"request {rid!r}: new-token count must be >= 1, got {n}")
-            end = rec.num_tokens + int(n)
-            if end > self.cfg.max_position:
-                raise InvalidPlanError(
-                    f"request {rid!r}: {rec.num_tokens} cached + {n} new = {end} tokens exceeds "
-                    f"max_position {self.cfg.max_position}"
-                )
-            needs.append(blocks_for_tokens(end, self.min_ratio, self.block_size) - len(rec.blocks))
-        step_tokens = sum(int(n) for _, n in items)
-        if self.max_step_tokens is not None and step_tokens > self.max_step_tokens:
-            raise InvalidPlanError(
-                f"plan schedules {step_tokens} new tokens in all but max_step_tokens is {self.max_step_tokens}"
-            )
+            check_int("max_blocks", max_blocks, 0)
+        needs = check_plan_requests(
+            items, self._record, max_position=self.cfg.max_position, max_step_tokens=self.max_step_tokens,
+            min_ratio=self.min_ratio, block_size=self.block_size,
+        )
         step_ids = self.prefix.check_step_ids(items, token_ids)
         total = sum(needs)
         evictable = self.prefix.num_evictable() if total > self.allocator.num_free else 0
@@ -463,24 +374,6 @@ class HybridCache:
             if isinstance(li, bool) or not isinstance(li, numbers.Integral):
                 raise TypeError(f"layers must be layer indices (int), got {type(li).__name__} {li!r}")
         return self.steps.claim(batch, todo)
-
-    @staticmethod
-    def _normalise_plan(plan: Plan) -> list[tuple[str, int]]:
-        if isinstance(plan, Mapping):
-            items = list(plan.items())
-        elif isinstance(plan, Sequence) and not isinstance(plan, (str, bytes)):
-            items = []
-            for item in plan:
-                if not isinstance(item, (tuple, list)) or len(item) != 2:
-                    raise InvalidPlanError(f"plan entries must be (request_id, num_new) pairs, got {item!r}")
-                items.append((item[0], item[1]))
-        else:
-            raise InvalidPlanError(
-                f"plan must be a mapping or a sequence of (request_id, num_new) pairs, got {type(plan).__name__}"
-            )
-        if not items:
-            raise InvalidPlanError("empty plan: schedule at least one request")
-        return items
 
     def _record(self, request_id: str) -> RequestRecord:
         try:
@@ -569,80 +462,22 @@ class HybridCache:
 
     # ================================================================ checks and snapshots
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` on the first broken invariant: allocator consistency; every block's refcount
-        equals the number of table references to it plus one if a cached prefix holds it (so no block is freed
-        while referenced); tables have exactly the blocks their token counts need; slots are unique and disjoint
-        from the free list; free slots hold reset state (host sync); the prefix cache's own invariants — chains,
-        users, snapshot rows, no cached block in a request's writable blocks, and every cached block's bytes
-        unchanged since it was first checked (no write into a shared block; ``PrefixCache.check_invariants``)."""
-        self.allocator.check_invariants()
-        refs: Counter[int] = Counter()
-        for rid, rec in self._requests.items():
-            want = blocks_for_tokens(rec.num_tokens, self.min_ratio, self.block_size)
-            if len(rec.blocks) != want:
-                raise AssertionError(f"request {rid!r}: {len(rec.blocks)} blocks for {rec.num_tokens} tokens, want {want}")
-            if len(set(rec.blocks)) != len(rec.blocks):
-                raise AssertionError(f"request {rid!r}: repeated block in table {rec.blocks}")
-            if not 0 <= rec.num_tokens <= self.cfg.max_position:
-                raise AssertionError(f"request {rid!r}: num_tokens {rec.num_tokens} out of range")
-            refs.update(rec.blocks)
-        refs.update(self.prefix.cached_blocks())
-        refcounts, _ = self.allocator.state()
-        for b, rc in enumerate(refcounts):
-            if refs[b] != rc:
-                raise AssertionError(f"block {b}: refcount {rc} but referenced by {refs[b]} table / prefix entries")
-        used_slots = [rec.slot for rec in self._requests.values()]
-        free_slots = self.state.free_slots
-        if len(set(used_slots)) != len(used_slots):
-            raise AssertionError(f"two requests share a state slot: {used_slots}")
-        if set(used_slots) & set(free_slots) or len(set(free_slots)) != len(free_slots):
-            raise AssertionError(f"slot bookkeeping broken: used {used_slots}, free {list(free_slots)}")
-        if len(used_slots) + len(free_slots) != self.max_requests:
-            raise AssertionError(f"{len(used_slots)} used + {len(free_slots)} free != {self.max_requests} slots")
-        for s in free_slots:
-            if not self.state.is_reset(s):
-                raise AssertionError(f"free state slot {s} does not hold its reset values")
-        self.prefix.check_invariants()
+        """Raise ``AssertionError`` on the first broken invariant of the cache's blocks, tables, slots and prefix
+        cache (host sync; the list: ``dsv4.cache.invariants.check_invariants``)."""
+        check_invariants(self)
 
     def _tensors(self) -> dict[tuple[str, int, str], Tensor]:
         """Every cache tensor (live, not copied) by ``("state" | "pool", layer, name)``, and the NaN flags."""
-        out = {("state", layer, name): t for layer, d in self.state.tensors.items() for name, t in d.items()}
-        out.update({("pool", layer, name): t for layer, d in self.pool.tensors.items() for name, t in d.items()})
-        out[("flags", -1, "nonfinite")] = self.nonfinite
-        out.update({("prefix", layer, name): t for layer, d in self.prefix.states.tensors.items() for name, t in d.items()})
-        return out
+        return cache_tensors(self)
 
     def snapshot(self) -> CacheSnapshot:
-        """Deep copy of all host records and device tensors (expensive; for tests and debugging)."""
-        tensors = {key: t.clone() for key, t in self._tensors().items()}
-        return CacheSnapshot(
-            requests=copy.deepcopy(self._requests),
-            allocator=self.allocator.state(),
-            free_slots=self.state.free_slots,
-            tensors=tensors,
-            steps=self.steps.state(),
-            prefix=self.prefix.host_state(),
-        )
+        """Deep copy of all host records and device tensors (expensive; for tests and debugging;
+        ``dsv4.cache.snapshot``)."""
+        return take_snapshot(self)
 
     def differences(self, snap: CacheSnapshot) -> list[str]:
         """What differs between the cache now and ``snap`` (empty list: identical, byte for byte)."""
-        diffs = []
-        if self._requests != snap.requests:
-            diffs.append(f"request records: {snap.requests} -> {self._requests}")
-        if self.allocator.state() != snap.allocator:
-            diffs.append("allocator refcounts / free list")
-        if self.state.free_slots != snap.free_slots:
-            diffs.append(f"free slots: {list(snap.free_slots)} -> {list(self.state.free_slots)}")
-        if self.steps.state() != snap.steps:
-            diffs.append(f"step accounting (generation, steps, open step): {snap.steps} -> {self.steps.state()}")
-        if self.prefix.host_state() != snap.prefix:
-            diffs.append("prefix cache records")
-        now = self._tensors()  # live tensors, no copy
-        for key, t in snap.tensors.items():
-            if key not in now or not _same_bits(now[key], t):
-                diffs.append(f"tensor {key}")
-        diffs += [f"new tensor {k}" for k in now.keys() - snap.tensors.keys()]
-        return diffs
+        return snapshot_differences(self, snap)
 
     def equal_to_snapshot(self, snap: CacheSnapshot) -> bool:
         return not self.differences(snap)
