@@ -144,3 +144,14 @@ def test_projection_plan_h200() -> None:
         assert "projections:" in plan.describe()
     _, plan = _plan(_flash_cache(4, 1024), 1, OFF_HOPPER)  # no FP8 GEMM fact: the torch reference's project
     assert plan.layer(LayerKind.CSA).projection is None
+
+
+def test_projection_shapes_of_a_tensor_parallel_rank() -> None:
+    """A rank of 2 holds half the query heads and half the output groups: its ``wq_b`` rows and ``wo_b`` columns
+    are the sharded weights' (``AttentionWeights.shard``), so the plan's launches are found for them."""
+    from dsv4.kernels.project.plan import fp8_projection_shapes
+
+    cfg = dsv4.ModelConfig.preset("v4-flash")
+    w = dsv4.AttentionWeights.random(cfg, 2, seed=0).shard(0, 2)
+    shapes = fp8_projection_shapes(cfg, heads=cfg.num_heads // 2)
+    assert shapes["wq_b"] == tuple(w.wq_b.shape) and shapes["wo_b"] == tuple(w.wo_b.shape)

@@ -54,6 +54,10 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
     nm, cfg = cache.numerics, cache.cfg
     kernels = dev.kernels and nm.act_dtype == torch.bfloat16 and (cfg.head_dim, cfg.rope_dim) == (512, 64)
     formats = kernels and kernels_handle(nm, cfg.nope_dim, cfg.head_dim, cfg.index_head_dim)
+    projection = None  # one per step: every layer kind multiplies the same rows by the same weight shapes
+    if kernels and nm.fp8_projections and dev.fp8_gemm is not None:
+        projection = plan_projections(batch.num_tokens, fp8_projection_shapes(cfg, heads), dev.fp8_gemm,
+                                      dev.sm_count, triton_gemm=dev.sm90)
     layers: dict[LayerKind, LayerPlan] = {}
     for schema in cache.schemas.values():
         kind, m = schema.kind, schema.ratio
@@ -71,10 +75,6 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
         if dev.kernels and kind is LayerKind.CSA:
             indexer = triton_indexer.indexer_plan(cache.layer(schema.layer_idx), batch, m, cfg.index_topk,
                                                   cfg.index_n_heads, nm.score_dtype, dev)
-        projection = None
-        if kernels and nm.fp8_projections and dev.fp8_gemm is not None:
-            projection = plan_projections(batch.num_tokens, fp8_projection_shapes(cfg, heads), dev.fp8_gemm,
-                                          dev.sm_count, triton_gemm=dev.sm90)
         layers[kind] = LayerPlan(kind, kernels=kernels, projection=projection, write=write, indexer=indexer,
                                  attention=attention)
     summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"

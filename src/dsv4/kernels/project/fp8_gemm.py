@@ -10,8 +10,9 @@ FP32) summed in FP32, so results differ only in summation order:
 * ``"bf16"`` — a BF16 tensor-core GEMM over the quantized activations' values and the weight's values (both exact
   in BF16); the weight's BF16 copy is made once per weight.
 
-The plan (``ops.plan.LayerPlan.projection``) picks one per device; a projection whose K or N is not a multiple of
-128 (the tiny preset's) takes ``"bf16"``.
+The device's way is the step plan's fallback (``kernels.project.plan.ProjectionPlan``; decode rows over the large
+weights take ``block_gemm`` instead); a projection whose K or N is not a multiple of 128 (the tiny preset's) takes
+``"bf16"``.
 """
 
 from __future__ import annotations

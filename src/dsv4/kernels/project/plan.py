@@ -24,11 +24,13 @@ TRITON_MIN_VALUES = 1 << 24
 
 
 def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[str, tuple[int, int]]:
-    """``{name: (N, K)}`` of a layer's FP8 projections (``heads``: the query heads a rank computes)."""
+    """``{name: (N, K)}`` of a layer's FP8 projections (``heads``: the query heads a rank computes; a
+    tensor-parallel rank holds their share of the output groups, ``G·heads/H``, and so of ``wo_b``'s columns)."""
     H = cfg.num_heads if heads is None else heads
     d = cfg.hidden_size
+    groups = cfg.o_groups * H // cfg.num_heads
     return {"wq_a": (cfg.q_lora_rank, d), "wq_b": (H * cfg.head_dim, cfg.q_lora_rank), "wkv": (cfg.head_dim, d),
-            "wo_b": (d, cfg.o_groups * cfg.o_lora_rank),
+            "wo_b": (d, groups * cfg.o_lora_rank),
             "indexer.wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)}
 
 
