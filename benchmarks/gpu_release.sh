@@ -4,6 +4,7 @@
 #                                                      GPU tests of the newest paths
 #   bash benchmarks/gpu_release.sh prefix hf ab        call 2: prefix-cache bench, transformers generate() (needs the
 #                                                      transformers >= 5.24 wheel in .whl/), old vs new tree A/B
+#   ... host | warmup-diag                            decode host path on the GPU | issue 36's key diff
 #   ... layer-ab                                       one layer of each kind, the tree in .ab/pre vs this one
 # Each part writes one log (and JSON) under $OUT (at most 8 files come back from a device call).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
@@ -25,6 +26,14 @@ for part in "$@"; do
     done
     grep -E "^== |warm-up|JIT|decode |prefill |total |decode-only|with prefill|first token|first step|CUDA graphs|check|PASS|FAIL" \
       "$O/run.log" ;;
+  host)  # issue 38: the decode step's host path against a real device (layers stood in), with its profile
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${HOST_S:-120} python3 benchmarks/bench_decode_host.py --device cuda \
+      --profile 25 --out "$O/host.json" > "$O/host.log" 2>&1
+    echo "== host rc=$?"; grep -vE "^\s*$" "$O/host.log" | head -70 ;;
+  warmup-diag)  # issue 36: the specialisations the load pass launches that no compile worker launched
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${DIAG_S:-200} python3 tools/diag_warmup_launches.py --device cuda \
+      --workers 16 --requests 1 2 33 64 > "$O/warmup_diag.log" 2>&1
+    echo "== warmup-diag rc=$?"; head -60 "$O/warmup_diag.log" ;;
   layer-ab)  # one layer of each kind on the tree before this change (.ab/pre) and this one, alternating
     for tree in pre new pre new; do
       if [ $tree = pre ]; then P=.ab/pre/src; B=.ab/pre/benchmarks; else P=src; B=benchmarks; fi

@@ -194,7 +194,7 @@ def _run_shape(cfg: ModelConfig, layers: list[int], numerics: str, backend: str,
 
     t0 = time.perf_counter()
     dev = torch.device(device)
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     key = (cfg, tuple(layers), backend, device)
     if key not in _WORKER_LAYERS:
@@ -234,8 +234,10 @@ def _start_worker(device: str) -> None:
     """Pool initializer: import the kernels and make ``device`` current (a CUDA context per worker)."""
     import dsv4.ops.triton_ops  # noqa: F401 - imports every kernel module
 
-    torch.cuda.set_device(torch.device(device))
-    torch.empty(1, device=device)
+    dev = torch.device(device)
+    if dev.index is not None:  # "cuda" alone: the default device
+        torch.cuda.set_device(dev)
+    torch.empty(1, device=dev)
 
 
 def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
