@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+import types
 
 import pytest
 import torch
@@ -348,11 +349,14 @@ def test_jit_clock_times_compiles_between_the_hooks_and_restores_them() -> None:
     try:
         with JitClock() as clock:
             assert clock.active
-            for _ in range(2):
-                assert not rt.jit_cache_hook(key="k")  # a falsy answer: the compile goes ahead
+            for name in ("_a_kernel", "_b_kernel"):
+                fn = types.SimpleNamespace(name=name)
+                assert not rt.jit_cache_hook(key="k", fn=fn)  # a falsy answer: the compile goes ahead
                 time.sleep(0.01)
-                rt.jit_post_compile_hook(key="k")
+                rt.jit_post_compile_hook(key="k", fn=fn)
         assert clock.kernels == 2 and clock.seconds >= 0.02
+        assert [n for n, _ in clock.records] == ["_a_kernel", "_b_kernel"]
+        assert all(s >= 0.01 for _, s in clock.records) and sum(s for _, s in clock.records) == clock.seconds
         assert seen == ["before", "after"] * 2
         assert (rt.jit_cache_hook, rt.jit_post_compile_hook) == (before, after)
     finally:

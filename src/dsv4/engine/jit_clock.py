@@ -25,7 +25,9 @@ def _runtime_knobs() -> Any | None:
 
 
 class JitClock:
-    """Accumulates ``seconds`` and ``kernels`` of Triton JIT compilations while entered (a context manager).
+    """Accumulates ``seconds`` and ``kernels`` of Triton JIT compilations while entered (a context manager);
+    ``records`` lists each one as ``(kernel name, seconds)`` (a load from the disk cache counts too: it is the
+    time a first launch costs either way).
 
     Hooks already installed are kept and called first; leaving restores them. Not re-entrant.
     """
@@ -33,7 +35,9 @@ class JitClock:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.kernels = 0
+        self.records: list[tuple[str, float]] = []
         self._started: float | None = None
+        self._name = ""
         self._rt = None
         self._prev: tuple[Any, Any] = (None, None)
 
@@ -46,13 +50,17 @@ class JitClock:
         prev = self._prev[0]
         skip = prev(*args, **kwargs) if prev is not None else None
         if not skip:  # a previous hook returning True skips the compile
+            fn = kwargs.get("fn")
+            self._name = getattr(fn, "name", "") or str(kwargs.get("repr", "?")).split("[", 1)[0]
             self._started = time.perf_counter()
         return skip
 
     def _after(self, *args: Any, **kwargs: Any) -> Any:
         if self._started is not None:
-            self.seconds += time.perf_counter() - self._started
+            took = time.perf_counter() - self._started
+            self.seconds += took
             self.kernels += 1
+            self.records.append((self._name, took))
             self._started = None
         prev = self._prev[1]
         return prev(*args, **kwargs) if prev is not None else None

@@ -64,6 +64,8 @@ class WarmupReport:
         load_s: wall time of loading every kernel into this process (one real run of each shape).
         seconds: the whole warm-up, host replay of the schedule included.
         kernels_loaded: kernels this process loaded (or compiled, if a worker missed one) while warming.
+        slowest_loads: the load pass's slowest kernels, ``[(name, seconds)]`` (at most 5 of ≥ 0.5 s): a load
+            from the disk cache takes milliseconds, so these were compiled here.
         warm_start: whether the manifest showed everything compiled already.
         error: why the workers' pass failed, if it did (the load pass then compiles what it needs, serially).
         cache_dir: Triton's on-disk cache the kernels went into.
@@ -80,6 +82,7 @@ class WarmupReport:
     load_s: float = 0.0
     seconds: float = 0.0
     kernels_loaded: int = 0
+    slowest_loads: list[tuple[str, float]] = field(default_factory=list)
     warm_start: bool = False
     error: str = ""
     cache_dir: str = ""
@@ -101,8 +104,12 @@ class WarmupReport:
         shapes = "stored" if self.shapes_stored else "replayed"
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
                 f"{self.graph_buckets} ({shapes} in {self.shapes_s:.2f} s); {done}; {self.kernels_loaded} kernels "
-                f"loaded in {self.load_s:.1f} s — "
-                f"Triton cache {self.cache_dir}")
+                f"loaded in {self.load_s:.1f} s{self._compiled_here()} — Triton cache {self.cache_dir}")
+
+    def _compiled_here(self) -> str:
+        if not self.slowest_loads:
+            return ""
+        return " (compiled while loading: " + ", ".join(f"{n} {s:.1f} s" for n, s in self.slowest_loads) + ")"
 
 
 def triton_cache_dir() -> str:
@@ -325,6 +332,7 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
                 bar.update()
     report.load_s = time.perf_counter() - t0
     report.kernels_loaded = clock.kernels
+    report.slowest_loads = sorted(((n, round(s, 2)) for n, s in clock.records if s >= 0.5), key=lambda r: -r[1])[:5]
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - t_all
