@@ -35,6 +35,7 @@ from dsv4.cache import HybridCache
 from dsv4.config import LayerKind
 from dsv4.formats.block_fp8 import BlockFp8Weight
 from dsv4.formats.layouts import KV_ENTRY_BYTES, MXFP4_KEY_BYTES
+from dsv4.kernels.project import plan as projection_plan
 
 REQUIRES_CUDA = True
 
@@ -176,8 +177,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="kernels listed per layer kind (0: none)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also print the N functions that take an eager call's host time, and its host syncs")
+    ap.add_argument("--triton-gemm-min-values", type=int, metavar="N",
+                    help="explore the projection rule: decode steps run the Triton block GEMM over FP8 weights of "
+                         f"at least N values (default {projection_plan.TRITON_MIN_VALUES}: wq_b, wo_b only)")
     ap.add_argument("--json", help="write the rows (and the environment) here")
     a = ap.parse_args()
+    if a.triton_gemm_min_values is not None:
+        projection_plan.TRITON_MIN_VALUES = a.triton_gemm_min_values
+        print(f"projection rule explored: Triton block GEMM for weights of >= {a.triton_gemm_min_values} values")
     cfg = dsv4.ModelConfig.preset(a.preset)
     kinds: dict[LayerKind, int] = {}
     for li in range(cfg.num_layers):
