@@ -5,12 +5,13 @@ tokens, 64 running, an 8,192-token step budget, block size 256, 1 token per deco
 defaults). The run goes through ``Engine.step`` unchanged — ``Scheduler.schedule``, the step's token ids,
 ``HybridCache.prepare_forward`` (validation, block allocation, ``build_step_batch``, the step ledger), the decode
 graph's ``DecodeGraphs.run`` (``pad_step_batch``, ``claim_step`` for every layer, ``StepBatch.copy_`` into the
-captured batch, the token ids and hidden states into the captured inputs), ``Scheduler.commit`` and the
-``StepRecord`` — with the layers replaced by a stand-in:
+captured batch, the token ids into the captured input), ``Scheduler.commit`` and the ``StepRecord`` — with the
+layers replaced by a stand-in:
 
 * the layer stack (``Engine.forward_layers``) claims the step for every layer and returns its input (prefill and
   mixed steps, and the graphs' capture);
 * the hidden-state source returns a constant row broadcast to the step's tokens (``TokenHidden`` is device work);
+  like ``TokenHidden`` it is graph-safe, so a decode graph step does not call it (its graph would);
 * on the CPU (no CUDA graphs here) the decode graphs are ``DecodeGraphs`` whose ``capture`` builds the captured
   batch and inputs on the CPU and whose ``replay`` does nothing; on CUDA they are real CUDA graphs of the stand-in.
 
@@ -143,7 +144,12 @@ def stand_in_engine(cfg: dsv4.ModelConfig, config: EngineConfig) -> Engine:
     eng.numerics, eng.layer_ids = resolve_numerics(config.numerics), resolve_layers(cfg, None)
     eng._want_graphs = lambda: True  # type: ignore[method-assign]
     row = torch.zeros(1, cfg.hidden_size, dtype=torch.float32, device=eng.device)
-    eng.hidden = lambda ids: row.expand(ids.shape[0], -1)
+
+    def hidden(ids: Tensor) -> Tensor:
+        return row.expand(ids.shape[0], -1)
+
+    hidden.graph_safe = True  # type: ignore[attr-defined] - as TokenHidden: in the graphs, not called per replay
+    eng.hidden = hidden
     eng.check_finite, eng.nan_policy = False, "off"
     eng.overlap_host = eng.device.type == "cuda"
     eng.traces, eng._trace_layers, eng._records, eng._events = {}, [], [], []

@@ -14,7 +14,11 @@ bucket and copied into that bucket's static batch before the replay (``dsv4.cach
 
 ``prepare_forward`` runs eagerly on the host as always (it owns the bookkeeping); ``pad_step_batch`` then builds
 the padded batch from the cache's host records (no device→host sync), ``StepBatch.copy_`` writes it into the
-bucket's static batch, the hidden states go into the static input, and the graph is replayed.
+bucket's static batch, the step's token ids go into the static ids (pad rows: id 0), and the graph is replayed.
+The graph holds the whole device side of the step: the hidden states of the ids when the engine's hidden source is
+graph-safe (``dsv4.engine.hidden.is_graph_safe``; the default ``TokenHidden`` is), every layer, and the residual
+glue between layers; a source that is not graph-safe runs eagerly before the replay, its output copied into the
+static input.
 
 Contract for a backend with ``GRAPH_SAFE = True``: during a step it reads from the host side of the ``StepBatch``
 only what is fixed for the bucket (shapes, ``num_tokens``, ``num_requests``, ``max_new``, ``block_size``,
@@ -34,6 +38,7 @@ from torch import Tensor
 
 from ..cache import HybridCache, blocks_for_tokens
 from ..cache.batch import StepBatch, build_step_batch
+from .hidden import is_graph_safe
 
 if TYPE_CHECKING:
     from .runner import Engine
@@ -132,7 +137,7 @@ class _Captured:
     capacity: int
     graph: torch.cuda.CUDAGraph
     batch: StepBatch
-    h_in: Tensor
+    h_in: Tensor  # the stack's input: the in-graph hidden states of ids, or the static input they are copied into
     ids: Tensor
     h_out: Tensor
     kept: dict[int, tuple[Tensor, Tensor, Tensor]]
@@ -142,7 +147,8 @@ class DecodeGraphs:
     """CUDA graphs of the engine's layer stack for decode steps, one per batch-size bucket.
 
     Reserves the pad request (one state slot, one pool block) in ``engine.cache`` on construction; ``capture()``
-    records the graphs (largest bucket first, sharing one memory pool); ``run()`` replays one.
+    records the graphs (largest bucket first, sharing one memory pool); ``run()`` replays one. A graph-safe hidden
+    source (``hidden_in_graph``, decided here) is captured in the graphs; another runs before each replay.
 
     Args:
         engine: the engine (its cache must exist).
@@ -162,6 +168,7 @@ class DecodeGraphs:
         self.sizes = tuple(sorted({int(s) for s in sizes if s >= 1}))
         self.pad_slot, self.pad_block = reserve_pad(cache, engine.PAD_REQUEST)
         self.max_blocks = decode_table_width(max_len, cache.min_ratio, cache.block_size)
+        self.hidden_in_graph = is_graph_safe(engine.hidden)
         self.captured: dict[int, _Captured] = {}
         self.keep: list[int] = []
         self._pinned: list[Tensor] = []
@@ -185,7 +192,8 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def capture(self, keep: Iterable[int] | None = None) -> None:
-        """Capture every bucket (warm-up runs first, on a side stream, touching only the pad slot and block)."""
+        """Capture every bucket (warm-up runs first, on a side stream, touching only the pad slot and block). The
+        hidden source runs eagerly once first, so what a graph-safe one creates and keeps is not made in capture."""
         eng = self.engine
         self.keep = list(eng._trace_layers if keep is None else keep)
         dev = eng.device
@@ -200,11 +208,13 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    eng.forward_layers(batch, h_in, self.keep)
+                    eng.forward_layers(batch, eng.hidden(ids) if self.hidden_in_graph else h_in, self.keep)
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
+                if self.hidden_in_graph:
+                    h_in = eng.hidden(ids)
                 h_out, kept = eng.forward_layers(batch, h_in, self.keep)
             self.captured[c] = _Captured(c, graph, batch, h_in, ids, h_out, kept)
             # The graph holds the addresses of the cache's workspace buffers as they are now. A later eager step
@@ -232,7 +242,8 @@ class DecodeGraphs:
         T = batch.num_tokens
         cap.ids[:T].copy_(token_ids)
         cap.ids[T:].zero_()
-        cap.h_in.copy_(self.engine.hidden(cap.ids))
+        if not self.hidden_in_graph:
+            cap.h_in.copy_(self.engine.hidden(cap.ids))
         cap.graph.replay()
         keep = set(keep)
         kept = {li: (x[:T], y[:T], idx[:T]) for li, (x, y, idx) in cap.kept.items() if li in keep}

@@ -11,6 +11,13 @@ A source must be a pure function of the token id — a seeded embedding table �
 prompt prefixes) feed identical hidden states: what prefix caching relies on. The spot check uses the engine's
 own recorded inputs, so any deterministic callback works.
 
+A source that sets ``graph_safe = True`` (``is_graph_safe``) is run *inside* the engine's decode graphs, so that a
+replayed step costs the host only the copy of its token ids: it must be a fixed sequence of device ops on
+``token_ids`` — no host synchronisation, no Python state that changes from call to call (a replay repeats what
+the capture recorded), and any tensor it creates once and keeps must be created on an eager call (the graphs call
+it eagerly before capturing). ``TokenHidden`` and ``HashHidden`` are; any other source runs eagerly before each
+replay and its output is copied into the graph's static input.
+
 ``TokenHidden`` (the default) is counter-based: a 32-bit integer hash of ``(seed, token id, channel)`` turned into
 a standard normal by Box–Muller. It runs on any device with identical results, needs no table, and costs a few
 elementwise ops per value. ``HashHidden`` is the same keyed by ``(request number, position)`` (every token of
@@ -29,7 +36,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["HashHidden", "HiddenSource", "TokenHidden", "generated_token_ids", "hash32"]
+__all__ = ["HashHidden", "HiddenSource", "TokenHidden", "generated_token_ids", "hash32", "is_graph_safe"]
 
 _M32 = 0xFFFFFFFF
 
@@ -64,7 +71,10 @@ def _standard_normal(keys: Tensor, chan: Tensor, hidden_size: int) -> Tensor:
 
 
 class _HashedNormal:
-    """Shared state of the counter-based sources: ``hidden_size``, ``seed`` and the per-device channel keys."""
+    """Shared state of the counter-based sources: ``hidden_size``, ``seed`` and the per-device channel keys (made
+    on the first call on a device; graph-safe after it)."""
+
+    graph_safe = True
 
     def __init__(self, hidden_size: int, seed: int = 0) -> None:
         self.hidden_size = int(hidden_size)
@@ -100,6 +110,11 @@ class HashHidden(_HashedNormal):
 
     def __call__(self, request_numbers: Tensor, positions: Tensor) -> Tensor:
         return self._normal(hash32(hash32(request_numbers.long() * 0x632BE5AB + (self.seed & _M32)) ^ (positions.long() & _M32)))
+
+
+def is_graph_safe(source: Callable[..., Tensor]) -> bool:
+    """Whether the hidden-state ``source`` declares itself graph-safe (``graph_safe = True``; module docstring)."""
+    return getattr(source, "graph_safe", False) is True
 
 
 def generated_token_ids(seed: int, number: int, positions: Tensor, vocab: int) -> Tensor:

@@ -8,9 +8,12 @@ Per step (``Engine.step``)::
     h      = hidden(token_ids)                       [T, d] float32 residual stream: a seeded embedding per token
                                                      id (no embeddings in scope); prompt ids as submitted,
                                                      generated ones drawn per (request, position)
+    x      = rms_norm(h) → act dtype                 the first layer's input (h itself is only read)
     for each layer l:                                the stack; MoE / mHC are out of scope, so the
-        x  = rms_norm(h) → act dtype                 residual is h ← h + attn_l(norm(h))
-        h  = h + Attention_l(x, batch, cache)
+        y  = Attention_l(x, batch, cache)            residual is h ← h + attn_l(norm(h))
+        h  = h + y;  x = rms_norm(h) → act dtype     ``Engine.residual`` (``dsv4.engine.residual``): one Triton
+                                                     launch per layer on the Triton backend, the sums in a
+                                                     step-owned h; no norm after the last layer
     scheduler.commit(plan)                           advance requests, release finished ones (blocks, slot)
 
 With prefix caching (``EngineConfig.prefix_caching``) the cache gets every request's prompt token ids and each
@@ -18,7 +21,8 @@ step's ids; a request admitted on a cached prefix starts at its end (``Request.c
 holds admissions so a shared prefix is computed once (``dsv4.engine.prefix_plan``).
 
 Decode-only steps run as CUDA-graph replays when the device is CUDA and every layer's backend is graph-safe
-(``dsv4.engine.graphs``); ``prepare_forward`` always runs eagerly on the host first.
+(``dsv4.engine.graphs``); ``prepare_forward`` always runs eagerly on the host first. A graph-safe hidden source
+(``TokenHidden``, the default) runs inside the graph: the host only copies the step's token ids.
 
 Across processes (``Engine(..., parallel=)``, ``dsv4.distributed``): every rank runs the same engine over the same
 requests — the scheduler's decisions, the block tables and the hidden states are the same everywhere — with its
@@ -30,8 +34,8 @@ serving loop needs the step's results before it can schedule the next decode), s
 host-side scheduling and ``prepare_forward``.
 
 The engine's parts live beside it: ``config`` (``EngineConfig``), ``weights`` (``WeightSource``: the layers'
-weights), ``token_ids`` (the requests' token ids; a step's in one gather), ``trace`` (per-layer records for the
-spot check).
+weights), ``token_ids`` (the requests' token ids; a step's in one gather), ``residual`` (the residual add and
+input norm between layers), ``trace`` (per-layer records for the spot check).
 """
 
 from __future__ import annotations
@@ -51,13 +55,13 @@ from ..config import ModelConfig, require_config
 from ..layer import Attention
 from ..numerics import Numerics, resolve_numerics
 from ..ops import StepPlan
-from ..reference.primitives import rms_norm
 from ..validate import require_bool, require_instance
 from ..weights import AttentionWeights
 from .config import EngineConfig, pick_device
 from .hidden import TokenHidden
 from .jit_clock import JitClock
 from .requests import Request
+from .residual import ResidualStep, residual_step
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import DENSE_BF16_BYTES_PER_TOKEN_LAYER, RunStats, StepRecord  # noqa: F401 - re-exported
 from .token_ids import lay_out_token_ids, request_token_ids, step_token_ids
@@ -83,7 +87,8 @@ class Engine:
         weights: per-layer weights overriding ``config.weights``: a mapping ``{layer: AttentionWeights}`` or a
             callable ``layer -> AttentionWeights``.
         hidden: hidden-state source ``(token_ids [T] int64) -> [T, d] float32``, a pure function of the token id
-            (default ``TokenHidden(d, config.seed)``).
+            (default ``TokenHidden(d, config.seed)``). One with ``graph_safe = True`` runs inside the decode graphs
+            (``dsv4.engine.hidden`` says what that promises); any other runs eagerly before each replay.
         progress: show a progress bar while building the layers.
         parallel: ``dsv4.distributed.Parallel``: this rank's share of a tensor- / context-parallel run (every rank
             builds the same engine and runs the same requests). The weights (built or given whole) are sharded
@@ -147,6 +152,8 @@ class Engine:
                       parallel=self.parallel)
             for li in self.layer_ids
         ]
+        # between layers: h ← h + y and the next layer's input norm (one Triton launch on the Triton backend)
+        self.residual: ResidualStep = residual_step(self.backend, self.device, self.numerics.act_dtype, cfg.norm_eps)
         self.setup_s = time.perf_counter() - t0
         self.cache: HybridCache | None = None
         self.scheduler: Scheduler | None = None
@@ -221,15 +228,17 @@ class Engine:
         assert self.cache is not None
         keep = set(keep)
         kept: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-        act, eps = self.numerics.act_dtype, self.cfg.norm_eps
         plan = self.layers[0].plan_step(batch, self.cache)  # once per step, shared by every layer
         self._remember_plan(batch, plan)
-        for layer in self.layers:
-            x = rms_norm(h, None, eps).to(act)
+        last = len(self.layers) - 1
+        _, x = self.residual(h, None)  # the first layer's input; the caller's h is only read
+        for i, layer in enumerate(self.layers):
             out = layer.forward_with_aux(x, batch, self.cache, plan)
             if layer.layer_idx in keep:
                 kept[layer.layer_idx] = (x, out.y, out.entry_idx)
-            h = h + out.y.float()
+            # h + y, and the next layer's input; the first sum is a new tensor (the step's own), later ones may
+            # overwrite it
+            h, x = self.residual(h, out.y, norm=i < last, in_place=i > 0)
         return h, kept
 
     def _remember_plan(self, batch: StepBatch, plan: StepPlan) -> None:

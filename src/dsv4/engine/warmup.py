@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import LayerKind, ModelConfig
+from .residual import residual_step
 from .shape_store import StepShape, entry_path, load_step_shapes, step_shapes_key, store_step_shapes
 
 __all__ = ["StepShape", "WarmupReport", "graph_shapes", "graph_sizes", "plan_step_shapes", "stored_step_shapes",
@@ -218,10 +219,14 @@ def _run_shape(cfg: ModelConfig, layers: list[int], numerics: str, backend: str,
         cache.add_request(f"r{b}")
     with torch.no_grad():
         batch = cache.prepare_forward({f"r{b}": n for b, n in enumerate(shape.num_new)}, max_blocks=shape.width)
-        x = torch.randn(batch.num_tokens, cfg.hidden_size, device=dev).to(cache.numerics.act_dtype)
+        # the engine's glue between layers (``dsv4.engine.residual``) runs too: every variant of it compiles
+        glue = residual_step(backend, dev, cache.numerics.act_dtype, cfg.norm_eps)
+        h, x = glue(torch.randn(batch.num_tokens, cfg.hidden_size, device=dev), None)
         plan = attn[layers[0]].plan_step(batch, cache)
         for li in layers:
-            attn[li](x, batch, cache, plan)
+            y = attn[li](x, batch, cache, plan)
+        h, _ = glue(h, y)
+        glue(h, y, norm=False, in_place=True)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return time.perf_counter() - t0
