@@ -25,7 +25,7 @@ import dsv4
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, roofline_row, time_cuda
 from dsv4.cache import HybridCache
 from dsv4.layer import Attention
-from dsv4.ops import torch_ops, triton_ops
+from dsv4.ops import projections, torch_ops, triton_ops
 
 REQUIRES_CUDA = True  # dsv4 bench skips this script on other devices (dsv4.bench.suite)
 
@@ -152,14 +152,15 @@ def run(quick: bool = False, only: str | None = None, profile_calls: int = 0, fl
                         window.window_entries(kv_in, batch.positions, inv), layer.ring, layer.ring_positions,
                         batch.token_slots, batch.ring_slots, batch.ring_rows, batch.positions, batch.window)
                 else:
-                    xf = x.float()
                     wd = step.weights
                     comps = [(wd.compressor, "")] + ([(wd.indexer.compressor, "index_")] if kind == "csa" else [])
+                    # the layer's projections (one stacked GEMM: column views), computed once, outside the timing
+                    projected = projections.layer_compressor_projections(step, x)
                     args = [CompressorArgs(
-                        xf @ cw.wkv.T, xf @ cw.wgate.T, cw.ape.contiguous(), cw.norm.contiguous(),
+                        *az, cw.ape.contiguous(), cw.norm.contiguous(),
                         layer.state[f"{pre}tail_kv"], layer.state[f"{pre}tail_gate"], layer.state.get(f"{pre}prev_kv"),
                         layer.state.get(f"{pre}prev_gate"), layer.index_pages if pre else layer.kv_pages)
-                        for cw, pre in comps]
+                        for (cw, pre), az in zip(comps, projected)]
                     scratch = torch.empty((wp.scratch_rows, 512), dtype=torch.float32, device="cuda")
                     arrivals = torch.zeros(wp.scratch_rows, dtype=torch.int32, device="cuda")
 

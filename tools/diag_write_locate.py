@@ -15,6 +15,7 @@ import torch
 import dsv4
 from dsv4.layer import Attention
 from dsv4.ops import torch_ops, triton_ops
+from dsv4.ops.projections import layer_compressor_projections
 from dsv4.reference.compressor import finish_entries, pool_windows
 import triton
 import triton.language as tl
@@ -110,7 +111,7 @@ ca = make_cache(CFG, [li], dev, batch_n, num_blocks=nblocks, block_size=256)
 cb = make_cache(CFG, [li], dev, batch_n, num_blocks=nblocks, block_size=256)
 g = torch.Generator(device=dev).manual_seed(batch_n)
 nm = ca.numerics
-w, inv_freq = lay._weights_on(torch.device(dev), nm.act_dtype)
+w, inv_freq = lay._weights_on(torch.device(dev), nm)
 for step, plan in enumerate(plans):
     for rid in plan:
         if rid not in ca:
@@ -135,8 +136,9 @@ for step, plan in enumerate(plans):
     print(f"step {step}: E={ba.num_emit[M]} T={ba.num_tokens} diffs={d}", flush=True)
     if not d or not ba.num_emit[M]:
         continue
-    for pname, storage, prefix, cw in (("kv_pages", ca.schemas[li].kv_storage, "", w.compressor),
-                                       ("index_pages", ca.schemas[li].index_storage, "index_", w.indexer.compressor)):
+    for ci, (pname, storage, prefix, cw) in enumerate((
+            ("kv_pages", ca.schemas[li].kv_storage, "", w.compressor),
+            ("index_pages", ca.schemas[li].index_storage, "index_", w.indexer.compressor))):
         ea = storage.read_bytes(ca.pool.tensors[li][pname], ba.emit_block[M], ba.emit_slot[M])
         eb = storage.read_bytes(cb.pool.tensors[li][pname], ba.emit_block[M], ba.emit_slot[M])
         bad = (ea != eb).nonzero().tolist()
@@ -156,7 +158,8 @@ for step, plan in enumerate(plans):
 
         torch_ops.pool_windows = capture
         lstep = lay.layer_step(ba, ca, torch_ops.plan_step(ba, ca))
-        entries = torch_ops.compressor_step(lstep, x.to(nm.act_dtype), cw, prefix)
+        xa = x.to(nm.act_dtype)  # the projections as the layer computes them (one stacked GEMM on CUDA)
+        entries = torch_ops.compressor_step(lstep, xa, cw, prefix, layer_compressor_projections(lstep, xa)[ci])
         torch_ops.pool_windows = pool_windows
         for k, t in after.items():
             ca.state.tensors[li][k].copy_(t)

@@ -41,12 +41,14 @@ SPECIALISATIONS: list[tuple[str, str, dict]] = [
                                        ENTRY_PROGRAMS=False)),
     ("write_hca_prefill", "write", dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, NW=4, NW_INDEX=4, PARTS=8,
                                         ENTRY_PROGRAMS=True)),
+    # (CSA: a / z_raw rows 2560 apart, the stacked compressor GEMM's output; HCA: 1024, sm90_resources' default)
     ("write_csa_prefill", "write", dict(C=512, M=4, OVERLAP=True, HAS_INDEX=True, NW=1, NW_INDEX=1, PARTS=1,
-                                        ENTRY_PROGRAMS=True, num_warps=2)),
+                                        ENTRY_PROGRAMS=True, MAZ_STRIDE=2560, XAZ_STRIDE=2560, num_warps=2)),
     ("write_csa_decode", "write", dict(C=512, M=4, OVERLAP=True, HAS_INDEX=True, NW=1, NW_INDEX=1, PARTS=1,
-                                       ENTRY_PROGRAMS=False)),
+                                       ENTRY_PROGRAMS=False, MAZ_STRIDE=2560, XAZ_STRIDE=2560)),
     ("write_csa_state_only", "write", dict(C=512, M=4, OVERLAP=True, HAS_INDEX=True, NW=1, NW_INDEX=1, PARTS=1,
-                                           STATE_ONLY=True, ENTRY_PROGRAMS=False)),
+                                           STATE_ONLY=True, ENTRY_PROGRAMS=False, MAZ_STRIDE=2560,
+                                           XAZ_STRIDE=2560)),
     ("csa_entries", "csa_entries", {}),
     # indexer
     ("mxfp4_queries", "mxfp4_queries", {}),

@@ -9,7 +9,8 @@ spending GPU time::
     python tools/sm90_resources.py attention '{"BLOCK_N": 32}'     # constexpr / num_warps / num_stages overrides
     python tools/sm90_resources.py attention_ws '{"PRODUCER_REGS": 136}'  # warp-specialized, HCA
     python tools/sm90_resources.py write                           # HCA write path (entries in 8 parts)
-    python tools/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1}'
+    python tools/sm90_resources.py write '{"M": 4, "OVERLAP": true, "HAS_INDEX": true, "NW": 0, "PARTS": 1,
+                                           "MAZ_STRIDE": 2560, "XAZ_STRIDE": 2560}'   # CSA
     python tools/sm90_resources.py csa_entries                     # CSA entries of a prefill chunk
     python tools/sm90_resources.py scores_sm90 '{"QT": 4, "maxnreg": 255}'  # Gluon index scores, prefill
 
@@ -72,7 +73,7 @@ KERNELS = {
         "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "count_ptr": "*i32", "mpages_ptr": "*u8", "xpages_ptr": "*u8",
         "eps": "fp32"},
         dict(C=512, M=128, OVERLAP=False, HAS_INDEX=False, BT=4, NW=4, NW_INDEX=0, MAXT=512, PARTS=8,
-             num_warps=4),
+             MAZ_STRIDE=1024, XAZ_STRIDE=1024, num_warps=4),
         {"mpage_bytes", "xpage_bytes"}),
     "window_entries": ("dsv4.kernels.write.window:_window_entries_kernel", {
         "kv_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "out_ptr": "*bf16"},
@@ -85,7 +86,8 @@ KERNELS = {
         "mpages_ptr": "*u8", "xpages_ptr": "*u8", "block_tables_ptr": "*i32", "start_ptr": "*i64", "cu_ptr": "*i32",
         "emit_req_ptr": "*i32", "emit_entry_ptr": "*i64", "num_emit_ptr": "*i32", "eps": "fp32", "kv_ptr": "*bf16",
         "pos_ptr": "*i64", "kv_out_ptr": "*bf16"},
-        dict(BT=4, num_warps=1, enable_fp_fusion=False), {"mpage_bytes", "xpage_bytes"}),
+        dict(BT=4, MAZ_STRIDE=2560, XAZ_STRIDE=2560, num_warps=1, enable_fp_fusion=False),
+        {"mpage_bytes", "xpage_bytes"}),
     "scores": ("dsv4.kernels.indexer.scores:_scores_kernel", {
         "pages_ptr": "*u8", "bt_ptr": "*i32", "cu_ptr": "*i32", "vis_ptr": "*i64", "q_ptr": "*u8", "w_ptr": "*fp32",
         "out_ptr": "*bf16"},

@@ -21,6 +21,7 @@ from .cache.batch import StepBatch
 from .cache.errors import NonFiniteError
 from .cache.guard import nonfinite_requests, restore_rows, save_rows
 from .cache.manager import HybridCache
+from .compressor_stack import stack_compressor_weights
 from .config import LayerKind, ModelConfig, require_config
 from .numerics import Numerics
 from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
@@ -178,10 +179,13 @@ class Attention:
 
     def _weights_on(self, device: torch.device, numerics: Numerics) -> tuple[AttentionWeights, Tensor]:
         """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused), as
-        ``numerics`` computes with them (``AttentionWeights.for_numerics``)."""
+        ``numerics`` computes with them (``AttentionWeights.for_numerics``); with BF16 activations the compressor
+        matrices stacked (``dsv4.compressor_stack``: one GEMM for all of them on CUDA)."""
         key = (device, numerics)
         if key not in self._device_weights:
             w = self.weights.to(device).for_numerics(numerics)
+            if numerics.act_dtype == torch.bfloat16:
+                w = stack_compressor_weights(w)
             self._device_weights[key] = (w, rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[key]
 

@@ -18,13 +18,19 @@ field                       shape                                  meaning
 ``wo_a``                    ``[G·o_lora_rank, H·D/G]``             grouped output projection (group g = rows
                                                                    ``g·o_lora_rank … (g+1)·o_lora_rank``)
 ``wo_b``                    ``[d, G·o_lora_rank]``                 output projection
-``compressor.wkv/.wgate``   ``[2D, d]`` (CSA) / ``[D, d]`` (HCA)   compressor projections (run in FP32)
+``compressor.wkv/.wgate``   ``[2D, d]`` (CSA) / ``[D, d]`` (HCA)   compressor projections (FP32 products and sums)
 ``compressor.ape``          ``[m, 2D]`` / ``[m', D]``              learned in-window position bias of the gate
 ``compressor.norm``         ``[D]``                                weighted RMSNorm of each entry
 ``indexer.wq_b``            ``[H_I·c_I, q_lora_rank]``             indexer query projection (from the latent)
 ``indexer.weights_proj``    ``[H_I, d]``                           indexer head weights
 ``indexer.compressor.*``    as above with c = c_I (CSA only)       the indexer's own compressor
 ==========================  =====================================  ==========================================
+
+The copy an ``Attention`` computes with under BF16 activations also has its compressor matrices stacked
+(``dsv4.compressor_stack.stack_compressor_weights``): ``compressor.wkv``, ``compressor.wgate``,
+``indexer.compressor.wkv``, ``indexer.compressor.wgate`` are then row views of one ``[N, d]`` tensor, held with
+those weights (not a field: a copy made by ``to``, ``for_numerics``, ``shard`` or ``dataclasses.replace`` has no
+stack until stacked again), so that one GEMM computes every compressor projection of the layer.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ Projection = torch.Tensor | BlockFp8Weight
 
 @dataclass
 class CompressorWeights:
-    """One compressor (main KV of CSA/HCA, or the CSA indexer's). ``width`` = 2c (CSA, overlapping) or c (HCA)."""
+    """One compressor (main KV of CSA/HCA, or the CSA indexer's). ``width`` = 2c (CSA, overlapping) or c (HCA).
+    In the weights a layer computes with under BF16 activations, ``wkv`` / ``wgate`` are row views of the layer's
+    stacked compressor matrix (``dsv4.compressor_stack``)."""
 
     wkv: torch.Tensor  # [width, d]
     wgate: torch.Tensor  # [width, d]
@@ -362,8 +370,8 @@ class AttentionWeights:
         ``FP8_PROJECTIONS`` as ``BlockFp8Weight`` where ``numerics.fp8_projections`` (plain ones quantized the way
         the checkpoints are), else dequantized to ``act_dtype``; ``wo_a`` and the indexer's ``weights_proj`` in
         ``act_dtype`` (the official model holds them in BF16), as are the compressors' projection matrices (their
-        GEMMs form FP32 products of the operands either way: ``ops.projections.compressor_projections``); norms,
-        sinks, position biases in FP32."""
+        GEMMs form FP32 products of the operands either way: ``ops.projections.layer_compressor_projections``;
+        ``Attention`` then stacks them, ``dsv4.compressor_stack``); norms, sinks, position biases in FP32."""
         act = numerics.act_dtype
 
         def proj(v: Projection) -> Projection:

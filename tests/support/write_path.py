@@ -10,6 +10,7 @@ import torch
 
 import dsv4
 from dsv4.cache import HybridCache
+from dsv4.compressor_stack import compressor_stack
 from dsv4.ops import torch_ops
 
 WRITE_STATE = ("ring", "ring_positions", "tail_kv", "tail_gate", "prev_kv", "prev_gate", "index_tail_kv",
@@ -42,6 +43,8 @@ def write_step(ops, layer_obj, cache, batch, x, **launch):
                            emit_capacity=batch.emit_capacity.get(lp.write.ratio, 0), **launch)
         plan = dataclasses.replace(plan, layers={**plan.layers, layer_obj.kind: dataclasses.replace(lp, write=write)})
     step = layer_obj.layer_step(batch, cache, plan)
+    if step.ratio:  # the layer's weights are stacked: on CUDA, one GEMM for every compressor projection
+        assert compressor_stack(step.weights) is not None
     x = x.to(cache.numerics.act_dtype)
     kv = torch_ops.window_kv(step, x)
     kv = ops.new_entries(step, x, kv)

@@ -6,16 +6,24 @@ torch backend (the official numerics' FP8 quantization points, products summed i
 FP8 GEMM on the GPU — and each function takes the RMSNorm to apply where SPEC §3 has one, so that a backend
 passes its own (the Triton backend's is one launch per norm). ``wo_a`` (grouped) and the indexer's ``weights_proj``
 are BF16 GEMMs in the official model and here.
+
+The compressors' projections (``a = x W_kvᵀ``, ``z_raw = x W_gateᵀ`` of the main compressor and, CSA, the indexer's;
+SPEC §4: FP32 products and sums) are BF16 matrices: with BF16 activations on CUDA they run on BF16 tensor cores with
+FP32 accumulation and output — all of a layer's in ONE GEMM over the stacked matrix ``[main.wkv; main.wgate;
+indexer.wkv; indexer.wgate]`` (``dsv4.compressor_stack``; ``Attention`` stacks its device weights once), each
+projection a column block of the one FP32 output; elsewhere (the CPU, the exact numerics) one FP32 GEMM per matrix.
+Both backends call ``layer_compressor_projections``, so they compute the same bits on a device.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from torch import Tensor
 
+from ..compressor_stack import compressor_stack, compressors
 from ..reference.indexer import indexer_head_weights
 from ..numerics import Numerics
 from ..reference.layer import grouped_output
@@ -23,8 +31,9 @@ from ..reference.primitives import project as reference_project
 from ..weights import CompressorWeights, Projection
 from .step import LayerStep
 
-__all__ = ["Norm", "Project", "compressor_projections", "indexer_query_projection", "indexer_weights", "output",
-           "query_latent", "query_projection", "window_kv"]
+__all__ = ["Norm", "Project", "compressor_projections", "indexer_query_projection", "indexer_weights",
+           "layer_compressor_projections", "output", "query_latent", "query_projection",
+           "stacked_compressor_projections", "window_kv"]
 
 #: a weighted RMSNorm ``(x [rows, C], weight [C], eps) -> [rows, C]`` in x's dtype
 Norm = Callable[[Tensor, Tensor, float], Tensor]
@@ -65,14 +74,49 @@ def output(step: LayerStep, o: Tensor, project: Project = reference_project) -> 
     return grouped_output(step.weights, step.cfg, o, step.numerics, project)
 
 
+def layer_compressor_projections(step: LayerStep, x: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Every compressor's projections ``(a, z_raw)`` of the layer — the main compressor's, then (CSA) the
+    indexer's; none for SWA —, float32 ``[T, width]`` each (no position bias). Both backends call this.
+
+    With BF16 activations on CUDA and stacked weights (``compressor_stack(step.weights)``: the weights ``Attention``
+    computes with) one GEMM computes them all (``stacked_compressor_projections``): column views of one
+    ``[T, N]`` output, row stride N. Otherwise ``compressor_projections`` of each compressor."""
+    comps = compressors(step.weights)
+    if comps and x.is_cuda and step.numerics.act_dtype == torch.bfloat16:
+        stack = compressor_stack(step.weights)
+        if stack is not None:
+            return stacked_compressor_projections(x.to(torch.bfloat16), stack, [c.wkv.shape[0] for c in comps])
+    return [compressor_projections(step, x, cw) for cw in comps]
+
+
+def stacked_compressor_projections(x: Tensor, stack: Tensor, widths: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
+    """Several compressors' projections in one GEMM: ``x`` BF16 ``[T, d]`` times ``stackᵀ``, ``stack`` BF16
+    ``[N, d]`` = ``[W_kv,0; W_gate,0; W_kv,1; W_gate,1; …]`` with compressor i's matrices ``[widths[i], d]``
+    (N = 2·Σ widths), on BF16 tensor cores with FP32 accumulation and output (``torch.mm(out_dtype=)``; where torch
+    lacks it, the CPU, an FP32 GEMM of the same operands). Returns per compressor ``(a, z_raw)``, float32
+    ``[T, widths[i]]`` column views of the one ``[T, N]`` output (row stride N, not contiguous unless N is one
+    width): the products are exact in FP32, the sums in the GEMM's order.
+
+    Raises ``ValueError`` when ``stack`` does not have 2·Σ widths rows."""
+    if stack.dim() != 2 or stack.shape[0] != 2 * sum(widths):
+        raise ValueError(f"stack must be [2 * sum(widths) = {2 * sum(widths)}, d] for widths {list(widths)}, got "
+                         f"{list(stack.shape)}")
+    out = _bf16_mm_fp32_out(x, stack)
+    views, col = [], 0
+    for width in widths:
+        views.append((out[:, col : col + width], out[:, col + width : col + 2 * width]))
+        col += 2 * width
+    return views
+
+
 def compressor_projections(step: LayerStep, x: Tensor, cw: CompressorWeights) -> tuple[Tensor, Tensor]:
-    """A compressor's projections ``a = x W_kvᵀ`` and ``z_raw = x W_gateᵀ`` (no position bias), float32
-    ``[T, width]`` each (SPEC §4: FP32 products and sums).
+    """One compressor's projections ``a = x W_kvᵀ`` and ``z_raw = x W_gateᵀ`` (no position bias), float32
+    ``[T, width]`` each (SPEC §4: FP32 products and sums), one GEMM per matrix.
 
     With BF16 activations on CUDA (the official numerics; the checkpoint's compressor weights are BF16) they run on
     BF16 tensor cores with FP32 accumulation and FP32 output: the same products as an FP32 GEMM of the same operands,
-    summed in another order. Elsewhere (the CPU, the exact numerics) an FP32 GEMM. Both backends call this, so they
-    compute the same bits on a device."""
+    summed in another order. Elsewhere (the CPU, the exact numerics) an FP32 GEMM. ``layer_compressor_projections``
+    runs this where the layer's weights are not stacked."""
     if x.is_cuda and step.numerics.act_dtype == torch.bfloat16:
         xb = x.to(torch.bfloat16)
         return _bf16_mm_fp32_out(xb, cw.wkv), _bf16_mm_fp32_out(xb, cw.wgate)

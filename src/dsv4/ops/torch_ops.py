@@ -100,6 +100,7 @@ def window_keys(layer: LayerCache, batch: StepBatch, kv_new: Tensor) -> tuple[Te
 # ------------------------------------------------------------------------------------------------ compressors
 def compressor_step(
     step: LayerStep, x: Tensor, cw: CompressorWeights, prefix: str,
+    projected: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Accumulate this step's tokens into one compressor's tails and pool every window that closes (SPEC §4.4).
 
@@ -110,6 +111,9 @@ def compressor_step(
             ``{prefix}tail_kv / tail_gate`` fp32 ``[R, m, width]`` (current partial window, row ``p mod m``) and, CSA,
             ``{prefix}prev_kv / prev_gate`` fp32 ``[R, m, c]`` (first-half features of the last closed window;
             0 / −inf after a reset) are updated in place.
+        projected: the compressor's ``(a, z_raw)``, float32 ``[T, width]`` (any row stride), as
+            ``projections.layer_compressor_projections`` computes them for the layer; ``None``: computed here
+            (``projections.compressor_projections``, one GEMM per matrix).
     Returns:
         ``[E, c]`` the emitted entries in the act dtype (normed, RoPE at ``i·m``; not yet quantized), in the order
         of ``batch.emit_*[m]``.
@@ -119,7 +123,8 @@ def compressor_step(
     tail_kv, tail_gate = state[f"{prefix}tail_kv"], state[f"{prefix}tail_gate"]
     R, width = tail_kv.shape[0], tail_kv.shape[-1]
     T = batch.num_tokens
-    a, z_raw = projections.compressor_projections(step, x, cw)  # [T, width] fp32 (reference.compressor.project's)
+    # [T, width] fp32 (reference.compressor.project's)
+    a, z_raw = projected if projected is not None else projections.compressor_projections(step, x, cw)
     z = z_raw + cw.ape.float()[batch.positions % m]  # the gate biased at p mod m
 
     E = batch.num_emit[m]
@@ -197,10 +202,11 @@ def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
     window = window_entries(step, kv)
     if step.ratio == 0:
         return window
-    main = compressor_step(step, x, step.weights.compressor, "")
+    projected = projections.layer_compressor_projections(step, x)  # main, then the indexer's: one GEMM on CUDA
+    main = compressor_step(step, x, step.weights.compressor, "", projected[0])
     _write_entries(layer, layer.kv_pages, layer.schema.kv_storage, step.batch, step.ratio, nm.qdq_kv(main, nope))
     if step.weights.indexer is not None:
-        keys = compressor_step(step, x, step.weights.indexer.compressor, "index_")
+        keys = compressor_step(step, x, step.weights.indexer.compressor, "index_", projected[1])
         _write_entries(layer, layer.index_pages, layer.schema.index_storage, step.batch, step.ratio, nm.qdq_index(keys))
     return window
 

@@ -2,8 +2,8 @@
 (``kernels.project``), the window entries and every compressor one launch per layer step (``kernels.write``), and
 the ring commit after attention.
 
-Per layer and decode step the writes take two launches (plus the compressors' projection GEMMs, torch matmuls
-computed exactly as ``reference.compressor.project``): ``compress`` (one launch; CSA/HCA: with
+Per layer and decode step the writes take two launches (plus the compressors' projections, the torch backend's:
+one GEMM for all of a layer's, ``projections.layer_compressor_projections``): ``compress`` (one launch; CSA/HCA: with
 every compressor, two launches for a CSA prefill chunk) before attention, ``append_swa`` after it — as ``LayerStep.plan.write`` says. Bit for
 bit the torch backend's results on CUDA (the norms of ``c^Q``: within one BF16 step; the queries: within one BF16
 step, their sum of squares in Triton's order). A layer whose plan has no ``write`` (formats or geometry the
@@ -70,9 +70,12 @@ def _window_entries(step: LayerStep, kv: Tensor) -> Tensor:
     return window_kernels.window_entries(kv, step.positions, step.inv_freq.float().contiguous())
 
 
-def _compressor_args(step: LayerStep, x: Tensor, cw: CompressorWeights, prefix: str, pages: Tensor) -> CompressorArgs:
+def _compressor_args(step: LayerStep, projected: tuple[Tensor, Tensor], cw: CompressorWeights, prefix: str,
+                     pages: Tensor) -> CompressorArgs:
+    """One compressor's kernel arguments: its projections ``(a, z_raw)`` (column views of the layer's one GEMM
+    output; the position bias is added in the kernel), weights and state."""
     st = step.cache.state
-    a, z_raw = projections.compressor_projections(step, x, cw)  # the torch backend's GEMMs (bias: in the kernel)
+    a, z_raw = projected
     return CompressorArgs(
         a=a, z_raw=z_raw, ape=cw.ape.float().contiguous(), norm=cw.norm.float().contiguous(),
         tail_kv=st[f"{prefix}tail_kv"], tail_gate=st[f"{prefix}tail_gate"],
@@ -89,9 +92,10 @@ def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
     if plan.ratio == 0:
         return _window_entries(step, kv)
     layer, w = step.cache, step.weights
-    main = _compressor_args(step, x, w.compressor, "", layer.kv_pages)
-    index = (_compressor_args(step, x, w.indexer.compressor, "index_", layer.index_pages) if plan.has_index
-             else None)
+    projected = projections.layer_compressor_projections(step, x)  # the torch backend's: same bits
+    main = _compressor_args(step, projected[0], w.compressor, "", layer.kv_pages)
+    index = (_compressor_args(step, projected[1], w.indexer.compressor, "index_", layer.index_pages)
+             if plan.has_index else None)
     scratch = layer.workspace.get("compressor.rms_scratch", (plan.scratch_rows, 512), torch.float32)
     arrivals = layer.workspace.get("compressor.arrivals", (plan.scratch_rows,), torch.int32, zero=True)
     return write_before_attention(plan, kv, step.positions, step.inv_freq.float().contiguous(), step.batch,

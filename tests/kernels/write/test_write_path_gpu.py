@@ -148,18 +148,18 @@ def _rms_rows_kernel(x_ptr, w_ptr, y_ptr, scratch_ptr, num_emit, eps, C: tl.cons
 
 @triton.jit
 def _pool_rows_kernel(a_ptr, z_ptr, ape_ptr, out_ptr, C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr,
-                      NW: tl.constexpr, PARTS: tl.constexpr, IN_STEP: tl.constexpr):
+                      NW: tl.constexpr, PARTS: tl.constexpr, IN_STEP: tl.constexpr, AZ: tl.constexpr):
     i = tl.program_id(0) + 1  # entries 1 … n−1 of a sequence starting at 0: every slot comes from the step's rows
     CS: tl.constexpr = C // PARTS  # channel slice of this program (axis 1)
     c0 = tl.program_id(1) * CS
     if IN_STEP and OVERLAP:
-        pooled = write_pool.pool_in_step(a_ptr, z_ptr, ape_ptr, i, 0, 0, C, M, c0, CS)
+        pooled = write_pool.pool_in_step(a_ptr, z_ptr, AZ, ape_ptr, i, 0, 0, C, M, c0, CS)
     elif IN_STEP:  # HCA: pool_entry's step-rows path (the fused launch's entry programs)
-        pooled = write_pool.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, False, NW, c0,
-                               CS, True)
+        pooled = write_pool.pool_entry(a_ptr, z_ptr, AZ, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, False,
+                                       NW, c0, CS, True)
     else:
-        pooled = write_pool.pool_entry(a_ptr, z_ptr, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP, NW, c0,
-                               CS)
+        pooled = write_pool.pool_entry(a_ptr, z_ptr, AZ, ape_ptr, a_ptr, z_ptr, a_ptr, z_ptr, i, 0, 0, 0, C, M, OVERLAP,
+                                       NW, c0, CS)
     tl.store(out_ptr + (i - 1).to(tl.int64) * C + c0 + tl.arange(0, CS), pooled)
 
 
@@ -212,6 +212,31 @@ def test_rms_norm_lanes_order_matches_torch(C: int, rows: int) -> None:
     assert not bad.any(), f"{int(bad.sum())} of {rows} rows differ (first {bad.nonzero().flatten()[:5].tolist()})"
 
 
+def _pool_rows(m: int, c: int, overlap: bool, parts: int, in_step: bool, spread: float, warps: int,
+               stacked_at: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``_pool_rows_kernel`` over 63 entries of random projections, and ``reference.pool_windows`` of them:
+    ``(out, (ref, biased gate slots))``. ``stacked_at``: ``a`` / ``z`` are the column blocks at that column of one
+    wider NaN-filled buffer (the layout of the stacked compressor GEMM's output, row stride > width), else contiguous."""
+    n, width = 64, 2 * c if overlap else c
+    g = torch.Generator(device="cuda").manual_seed(m + c)
+    a = torch.randn(n * m, width, generator=g, device="cuda") * 3
+    z = torch.randn(n * m, width, generator=g, device="cuda") * spread
+    ape = torch.randn(m, width, generator=g, device="cuda") * min(spread, 1.0)  # spread < 1: a flat softmax
+    zb = z + ape[torch.arange(n * m, device="cuda") % m]
+    kv, gate = overlap_slots(a, zb, m) if overlap else (a.unflatten(0, (n, m)), zb.unflatten(0, (n, m)))
+    ref = pool_windows(kv, gate)[1:]
+    if stacked_at is not None:
+        buf = torch.full((n * m, stacked_at + 2 * width + 256), float("nan"), device="cuda")
+        buf[:, stacked_at : stacked_at + width] = a
+        buf[:, stacked_at + width : stacked_at + 2 * width] = z
+        a, z = buf[:, stacked_at : stacked_at + width], buf[:, stacked_at + width : stacked_at + 2 * width]
+    out = torch.empty(n - 1, c, device="cuda")
+    nw = torch_order.pool_warps(2 * m if overlap else m, torch_order.TORCH_REDUCE_MAX_THREADS)
+    _pool_rows_kernel[(n - 1, parts)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw, PARTS=parts,
+                                      IN_STEP=in_step, AZ=a.stride(0), num_warps=warps, enable_fp_fusion=False)
+    return out, (ref, gate)
+
+
 @pytest.mark.parametrize("m, c, overlap, parts, in_step, spread", [
     (4, 512, True, 1, False, 2), (4, 128, True, 1, False, 2), (4, 512, True, 1, True, 2), (4, 128, True, 1, True, 2),
     (128, 512, False, 1, False, 2), (128, 512, False, HCA_POOL_PARTS, False, 2),
@@ -231,18 +256,7 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
     (100: most ``exp(z − max)`` underflow to 0, ``softmax_weight``'s shortcut; HCA in-step: 2 takes the reciprocal
     division, 100 the general one, 5.5 both, slice by slice, 0.01 — position bias scaled down too — denominators
     near 128)."""
-    n, width = 64, 2 * c if overlap else c
-    g = torch.Generator(device="cuda").manual_seed(m + c)
-    a = torch.randn(n * m, width, generator=g, device="cuda") * 3
-    z = torch.randn(n * m, width, generator=g, device="cuda") * spread
-    ape = torch.randn(m, width, generator=g, device="cuda") * min(spread, 1.0)  # spread < 1: a flat softmax
-    zb = z + ape[torch.arange(n * m, device="cuda") % m]
-    kv, gate = overlap_slots(a, zb, m) if overlap else (a.unflatten(0, (n, m)), zb.unflatten(0, (n, m)))
-    ref = pool_windows(kv, gate)[1:]
-    out = torch.empty(n - 1, c, device="cuda")
-    nw = torch_order.pool_warps(2 * m if overlap else m, torch_order.TORCH_REDUCE_MAX_THREADS)
-    _pool_rows_kernel[(n - 1, parts)](a, z, ape, out, C=c, M=m, OVERLAP=overlap, NW=nw, PARTS=parts,
-                                      IN_STEP=in_step, num_warps=warps, enable_fp_fusion=False)
+    out, (ref, gate) = _pool_rows(m, c, overlap, parts, in_step, spread, warps)
     if spread > 10:  # the shortcut's case must occur
         assert (torch.exp(gate - gate.amax(1, keepdim=True)) == 0).float().mean() > 0.3
     if in_step and not overlap and spread == 5.5:  # slices of both kinds: within EXP_FAST_GAP or not
@@ -251,7 +265,20 @@ def test_pooling_order_matches_torch(m: int, c: int, overlap: bool, parts: int, 
     if spread < 1:  # softmax denominators near the slot count (the reciprocal division's largest divisors)
         assert bool((torch.exp(gate - gate.amax(1, keepdim=True)).sum(1) > 0.9 * gate.shape[1]).all())
     bad = (out != ref).any(1)
-    assert not bad.any(), f"{int(bad.sum())} of {n - 1} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"
+    assert not bad.any(), f"{int(bad.sum())} of {len(bad)} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"
+
+
+@pytest.mark.parametrize("m, c, overlap, parts, in_step, stacked_at", [
+    (4, 512, True, 1, False, 0), (4, 128, True, 1, False, 2048), (4, 512, True, 1, True, 0),
+    (4, 128, True, 1, True, 2048), (128, 512, False, HCA_POOL_PARTS, False, 0), (128, 512, False, 8, True, 0)],
+    ids=["csa", "csa-index", "csa-in-step", "csa-index-in-step", "hca-parts", "hca-in-step"])
+def test_pooling_reads_stacked_projections(m: int, c: int, overlap: bool, parts: int, in_step: bool,
+                                           stacked_at: int) -> None:
+    """The pooling reads ``a`` / ``z_raw`` as column blocks of one wider buffer (the stacked compressor GEMM's
+    output: row stride ``AZ`` > width, the other columns NaN) and gives the bits of ``reference.pool_windows``."""
+    out, (ref, _) = _pool_rows(m, c, overlap, parts, in_step, 2.0, 4, stacked_at=stacked_at)
+    bad = (out != ref).any(1)
+    assert not bad.any(), f"{int(bad.sum())} of {len(bad)} entries differ (first {bad.nonzero().flatten()[:5].tolist()})"
 
 
 @triton.jit

@@ -26,6 +26,18 @@ li = int(sys.argv[1])
 launch = {}
 if len(sys.argv) > 2 and sys.argv[2] == "fused":  # CSA entries as entry programs of the fused launch (m != 4)
     launch = {"separate_entries": False}
+elif len(sys.argv) > 2 and sys.argv[2] == "stacked":
+    # both backends take the projections as on CUDA: one GEMM over the stacked matrices, column views of its output
+    from dsv4.compressor_stack import compressor_stack, compressors
+    from dsv4.ops import projections
+
+    def stacked(step, x):
+        widths = [c.wkv.shape[0] for c in compressors(step.weights)]
+        out = projections.stacked_compressor_projections(x.to(torch.bfloat16), compressor_stack(step.weights), widths)
+        assert all(a.stride(0) == 2 * sum(widths) > a.shape[1] for a, _ in out)
+        return out
+
+    projections.layer_compressor_projections = stacked
 elif len(sys.argv) > 2:  # split HCA entries over this many programs (the rule splits from m = 64)
     launch = {"parts": int(sys.argv[2])}
 lay = Attention(dsv4.AttentionWeights.random(cfg, li, seed=1), cfg, li, backend="torch")
@@ -45,12 +57,15 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("li,parts", [(0, None), (1, None), (1, "fused"), (2, None), (2, 4)],
-                         ids=["swa", "csa", "csa-fused", "hca16", "hca16-split4"])
+@pytest.mark.parametrize("li,parts", [(0, None), (1, None), (1, "fused"), (1, "stacked"), (2, None), (2, 4),
+                                     (2, "stacked")],
+                         ids=["swa", "csa", "csa-fused", "csa-stacked", "hca16", "hca16-split4", "hca16-stacked"])
 def test_interpreted_write_path_matches_torch(li: int, parts: int | str | None) -> None:
     """``csa``: every entry and the window entries of a long step through ``csa_entries`` (their own launch);
     ``csa-fused``: as entry programs of the fused launch. ``hca16-split4``: every HCA entry pooled by 4 programs
-    (channel slices), the last to arrive finishing it."""
+    (channel slices), the last to arrive finishing it. ``*-stacked``: the projections are column blocks of one GEMM
+    over the stacked compressor matrices (``ops.projections.stacked_compressor_projections``, as on CUDA), so the
+    kernels read ``a`` / ``z_raw`` with a row stride wider than a compressor."""
     args = [str(li)] + ([] if parts is None else [str(parts)])
     run_interpreted(_SCRIPT, *args)
 

@@ -2,11 +2,12 @@
 the tails, pool every window that closes, finish and store the entries in the paged pool — fused with the step's
 window entries.
 
-Inputs per compressor are the FP32 projections ``a = x W_kv^T`` and ``z_raw = x W_gate^T`` (``[T, width]``; the
-position bias ``ape[p mod m]`` is added here, in the same FP32 add as ``reference.compressor.project``). Everything
-after the projections is bit-exact with the torch backend's ``compress`` on CUDA: the pooling (``pool``), the
-entry's RMSNorm in torch's summation order for the step's entry count (read on the device: ``num_emit_device``),
-RoPE, quantization and encoding (``entry``).
+Inputs per compressor are the FP32 projections ``a = x W_kv^T`` and ``z_raw = x W_gate^T`` (``[T, width]``, rows
+``AZ_STRIDE`` elements apart — column blocks of one GEMM output, see ``slots``; the position bias ``ape[p mod m]``
+is added here, in the same FP32 add as ``reference.compressor.project``). Everything after the projections is
+bit-exact with the torch backend's ``compress`` on CUDA: the pooling (``pool``), the entry's RMSNorm in torch's
+summation order for the step's entry count (read on the device: ``num_emit_device``), RoPE, quantization and
+encoding (``entry``).
 
 Grid (program ids in this order; ``write.plan.WritePlan`` sizes it):
 
@@ -45,7 +46,8 @@ __all__ = ["write_before_attention_kernel"]
 @triton.jit
 def lead_program(
     b,
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr,
+    ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, end_ptr, cu_ptr, slots_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
@@ -65,15 +67,15 @@ def lead_program(
     for k in range(0, L if ENTRIES else 0):
         i = i0 + k
         if i < i_end:
-            compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
-                           inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                           num_emit, scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
+            compress_entry(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+                           norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size,
+                           eps, num_emit, scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT)
     cols = tl.arange(0, C)[None, :]
     r = tl.arange(0, M)
     if OVERLAP:
         # The last closed window's first half becomes the next entry's previous window: the "previous" slots of
         # entry i_end (read here, before any write below).
-        pz, pa = load_slots(0, M, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+        pz, pa = load_slots(0, M, True, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                             prev_gate_ptr, i_end, start, cu, slot, C, M, OVERLAP, 0, C)
     tl.debug_barrier()
     if OVERLAP:
@@ -82,12 +84,12 @@ def lead_program(
         pm = emitted & (r[:, None] >= 0)
         tl.store(prev_kv_ptr + prev_off, pa, mask=pm)
         tl.store(prev_gate_ptr + prev_off, pz, mask=pm)
-    write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, W, M)
+    write_open_window(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, W, M)
 
 
 @triton.jit
-def write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, W: tl.constexpr,
-                      M: tl.constexpr):
+def write_open_window(a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot,
+                      W: tl.constexpr, M: tl.constexpr):
     """The tail of a request: its step tokens of the final, still open window (positions ≥ ⌊end/m⌋·m), all
     ``W`` columns, gate biased, at rows ``p mod m``."""
     first_open = tl.maximum(start, (end // M) * M)
@@ -99,7 +101,7 @@ def write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, 
             p = p0 + tl.arange(0, RB)
             pm = (p < end)[:, None]
             rr = p % M
-            src = (cu + p - start).to(tl.int64)[:, None] * W + wcols
+            src = (cu + p - start).to(tl.int64)[:, None] * AZ_STRIDE + wcols
             dst = (slot * M + rr).to(tl.int64)[:, None] * W + wcols
             a = tl.load(a_ptr + src, mask=pm, other=0.0)
             z = tl.load(z_ptr + src, mask=pm, other=0.0) + tl.load(ape_ptr + rr[:, None] * W + wcols, mask=pm,
@@ -111,7 +113,8 @@ def write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, 
 @triton.jit
 def entry_program(
     e,
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr,
+    ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr,
     start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
@@ -126,10 +129,10 @@ def entry_program(
         if i >= start // M + L:  # past the lead's entries: every slot is a token of this step
             cu = tl.load(cu_ptr + b).to(tl.int64)
             slot = tl.load(slots_ptr + b)
-            compress_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr,
-                           inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                           tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW, MAXT,
-                           OVERLAP and M == 4 and NW == 0)
+            compress_entry(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+                           norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size,
+                           eps, tl.load(num_emit_ptr), scratch_ptr, b, i, start, cu, slot, C, M, OVERLAP, KIND, NW,
+                           MAXT, OVERLAP and M == 4 and NW == 0)
 
 
 @triton.jit
@@ -147,14 +150,14 @@ def last_arrival(count_ptr, parts):
 
 @triton.jit
 def pool_slice(
-    part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start, cu, slot,
+    part, a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr, IN_STEP: tl.constexpr = False,
 ):
     """Pool channel slice ``part`` of ``PARTS`` of HCA entry ``i`` into its place in the entry's scratch row
     (``IN_STEP``: every slot is a token of the step, see ``pool_entry``)."""
     CS: tl.constexpr = C // PARTS
     c0 = part * CS
-    pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, tail_kv_ptr, tail_gate_ptr,
+    pooled = pool_entry(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, tail_kv_ptr, tail_gate_ptr,
                         i, start, cu, slot, C, M, False, NW, c0, CS, IN_STEP)
     tl.store(scratch_ptr + c0 + tl.arange(0, CS), pooled)
 
@@ -174,7 +177,7 @@ def finish_from_scratch(
 @triton.jit
 def lead_part_program(
     b, part,
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, norm_ptr, inv_freq_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, tail_kv_ptr, tail_gate_ptr, norm_ptr, inv_freq_ptr,
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr, count_ptr,
     start_ptr, end_ptr, cu_ptr, slots_ptr,
     C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr, MAXT: tl.constexpr,
@@ -188,19 +191,19 @@ def lead_part_program(
     i0 = start // M
     emits = i0 < end // M
     if emits:
-        pool_slice(part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i0, start, cu, slot, C, M,
-                   NW, PARTS)
+        pool_slice(part, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i0, start, cu,
+                   slot, C, M, NW, PARTS)
     if last_arrival(count_ptr, PARTS):
         if emits:
             finish_from_scratch(scratch_ptr, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr,
                                 bt_stride, block_size, eps, tl.load(num_emit_ptr), b, i0, C, M, MAXT)
-        write_open_window(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, C, M)
+        write_open_window(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, start, end, cu, slot, C, M)
 
 
 @triton.jit
 def entry_part_program(
     e, part,
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, norm_ptr, inv_freq_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, tail_kv_ptr, tail_gate_ptr, norm_ptr, inv_freq_ptr,
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr, scratch_ptr, count_ptr,
     start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
     C: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, PARTS: tl.constexpr, MAXT: tl.constexpr,
@@ -212,7 +215,7 @@ def entry_part_program(
         i = tl.load(emit_entry_ptr + e)
         start = tl.load(start_ptr + b)
         if i >= start // M + 1:
-            pool_slice(part, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start,
+            pool_slice(part, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, scratch_ptr, i, start,
                        tl.load(cu_ptr + b).to(tl.int64), tl.load(slots_ptr + b), C, M, NW, PARTS, True)
             if last_arrival(count_ptr, PARTS):
                 finish_from_scratch(scratch_ptr, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr,
@@ -224,8 +227,10 @@ def write_before_attention_kernel(
     kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, T,
     start_ptr, end_ptr, cu_ptr, slots_ptr, block_tables_ptr, bt_stride, block_size, B,
     emit_req_ptr, emit_entry_ptr, num_emit_ptr, n_entry, eps, scratch_ptr, count_ptr,
-    ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
-    xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
+    ma_ptr, mz_ptr, MAZ_STRIDE: tl.constexpr,
+    mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
+    xa_ptr, xz_ptr, XAZ_STRIDE: tl.constexpr,
+    xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr, BT: tl.constexpr,
     NW: tl.constexpr, NW_INDEX: tl.constexpr, MAXT: tl.constexpr, PARTS: tl.constexpr,
     STATE_ONLY: tl.constexpr = False, ENTRY_PROGRAMS: tl.constexpr = True,
@@ -239,11 +244,12 @@ def write_before_attention_kernel(
         q = pid // PARTS
         row = scratch_ptr + q.to(tl.int64) * 512
         if q < B:
-            lead_part_program(q, pid % PARTS, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr, inv_freq_ptr,
-                              mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
-                              row, count_ptr + q, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, NW, PARTS, MAXT)
+            lead_part_program(q, pid % PARTS, ma_ptr, mz_ptr, MAZ_STRIDE, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr,
+                              inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                              num_emit_ptr, row, count_ptr + q, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, NW, PARTS,
+                              MAXT)
         elif ENTRY_PROGRAMS and q < B + n_entry:
-            entry_part_program(q - B, pid % PARTS, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr,
+            entry_part_program(q - B, pid % PARTS, ma_ptr, mz_ptr, MAZ_STRIDE, mape_ptr, mtkv_ptr, mtg_ptr, mnorm_ptr,
                                inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                                num_emit_ptr, row, count_ptr + q, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
                                emit_entry_ptr, C, M, NW, PARTS, MAXT)
@@ -254,26 +260,27 @@ def write_before_attention_kernel(
         main_scratch = scratch_ptr + pid.to(tl.int64) * 512
         index_scratch = scratch_ptr + (pid - n_win).to(tl.int64) * 512
         if pid < B:
-            lead_program(pid, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
-                         mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit_ptr,
-                         main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT, not STATE_ONLY)
+            lead_program(pid, ma_ptr, mz_ptr, MAZ_STRIDE, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
+                         inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                         num_emit_ptr, main_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, C, M, OVERLAP, 0, NW, MAXT,
+                         not STATE_ONLY)
         elif ENTRY_PROGRAMS and pid < B + n_entry:
-            entry_program(pid - B, ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
-                          inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                          num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr, C, M,
-                          OVERLAP, 0, NW, MAXT)
+            entry_program(pid - B, ma_ptr, mz_ptr, MAZ_STRIDE, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr,
+                          mnorm_ptr, inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size,
+                          eps, num_emit_ptr, main_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr, emit_entry_ptr,
+                          C, M, OVERLAP, 0, NW, MAXT)
         elif pid < B + n_entry + n_win:
             window_entries_block(kv_ptr, pos_ptr, inv_freq_ptr, kv_out_ptr, (pid - B - n_entry) * BT, T, BT)
         else:
             if HAS_INDEX:  # the CSA indexer's compressor: leads, then entries
                 q = pid - B - n_entry - n_win
                 if q < B:
-                    lead_program(q, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
-                                 inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                                 num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr, 128, M, True, 1,
-                                 NW_INDEX, MAXT, not STATE_ONLY)
+                    lead_program(q, xa_ptr, xz_ptr, XAZ_STRIDE, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr,
+                                 xnorm_ptr, inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride,
+                                 block_size, eps, num_emit_ptr, index_scratch, start_ptr, end_ptr, cu_ptr, slots_ptr,
+                                 128, M, True, 1, NW_INDEX, MAXT, not STATE_ONLY)
                 elif ENTRY_PROGRAMS:
-                    entry_program(q - B, xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
-                                  inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
-                                  num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr, emit_req_ptr,
-                                  emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT)
+                    entry_program(q - B, xa_ptr, xz_ptr, XAZ_STRIDE, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr,
+                                  xnorm_ptr, inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride,
+                                  block_size, eps, num_emit_ptr, index_scratch, start_ptr, cu_ptr, slots_ptr,
+                                  emit_req_ptr, emit_entry_ptr, 128, M, True, 1, NW_INDEX, MAXT)

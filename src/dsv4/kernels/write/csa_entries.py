@@ -49,7 +49,8 @@ def rope_upper_pairs(y, pos_f, inv_freq_ptr):
 
 @triton.jit
 def pooled_chunk(
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, i, start, cu, slot,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr,
+    ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, i, start, cu, slot,
     C: tl.constexpr, c0,
 ):
     """Channels ``c0 … c0+127`` of CSA entry ``i`` (of ``C``) pooled: fp32 ``[128]``. Entries past the request's
@@ -57,17 +58,18 @@ def pooled_chunk(
     previous-window state (``pool_entry``, one thread per channel — the lead program's path in the fused launch,
     here before the state launch overwrites them)."""
     if i >= start // 4 + 2:
-        x = pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C, 4, c0, 128)
+        x = pool_in_step(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, i, start, cu, C, 4, c0, 128)
     else:
-        x = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, i, start, cu,
-                       slot, C, 4, True, 0, c0, 128)
+        x = pool_entry(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, i,
+                       start, cu, slot, C, 4, True, 0, c0, 128)
     return x
 
 
 @triton.jit
 def main_entry(
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr, pages_ptr,
-    page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit, scratch_ptr, b, i, start, cu, slot,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr,
+    ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit, scratch_ptr, b, i, start, cu, slot,
 ):
     """Main entry ``i`` of request ``b`` (512 channels) → its 584-B ``fp8_ds_mla`` row and scale bytes.
 
@@ -78,8 +80,8 @@ def main_entry(
     cols = tl.arange(0, 128)
     sums = zero_square_sums()
     for k in range(4):
-        x = bf16_round(pooled_chunk(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
-                                    i, start, cu, slot, 512, k * 128))
+        x = bf16_round(pooled_chunk(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                                    prev_gate_ptr, i, start, cu, slot, 512, k * 128))
         tl.store(scratch_ptr + k * 128 + cols, x)
         sums = add_chunk_squares(x, k, *sums)
     r = entry_rms_scale(*sums, num_emit, eps)
@@ -100,12 +102,13 @@ def main_entry(
 
 @triton.jit
 def index_entry(
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr, pages_ptr,
-    page_bytes, block_tables_ptr, bt_stride, block_size, eps, b, i, start, cu, slot,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr,
+    ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, b, i, start, cu, slot,
 ):
     """Indexer key ``i`` of request ``b`` (128 channels) → Hadamard, MXFP4: its 64 packed bytes and 4 scale bytes."""
-    x = bf16_round(pooled_chunk(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
-                                i, start, cu, slot, 128, 0))
+    x = bf16_round(pooled_chunk(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+                                prev_gate_ptr, i, start, cu, slot, 128, 0))
     y = rms_norm_128(x, norm_ptr, eps)
     re, im, _ = rope_upper_pairs(y, (i * 4).to(tl.float32), inv_freq_ptr)
     page, j, n_per_page = page_row(pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, b, i, 4)
@@ -114,8 +117,10 @@ def index_entry(
 
 @triton.jit
 def csa_entries_kernel(
-    ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
-    xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
+    ma_ptr, mz_ptr, MAZ_STRIDE: tl.constexpr,
+    mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, mpages_ptr, mpage_bytes,
+    xa_ptr, xz_ptr, XAZ_STRIDE: tl.constexpr,
+    xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, xpages_ptr, xpage_bytes,
     inv_freq_ptr, block_tables_ptr, bt_stride, block_size, start_ptr, cu_ptr, slots_ptr,
     emit_req_ptr, emit_entry_ptr, num_emit_ptr, n_entry, n_index, eps, scratch_ptr,
     kv_ptr, pos_ptr, kv_out_ptr, T, BT: tl.constexpr,
@@ -133,10 +138,10 @@ def csa_entries_kernel(
             cu = tl.load(cu_ptr + b).to(tl.int64)
             slot = tl.load(slots_ptr + b)
             if is_main:
-                main_entry(ma_ptr, mz_ptr, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr, inv_freq_ptr,
-                           mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
+                main_entry(ma_ptr, mz_ptr, MAZ_STRIDE, mape_ptr, mtkv_ptr, mtg_ptr, mpkv_ptr, mpg_ptr, mnorm_ptr,
+                           inv_freq_ptr, mpages_ptr, mpage_bytes, block_tables_ptr, bt_stride, block_size, eps,
                            tl.load(num_emit_ptr), scratch_ptr + e.to(tl.int64) * 512, b, i, start, cu, slot)
             else:
-                index_entry(xa_ptr, xz_ptr, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr, inv_freq_ptr,
-                            xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps, b, i, start, cu,
-                            slot)
+                index_entry(xa_ptr, xz_ptr, XAZ_STRIDE, xape_ptr, xtkv_ptr, xtg_ptr, xpkv_ptr, xpg_ptr, xnorm_ptr,
+                            inv_freq_ptr, xpages_ptr, xpage_bytes, block_tables_ptr, bt_stride, block_size, eps, b, i,
+                            start, cu, slot)

@@ -98,7 +98,8 @@ def finish_entry(
 
 @triton.jit
 def compress_entry(
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr,
+    ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr, norm_ptr, inv_freq_ptr,
     pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps, num_emit, scratch_ptr,
     b, i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, KIND: tl.constexpr, NW: tl.constexpr,
@@ -108,12 +109,12 @@ def compress_entry(
 
     ``KIND`` 0: main entry (C = 512) → 584-B ``fp8_ds_mla``; 1: indexer key (C = 128) → 68-B MXFP4 after the
     Hadamard rotation. ``IN_STEP``: every slot is a token of this step and the entry is a CSA one with m = 4
-    (``pool_in_step``).
+    (``pool_in_step``). ``a_ptr`` / ``z_ptr``: the step's projections, rows ``AZ_STRIDE`` elements apart.
     """
     if IN_STEP:
-        pooled = pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, 0, C)
+        pooled = pool_in_step(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, i, start, cu, C, M, 0, C)
     else:
-        pooled = pool_entry(a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+        pooled = pool_entry(a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
                             i, start, cu, slot, C, M, OVERLAP, NW, 0, C)
     finish_entry(pooled, norm_ptr, inv_freq_ptr, pages_ptr, page_bytes, block_tables_ptr, bt_stride, block_size, eps,
                  num_emit, scratch_ptr, b, i, C, M, KIND, MAXT)

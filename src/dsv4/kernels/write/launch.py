@@ -19,10 +19,13 @@ __all__ = ["CompressorArgs", "write_before_attention"]
 
 @dataclass
 class CompressorArgs:
-    """One compressor's tensors for ``write_before_attention`` (all on the cache's device, contiguous).
+    """One compressor's tensors for ``write_before_attention`` (all on the cache's device; contiguous but for
+    ``a`` / ``z_raw``).
 
     Attributes:
-        a, z_raw: fp32 ``[T, width]``: ``x W_kv^T`` and ``x W_gate^T`` (no bias).
+        a, z_raw: fp32 ``[T, width]``: ``x W_kv^T`` and ``x W_gate^T`` (no bias); unit column stride and one row
+            stride ≥ width for both — e.g. column blocks of one GEMM's output
+            (``ops.projections.stacked_compressor_projections``), or each contiguous.
         ape: fp32 ``[m, width]`` position bias; norm: fp32 ``[c]`` RMSNorm weight.
         tail_kv, tail_gate: fp32 ``[R, m, width]``; prev_kv, prev_gate: fp32 ``[R, m, c]`` (CSA; else ``None``).
         pages: uint8 ``[num_blocks, page_bytes]`` (KV pages for the main compressor, indexer pages for the index).
@@ -37,6 +40,25 @@ class CompressorArgs:
     prev_kv: Tensor | None
     prev_gate: Tensor | None
     pages: Tensor
+
+
+def _row_stride(args: CompressorArgs, name: str) -> int:
+    """The row stride (elements) ``a`` and ``z_raw`` share — a constexpr of the kernels, which index both with it;
+    ``ValueError`` naming the compressor when they have none, their columns are not unit-strided, or rows would
+    overlap."""
+    a, z = args.a, args.z_raw
+    two_d = a.dim() == 2 and z.shape == a.shape
+    stride = a.stride(0) if two_d else 0
+    if two_d and a.shape[0] <= 1 and (z.stride(0) != stride or stride < a.shape[1]):
+        stride = a.shape[1]  # only row 0 is read: the stride is never applied
+    ok = (two_d and a.dtype == z.dtype == torch.float32 and a.stride(1) == 1 and z.stride(1) == 1
+          and (a.shape[0] <= 1 or (z.stride(0) == stride and stride >= a.shape[1])))
+    if not ok:
+        raise ValueError(
+            f"the {name} compressor's a / z_raw must be float32 [T, width] tensors with unit column stride and one "
+            f"row stride >= width, got {a.dtype} {list(a.shape)} strides {list(a.stride())} and {z.dtype} "
+            f"{list(z.shape)} strides {list(z.stride())}")
+    return stride
 
 
 def _check_scratch(plan: WritePlan, scratch: Tensor, arrivals: Tensor) -> None:
@@ -66,6 +88,8 @@ def write_before_attention(
         bf16 ``[T, 512]`` the window entries as stored.
     """
     _check_scratch(plan, scratch, arrivals)
+    m_stride = _row_stride(main, "main")
+    x_stride = _row_stride(index, "indexer") if index is not None else m_stride
     kv = kv.contiguous()
     out = torch.empty_like(kv)
     T, B, m = kv.shape[0], plan.requests, plan.ratio
@@ -75,9 +99,10 @@ def write_before_attention(
         # every entry and the window entries first: they read the tails and previous-window state that the
         # fused launch's leads then update
         csa_entries_kernel[(plan.csa_entries_grid,)](
-            main.a, main.z_raw, main.ape, main.tail_kv, main.tail_gate, main.prev_kv, main.prev_gate, main.norm,
-            main.pages, main.pages.shape[1],
-            x.a, x.z_raw, x.ape, x.tail_kv, x.tail_gate, x.prev_kv, x.prev_gate, x.norm, x.pages, x.pages.shape[1],
+            main.a, main.z_raw, m_stride, main.ape, main.tail_kv, main.tail_gate, main.prev_kv, main.prev_gate,
+            main.norm, main.pages, main.pages.shape[1],
+            x.a, x.z_raw, x_stride, x.ape, x.tail_kv, x.tail_gate, x.prev_kv, x.prev_gate, x.norm, x.pages,
+            x.pages.shape[1],
             inv_freq, batch.block_tables, batch.block_tables.stride(0), batch.block_size, batch.start_pos,
             batch.cu_seqlens, batch.slots, batch.emit_pad_request[m], batch.emit_pad_entry[m],
             batch.num_emit_device[m], n_entry, n_entry if index is not None else 0, eps,
@@ -91,10 +116,10 @@ def write_before_attention(
         batch.start_pos, batch.end_pos, batch.cu_seqlens, batch.slots, batch.block_tables,
         batch.block_tables.stride(0), batch.block_size, B,
         batch.emit_pad_request[m], batch.emit_pad_entry[m], batch.num_emit_device[m], n_entry, eps, scratch, arrivals,
-        main.a, main.z_raw, main.ape, main.tail_kv, main.tail_gate,
+        main.a, main.z_raw, m_stride, main.ape, main.tail_kv, main.tail_gate,
         main.prev_kv if plan.overlap else dummy, main.prev_gate if plan.overlap else dummy, main.norm, main.pages,
         main.pages.shape[1],
-        x.a, x.z_raw, x.ape, x.tail_kv, x.tail_gate, x.prev_kv if plan.has_index else dummy,
+        x.a, x.z_raw, x_stride, x.ape, x.tail_kv, x.tail_gate, x.prev_kv if plan.has_index else dummy,
         x.prev_gate if plan.has_index else dummy, x.norm, x.pages, x.pages.shape[1],
         C=main.norm.shape[0], M=m, OVERLAP=plan.overlap, HAS_INDEX=plan.has_index, BT=TOKENS_PER_PROGRAM,
         NW=plan.pool_warps, NW_INDEX=plan.pool_warps_index, MAXT=TORCH_REDUCE_MAX_THREADS, PARTS=plan.parts,

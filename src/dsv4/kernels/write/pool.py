@@ -41,13 +41,14 @@ def softmax_weight(e, den):
 
 @triton.jit
 def pool_entry(
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
     i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, NW: tl.constexpr, c0, CS: tl.constexpr,
     IN_STEP: tl.constexpr = False,
 ):
     """``Σ_slot softmax_slot(z)·a`` of entry ``i`` as torch computes ``(gate.softmax(1) * kv).sum(1)``, channels
-    ``c0 … c0+CS−1`` of its ``C``: fp32 ``[CS]`` (every channel is pooled on its own: a slice is exact).
+    ``c0 … c0+CS−1`` of its ``C``: fp32 ``[CS]`` (every channel is pooled on its own: a slice is exact). ``a_ptr`` /
+    ``z_ptr``: the step's projections, rows ``AZ_STRIDE`` elements apart (``slots``).
 
     ``NW``: 0 when torch's reduce kernel sums a channel's ``S`` slots in one thread (4 accumulators, slot d into
     accumulator d mod 4), else the number of warps it splits them over (warp y, accumulator i takes slots
@@ -66,7 +67,7 @@ def pool_entry(
     mx_rows = tl.full([CH, CS], FLT_LOWEST, tl.float32)
     mn_rows = tl.full([CH, CS], float("inf"), tl.float32)
     for k in range(0, N):
-        z, _ = slot_tile(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+        z, _ = slot_tile(k * CH, CH, False, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS, IN_STEP)
         if IN_STEP:
             mn_rows = tl.minimum(mn_rows, z)
@@ -77,7 +78,7 @@ def pool_entry(
     # added row by row in order)
     den = tl.zeros([CS], dtype=tl.float32)
     for k in range(0, N):
-        z, _ = slot_tile(k * CH, CH, False, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+        z, _ = slot_tile(k * CH, CH, False, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS, IN_STEP)
         den = seq_accumulate_rows(den, expf(z - mx[None, :]), CH)
     fast = False
@@ -89,7 +90,7 @@ def pool_entry(
     # weighted sum: accumulator row j collects slots j, j + CH, j + 2·CH, … in order
     acc = tl.zeros([CH, CS], dtype=tl.float32)
     for k in range(0, N):
-        z, a = slot_tile(k * CH, CH, True, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+        z, a = slot_tile(k * CH, CH, True, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                          prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS, IN_STEP)
         e = expf(z - mx[None, :])
         if fast:
@@ -116,7 +117,8 @@ def pool_entry(
 
 
 @triton.jit
-def pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C: tl.constexpr, M: tl.constexpr, c0, CS: tl.constexpr):
+def pool_in_step(a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, i, start, cu, C: tl.constexpr, M: tl.constexpr, c0,
+                 CS: tl.constexpr):
     """``pool_entry`` of a CSA entry (m = 4, one thread per channel: ``NW`` = 0) whose 2m slots are all tokens of
     this step — every entry past a request's first two — for channels ``c0 … c0+CS−1`` of its ``C``: fp32 ``[CS]``.
     Same operations in the same order, but each slot row is read once (``pool_entry`` reads the gates three times
@@ -128,7 +130,7 @@ def pool_in_step(a_ptr, z_ptr, ape_ptr, i, start, cu, C: tl.constexpr, M: tl.con
     col0 = tl.where(d < M, 0, C) + c0  # slot d < m: previous window, first half of the columns
     row = (cu + (i - 1) * M + d - start).to(tl.int64)  # slot d is token (i − 1)·m + d
     cols = tl.arange(0, CS)[None, :]
-    off = row[:, None] * W + col0[:, None] + cols
+    off = row[:, None] * AZ_STRIDE + col0[:, None] + cols
     z = tl.load(z_ptr + off) + tl.load(ape_ptr + ((d % M) * W + col0)[:, None] + cols)
     a = tl.load(a_ptr + off)
     mx = tl.maximum(tl.max(z, axis=0), FLT_LOWEST)

@@ -6,6 +6,10 @@ previous window's tokens ``(i−1)·m + d`` with the first-half columns, the oth
 half. A token at ``p ≥ start`` (the request's first position of the step) is a row of the step's projections ``a`` /
 ``z_raw`` (gate biased by ``ape[p mod m]`` here); an earlier one is in the tail; a CSA entry's previous window closed
 before the step (``i = start // m``) comes from the previous-window state.
+
+``a`` and ``z_raw`` share one row stride ``AZ_STRIDE`` (elements, ≥ width; unit column stride): they may be column
+blocks of one GEMM output (``ops.projections.stacked_compressor_projections``). Tails, previous-window state and the
+position bias are contiguous.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ __all__ = ["load_slots", "load_step_slots", "slot_tile"]
 @triton.jit
 def load_slots(
     k0, NR: tl.constexpr, LOAD_A: tl.constexpr,
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
     i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, c0, CS: tl.constexpr,
 ):
@@ -50,7 +54,7 @@ def load_slots(
     in_tail = (p < start) & (~use_state)
     row = (cu + p - start).to(tl.int64)
     srow = (slot * M + r).to(tl.int64)
-    step_off = row[:, None] * W + col0 + cols
+    step_off = row[:, None] * AZ_STRIDE + col0 + cols
     tail_off = srow[:, None] * W + col0 + cols
     ms = in_step[:, None]
     mt = in_tail[:, None]
@@ -71,7 +75,7 @@ def load_slots(
 
 @triton.jit
 def load_step_slots(
-    k0, NR: tl.constexpr, LOAD_A: tl.constexpr, a_ptr, z_ptr, ape_ptr, i, start, cu,
+    k0, NR: tl.constexpr, LOAD_A: tl.constexpr, a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, i, start, cu,
     C: tl.constexpr, M: tl.constexpr, c0, CS: tl.constexpr,
 ):
     """``load_slots`` of an entry without overlap whose slots are all tokens of the step (``i·m ≥ start``: every
@@ -79,7 +83,7 @@ def load_step_slots(
     masks."""
     d = k0 + tl.arange(0, NR)
     cols = c0 + tl.arange(0, CS)[None, :]
-    off = (cu + i * M - start + d).to(tl.int64)[:, None] * C + cols
+    off = (cu + i * M - start + d).to(tl.int64)[:, None] * AZ_STRIDE + cols
     z = tl.load(z_ptr + off) + tl.load(ape_ptr + d[:, None] * C + cols)
     a = z
     if LOAD_A:
@@ -90,14 +94,14 @@ def load_step_slots(
 @triton.jit
 def slot_tile(
     k0, NR: tl.constexpr, LOAD_A: tl.constexpr,
-    a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+    a_ptr, z_ptr, AZ_STRIDE: tl.constexpr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr, prev_gate_ptr,
     i, start, cu, slot,
     C: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, c0, CS: tl.constexpr, IN_STEP: tl.constexpr,
 ):
     """``load_step_slots`` when ``IN_STEP`` (no overlap), else ``load_slots``: ``(z, a)`` fp32 ``[NR, CS]``."""
     if IN_STEP:
-        z, a = load_step_slots(k0, NR, LOAD_A, a_ptr, z_ptr, ape_ptr, i, start, cu, C, M, c0, CS)
+        z, a = load_step_slots(k0, NR, LOAD_A, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, i, start, cu, C, M, c0, CS)
     else:
-        z, a = load_slots(k0, NR, LOAD_A, a_ptr, z_ptr, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
+        z, a = load_slots(k0, NR, LOAD_A, a_ptr, z_ptr, AZ_STRIDE, ape_ptr, tail_kv_ptr, tail_gate_ptr, prev_kv_ptr,
                           prev_gate_ptr, i, start, cu, slot, C, M, OVERLAP, c0, CS)
     return z, a
