@@ -157,6 +157,20 @@ def test_layer_stacks_its_device_weights_once() -> None:
     assert torch.equal(fresh[rows : rows + w.indexer.compressor.wkv.shape[0]], w.indexer.compressor.wkv.bfloat16())
 
 
+def test_engine_weights_are_stacked_once_and_the_layer_reuses_them() -> None:
+    """An engine's BF16 weights come stacked (``engine.weights.engine_weights``), and the layer's device copy is the
+    same memory: no second copy of the compressor matrices on the device."""
+    from dsv4.engine.weights import engine_weights
+
+    w = engine_weights(dsv4.AttentionWeights.random(TINY, 1, seed=7), torch.bfloat16, torch.device("cpu"))
+    stack = compressor_stack(w)
+    assert stack is not None
+    layer = dsv4.Attention(w, TINY, 1, backend="torch")
+    assert compressor_stack(_layer_step(layer, "official").weights).data_ptr() == stack.data_ptr()
+    exact = engine_weights(dsv4.AttentionWeights.random(TINY, 1, seed=7), torch.float32, torch.device("cpu"))
+    assert compressor_stack(exact) is None
+
+
 def test_launch_rejects_projections_without_one_row_stride() -> None:
     """The write kernels index ``a`` and ``z_raw`` with one row stride: arguments without one are refused, naming
     the compressor."""

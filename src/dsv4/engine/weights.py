@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..compressor_stack import stack_compressor_weights
 from ..config import LayerKind, ModelConfig
 from ..formats.block_fp8 import BlockFp8Weight
 from ..numerics import Numerics
@@ -31,7 +32,8 @@ GivenWeights = Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights
 def engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) -> AttentionWeights:
     """Weights as an engine holds them: block-scaled FP8 projections as they are (the checkpoint's bytes), other
     matrices in the activation dtype (what the checkpoint ships in and the GEMMs read: BF16 for the official
-    numerics), vectors (norms, sinks) and the position biases in FP32."""
+    numerics), vectors (norms, sinks) and the position biases in FP32. Under BF16 activations the compressor
+    matrices are row views of one stacked matrix (``dsv4.compressor_stack``)."""
 
     def cast(path: str, t: Tensor) -> Tensor:
         small = t.dim() < 2 or path.endswith("ape")
@@ -46,7 +48,10 @@ def engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) 
             return dataclasses.replace(x, **{f.name: mv(getattr(x, f.name), f.name) for f in dataclasses.fields(x)})
         return x
 
-    return mv(w, "")
+    out = mv(w, "")
+    # the layer's one compressor GEMM reads a stacked matrix (``compressor_stack``): stack here, so the layer's
+    # device copy reuses this memory instead of holding a second one
+    return stack_compressor_weights(out) if act == torch.bfloat16 else out
 
 
 def weights_bytes(cfg: ModelConfig, layers: Sequence[int], act_bytes: int = 2) -> int:
