@@ -35,7 +35,7 @@ for part in "$@"; do
       --workers 16 --requests 1 2 33 64 > "$O/warmup_diag.log" 2>&1
     echo "== warmup-diag rc=$?"; head -60 "$O/warmup_diag.log" ;;
   layer-ab)  # one layer of each kind on the tree before this change (.ab/pre) and this one, alternating
-    for tree in pre new pre new; do
+    for tree in $(for _ in $(seq ${AB_ROUNDS:-2}); do echo pre new; done); do
       if [ $tree = pre ]; then P=.ab/pre/src; B=.ab/pre/benchmarks; else P=src; B=benchmarks; fi
       PYTHONPATH=$P TRITON_CACHE_DIR=/tmp/tc-ab-$tree timeout ${AB_S:-90} python3 $B/profile_layer.py --batch 64 4 \
         --top 0 >> "$O/layer_ab.log" 2>&1
@@ -46,6 +46,14 @@ for part in "$@"; do
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${LAYER_S:-120} python3 benchmarks/profile_layer.py --batch 64 4 \
       --top 6 --json "$O/layer.json" > "$O/layer.log" 2>&1
     echo "== layer rc=$?"; tail -40 "$O/layer.log" ;;
+  layer-rule)  # issue 38: the layer with the Triton block GEMM for every FP8 projection of a decode step
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${LAYER_S:-120} python3 benchmarks/profile_layer.py --batch 64 4 \
+      --top 8 --triton-gemm-min-values 0 --json "$O/layer_rule.json" > "$O/layer_rule.log" 2>&1
+    echo "== layer-rule rc=$?"; grep -E "^(SWA|CSA|HCA)|block_fp8|nvjet|quantize|splitK" "$O/layer_rule.log" | head -40 ;;
+  benches)  # the new kernels' own benchmarks: the residual glue, the stacked compressor GEMM
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${BENCH_S:-150} sh -c "python3 benchmarks/bench_residual_norm.py; \
+      python3 benchmarks/bench_compressor_projections.py" > "$O/benches.log" 2>&1
+    echo "== benches rc=$?"; cat "$O/benches.log" | head -60 ;;
   tests)
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
       ${TESTS:-tests/engine/test_warmup.py tests/kernels/project/test_fp8_projections.py \

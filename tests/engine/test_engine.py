@@ -197,6 +197,9 @@ def test_engine_run_spot_check_and_figures() -> None:
     rows = spot_check(eng)
     assert len(rows) == 2 * TINY.num_layers
     assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+    from dsv4.engine.check import TOPK_SLACK
+
+    assert all(r.tie_worst_gap <= TOPK_SLACK and (r.tie_rows > 0 or r.tie_worst_gap == 0) for r in rows)
 
 
 def test_engine_prefix_caching_computes_each_shared_prefix_once() -> None:

@@ -260,10 +260,11 @@ def _run(args: argparse.Namespace, parallel: Any, device: torch.device | None) -
         check_s = time.perf_counter() - t0
         say(f"\nspot check against dsv4.reference ({len(engine.traces)} requests x {len(check_layers)} layers, "
             f"{args.numerics} numerics, {check_s:.1f} s):")
-        say(f"  {'request':<10}{'layer':>6} {'kind':<5}{'tokens':>8}{'rel err':>11}{'tol':>9}{'ties':>6}  result")
+        say(f"  {'request':<10}{'layer':>6} {'kind':<5}{'tokens':>8}{'rel err':>11}{'tol':>9}{'ties':>6}"
+            f"{'tie gap':>9}  result")
         for r in rows:
             say(f"  {r.request_id:<10}{r.layer:>6} {r.kind:<5}{r.tokens:>8}{r.rel_err:>11.2e}{r.tol:>9.0e}"
-                f"{r.tie_rows:>6}  {'PASS' if r.passed else 'FAIL'}"
+                f"{r.tie_rows:>6}{r.tie_worst_gap:>9.3g}  {'PASS' if r.passed else 'FAIL'}"
                 + (f" ({r.topk_mismatch_rows} top-k rows differ beyond a tie: tokens {r.topk_mismatch_tokens}, "
                    f"worst gap {r.topk_worst_gap:.3g} of max|score|)" if r.topk_mismatch_rows else ""))
             failures += not r.passed

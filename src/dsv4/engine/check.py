@@ -77,6 +77,7 @@ class SpotCheckRow:
             steps, later ones from decode steps).
         topk_worst_gap: the largest ``topk_within`` gap among them (best left-out minus lowest taken reference score,
             over the row's largest |score|; NaN for a structural failure alone: duplicate, non-causal or missing).
+        tie_worst_gap: the largest gap among the tie rows (how close they came to ``TOPK_SLACK``).
         tol: the tolerance ``rel_err`` was held to.
         passed: ``rel_err <= tol`` and no top-k mismatch.
     """
@@ -93,6 +94,7 @@ class SpotCheckRow:
     passed: bool
     topk_mismatch_tokens: list[int] = field(default_factory=list)
     topk_worst_gap: float = 0.0
+    tie_worst_gap: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -131,13 +133,14 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
             keep = torch.ones(tr.length, dtype=torch.bool, device=dev)
             ties = mismatch = 0
             where: list[int] = []
-            worst = 0.0
+            worst = tie_worst = 0.0
             if kind is LayerKind.CSA and li in tr.entry_idx and ref.index_scores is not None:
                 scores, got = ref.index_scores.float().cpu(), tr.entry_idx[li].cpu()
                 differs, _ = topk_differences(scores, ref.entry_idx.cpu(), got)
                 visible = (torch.arange(1, tr.length + 1) // engine.cfg.ratio(li)).clamp(max=scores.shape[1])
                 within, gap = topk_within(scores, visible, got, engine.cfg.index_topk, TOPK_SLACK)
                 ties = int((differs & within).sum())
+                tie_worst = float(gap[differs & within].max()) if ties else 0.0
                 mismatch = int((~within).sum())
                 where = torch.nonzero(~within).flatten()[:8].tolist()
                 bad_gaps = gap[(~within) & (gap > TOPK_SLACK)]
@@ -150,6 +153,6 @@ def spot_check(engine: Engine, device: torch.device | str | None = None) -> list
             finite = bool(torch.isfinite(y_eng).all())
             ok = finite and rel <= tol and mismatch == 0
             rows.append(SpotCheckRow(rid, li, kind.name, tr.length, rel if finite else float("nan"), max_abs, ties,
-                                     mismatch, tol, ok, where, worst))
+                                     mismatch, tol, ok, where, worst, tie_worst))
             del ref, x, w
     return rows
