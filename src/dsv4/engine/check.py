@@ -17,9 +17,14 @@ is up to 1.7% of the row's largest |score| below one left out. On an H200 (V4-Fl
 8,192-token prompts + 256 decode steps, 2026-11-24) the torch backend — the oracle of the Triton kernels — leaves
 out entries up to 4.8% better on 7 of 16,896 rows and the Triton backend up to 5.1% on 4, every one a decode
 token: a prefill chunk's GEMMs round the index queries as the reference's full-sequence GEMMs do, a decode step's
-(a few rows) do not, and one flipped E2M1 code moves a query element by a whole quantization step. A row
-therefore passes when its selection is a causal top-k of the reference scores up to ``TOPK_SLACK`` of the row's
-largest |score|
+(a few rows) do not, and one flipped E2M1 code moves a query element by a whole quantization step. The keys flip
+too: since the compressor projections run as one stacked GEMM (2026-11-28), the Triton backend left out entries
+6.3% and 6.7% better on 2 prefill rows of 33,792 (H200, 4 requests), its ties reaching 6.0%. That is the
+reference's own noise floor: ``tools/diag_topk_noise.py`` perturbs only the reference's compressor projections
+by a relative 4e-6 (the measured distance between cuBLAS's stacked and separate GEMMs of these shapes) and finds,
+over 8,448 tokens, 2,488–2,740 rows selecting another set, gaps up to 4.1–10.3% (0–4 rows above 2⁻⁴ per seed,
+none above 2⁻³). A row therefore passes when its selection is a causal top-k of the reference scores up to
+``TOPK_SLACK`` (2⁻³) of the row's largest |score|
 (``reference.topk_within``: distinct, visible, ``min(k, visible)`` entries, nothing left out scoring more than the
 slack above the lowest taken); such near-ties are excluded from the output comparison and counted. Anything else
 — a wrong count, a future entry, a clearly better entry left out — fails the check.
@@ -39,9 +44,9 @@ from .runner import Engine
 __all__ = ["TOPK_SLACK", "SpotCheckRow", "spot_check", "tolerance"]
 
 #: A CSA row's selection may leave out entries scoring up to this fraction of the row's largest |index score|
-#: above the lowest entry it takes (a near-tie; measured need: ≤ 1.7% on the CPU, ≤ 5.1% on an H200 with either
-#: backend at 8K context, see the module doc).
-TOPK_SLACK = 2.0**-4
+#: above the lowest entry it takes (a near-tie; measured: ≤ 6.7% for the engine on an H200, up to 10.3% for the
+#: reference against itself with its compressor GEMMs summed in another order — see the module doc).
+TOPK_SLACK = 2.0**-3
 
 
 def tolerance(numerics: str, backend: str, device_type: str = "cpu") -> float:
