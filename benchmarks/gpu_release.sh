@@ -31,8 +31,9 @@ for part in "$@"; do
       --profile 25 --out "$O/host.json" > "$O/host.log" 2>&1
     echo "== host rc=$?"; grep -vE "^\s*$" "$O/host.log" | head -70 ;;
   warmup-diag)  # issue 36: the specialisations the load pass launches that no compile worker launched
-    TRITON_CACHE_DIR=/tmp/tc-release timeout ${DIAG_S:-200} python3 tools/diag_warmup_launches.py --device cuda \
-      --workers 16 --requests 1 2 33 64 > "$O/warmup_diag.log" 2>&1
+    # every eager shape by default (DIAG_REQUESTS="1 2 33 64": only those request counts' shapes)
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${DIAG_S:-300} python3 tools/diag_warmup_launches.py --device cuda \
+      --workers 16 ${DIAG_REQUESTS:+--requests $DIAG_REQUESTS} > "$O/warmup_diag.log" 2>&1
     echo "== warmup-diag rc=$?"; head -60 "$O/warmup_diag.log" ;;
   layer-ab)  # one layer of each kind on the tree before this change (.ab/pre) and this one, alternating
     for tree in $(for _ in $(seq ${AB_ROUNDS:-2}); do echo pre new; done); do
