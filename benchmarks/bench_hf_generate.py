@@ -59,14 +59,7 @@ def tensor_bytes(obj, seen: set[int] | None = None, depth: int = 0) -> int:
 def prompts(batch: int, lo: int, hi: int, vocab: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     rng = random.Random(seed)
     lengths = [rng.randint(lo, hi) for _ in range(batch)]
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.zeros(batch, L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lengths):
-        ids[b, L - n:] = torch.randint(3, vocab, (n,), generator=g)
-        mask[b, L - n:] = 1
-    return ids.to(device), mask.to(device)
+    return dsv4.hf.left_padded_prompts(lengths, vocab, torch.Generator().manual_seed(seed), device)
 
 
 def sync(device: str) -> None:

@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ import torch
 
 import dsv4
 from host_workload import add_workload_args
+from dsv4.bench.roofline import time_cuda
 from dsv4.cache.schema import resolve_layers
 from dsv4.engine import Engine, EngineConfig, LengthSpec, make_requests
 from dsv4.engine.shape_store import step_shapes_key
@@ -78,12 +78,8 @@ def host_engine(cfg: dsv4.ModelConfig, config: EngineConfig) -> Engine:
 
 
 def _median(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median host seconds of ``fn()`` over ``repeat`` calls, no warm-up call."""
+    return time_cuda(fn, warmup=0, iters=repeat, device="cpu")
 
 
 def _import_seconds(code: str, repeat: int) -> float:

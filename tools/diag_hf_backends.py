@@ -100,14 +100,9 @@ class Run:
 
 
 def prompts(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(22)
-    L = max(LENGTHS)
-    ids = torch.zeros(len(LENGTHS), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(LENGTHS):
-        ids[b, L - n:] = torch.randint(3, 128, (n,), generator=g)
-        mask[b, L - n:] = 1
-    return ids.to(device), mask.to(device)
+    import dsv4.hf
+
+    return dsv4.hf.left_padded_prompts(LENGTHS, 128, torch.Generator().manual_seed(22), device)
 
 
 def prefill(model, backend: str, numerics, replay: dict[int, torch.Tensor] | None = None, noise: float = 0.0) -> Run:

@@ -61,15 +61,8 @@ def _generate(model, ids, mask, backend: str, numerics: dsv4.Numerics, noise: fl
 def _batch():
     """The tiny random model on CUDA and a left-padded batch of prompts of 300 / 129 / 64 / 17 tokens."""
     model = dsv4.hf.random_causal_lm(dsv4.ModelConfig.preset("tiny"), seed=21, device="cuda")
-    g = torch.Generator().manual_seed(22)
-    lengths = [300, 129, 64, 17]
-    L = max(lengths)
-    ids = torch.zeros(len(lengths), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lengths):
-        ids[b, L - n:] = torch.randint(3, 128, (n,), generator=g)
-        mask[b, L - n:] = 1
-    return model, ids.cuda(), mask.cuda()
+    ids, mask = dsv4.hf.left_padded_prompts([300, 129, 64, 17], 128, torch.Generator().manual_seed(22), "cuda")
+    return model, ids, mask
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -16,8 +16,9 @@ Modules: ``step`` (which columns of a padded batch are real tokens, at which pos
 (``DSV4Cache``: the transformers ``Cache`` over a ``HybridCache``, one request per row, one ``prepare_forward``
 per model step), ``attention`` (``LayerAdapter``: a ``DeepseekV4Attention`` forward run by ``dsv4.Attention``),
 ``attach`` (``attach`` / ``detach``), ``random_model`` (``random_causal_lm``: a random DeepseekV4ForCausalLM of a
-``ModelConfig``'s geometry, for examples, tests and benchmarks). Needs ``transformers`` with DeepSeek-V4
-(``DeepseekV4ForCausalLM``; developed and tested with 5.24.0); ``import dsv4`` does not import this package.
+``ModelConfig``'s geometry, and ``left_padded_prompts``, for examples, tests and benchmarks). Needs ``transformers``
+with DeepSeek-V4 (``DeepseekV4ForCausalLM``; developed and tested with 5.24.0); ``import dsv4`` does not import
+this package.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .attach import ATTN_IMPLEMENTATION, Attachment, attach, detach
 from .cache import CacheSettings, DSV4Cache
-from .random_model import random_causal_lm
+from .random_model import left_padded_prompts, random_causal_lm
 from .step import InconsistentInputError, RowTokens, row_tokens
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "Attachment", "CacheSettings", "DSV4Cache", "InconsistentInputError", "RowTokens", "attach",
-    "detach", "row_tokens", "random_causal_lm",
+    "detach", "left_padded_prompts", "row_tokens", "random_causal_lm",
 ]

@@ -8,13 +8,14 @@ embeddings unit scale and the output head logits of std ~3, so that generated to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..config import ModelConfig
 
-__all__ = ["random_causal_lm"]
+__all__ = ["left_padded_prompts", "random_causal_lm"]
 
 
 def random_causal_lm(
@@ -71,3 +72,19 @@ def random_causal_lm(
         model.lm_head.weight.copy_(randn_like(model.lm_head.weight) * 3 * cfg.hidden_size**-0.5)
     model.generation_config.eos_token_id = None
     return model.to(dtype).eval()
+
+
+def left_padded_prompts(lengths: Sequence[int], vocab: int, generator: torch.Generator,
+                        device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of random prompts of ``lengths`` tokens, left-padded as ``generate()`` takes them.
+
+    Token ids are drawn row by row from ``[3, vocab)`` (``torch.randint`` with ``generator``; ids 0–2 stay free for
+    special tokens). Returns int64 ``input_ids`` ``[B, max(lengths)]`` (0 in the padding) and the matching
+    ``attention_mask`` (1 on real tokens), on ``device``."""
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, L - n:] = torch.randint(3, vocab, (n,), generator=generator)
+        mask[b, L - n:] = 1
+    return ids.to(device), mask.to(device)
