@@ -32,7 +32,7 @@ REQUIRES_CUDA = True
 #: row counts ``--sweep`` explores (each launch shape compiles once: a wider sweep costs minutes)
 SWEEP_ROWS = (4, 64)
 #: weights ``--sweep`` explores: the large square-ish one, the long-K one and the narrow one
-SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv")
+SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv", "wq_a+wkv")
 
 
 def fp8_projections(cfg: dsv4.ModelConfig) -> dict[str, BlockFp8Weight]:
@@ -66,13 +66,22 @@ def run_way(x: torch.Tensor, w: BlockFp8Weight, way: str, config: block_gemm.Gem
 
 
 def sweep_configs(plan: block_gemm.GemmConfig) -> list[block_gemm.GemmConfig]:
-    """The plan's launch and neighbours of it."""
+    """The plan's launch and neighbours of it: the activations quantized in the GEMM or by a launch before, 64- or
+    128-column tiles, K split as planned or twice as much, two warp / stage pairs."""
     out = [plan]
-    for bn in (64, 128):
-        for split in sorted({plan.split, plan.split * 2}):
-            for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=warps, num_stages=stages))
+    splits = sorted({plan.split, plan.split * 2})
+    for quantized in (False, True):
+        for bn in (64, 128):
+            for split in splits:
+                for warps, stages in ((4, 3), (8, 4)):
+                    out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=warps, num_stages=stages,
+                                                   quantized=quantized))
     return list(dict.fromkeys(out))
+
+
+def stacked(a: BlockFp8Weight, b: BlockFp8Weight) -> BlockFp8Weight:
+    """Two weights of one input as one ``[Na + Nb, K]`` weight (Na a multiple of 128: the block scales stack)."""
+    return BlockFp8Weight(torch.cat([a.data, b.data]), torch.cat([a.scale, b.scale]))
 
 
 def main() -> None:
@@ -90,10 +99,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  {a.preset}; copy bandwidth {bw / 1e12:.2f} TB/s; {sms} SMs")
     print(f"torch {torch.__version__} _scaled_mm blockwise probe: {probe}")
     ways = ["bf16", "triton"] + (["scaled_mm"] if fp8_gemm.scaled_mm_works(torch.device("cuda")) else [])
+    weights = fp8_projections(cfg)
+    if a.sweep:  # the layer's two projections of its input x as one GEMM
+        weights["wq_a+wkv"] = stacked(weights["wq_a"], weights["wkv"])
     print(f"{'weight':<16}{'N x K':>14}{'M':>6}{'way':>10}{'us':>9}{'roof us':>9}{'roof %':>8}{'rel err':>10}  launch")
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
-    for name, w in fp8_projections(cfg).items():
+    for name, w in weights.items():
         N, K = w.shape
         floor = w.nbytes / bw
         for M in a.rows:
@@ -116,6 +128,7 @@ def main() -> None:
                     continue
                 launch = "" if config is None else (f"bm{config.bm} bn{config.bn} split{config.split} "
                                                     f"w{config.num_warps} s{config.num_stages}"
+                                                    + (" q" if config.quantized else "")
                                                     + (" (plan)" if config == plan else ""))
                 rows.append({"weight": name, "N": N, "K": K, "M": M, "way": way, "launch": launch,
                              "us": t * 1e6, "roofline_us": floor * 1e6, "rel_err": rel})

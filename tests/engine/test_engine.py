@@ -354,11 +354,12 @@ def test_jit_clock_times_compiles_between_the_hooks_and_restores_them() -> None:
             assert clock.active
             for name in ("_a_kernel", "_b_kernel"):
                 fn = types.SimpleNamespace(name=name)
-                assert not rt.jit_cache_hook(key="k", fn=fn)  # a falsy answer: the compile goes ahead
+                assert not rt.jit_cache_hook(key="k", fn=fn, repr=f"{name}[num_warps=4](x: *fp32)")  # falsy: compiles
                 time.sleep(0.01)
                 rt.jit_post_compile_hook(key="k", fn=fn)
         assert clock.kernels == 2 and clock.seconds >= 0.02
         assert [n for n, _ in clock.records] == ["_a_kernel", "_b_kernel"]
+        assert clock.specs == ["_a_kernel[num_warps=4](x: *fp32)", "_b_kernel[num_warps=4](x: *fp32)"]
         assert all(s >= 0.01 for _, s in clock.records) and sum(s for _, s in clock.records) == clock.seconds
         assert seen == ["before", "after"] * 2
         assert (rt.jit_cache_hook, rt.jit_post_compile_hook) == (before, after)

@@ -27,7 +27,8 @@ def _runtime_knobs() -> Any | None:
 class JitClock:
     """Accumulates ``seconds`` and ``kernels`` of Triton JIT compilations while entered (a context manager);
     ``records`` lists each one as ``(kernel name, seconds)`` (a load from the disk cache counts too: it is the
-    time a first launch costs either way).
+    time a first launch costs either way) and ``specs`` its specialisation, in the same order (Triton's
+    ``name[options](argument: type / specialisation, ...)``: what its in-memory cache keys the kernel by).
 
     Hooks already installed are kept and called first; leaving restores them. Not re-entrant.
     """
@@ -36,8 +37,10 @@ class JitClock:
         self.seconds = 0.0
         self.kernels = 0
         self.records: list[tuple[str, float]] = []
+        self.specs: list[str] = []
         self._started: float | None = None
         self._name = ""
+        self._spec = ""
         self._rt = None
         self._prev: tuple[Any, Any] = (None, None)
 
@@ -51,7 +54,8 @@ class JitClock:
         skip = prev(*args, **kwargs) if prev is not None else None
         if not skip:  # a previous hook returning True skips the compile
             fn = kwargs.get("fn")
-            self._name = getattr(fn, "name", "") or str(kwargs.get("repr", "?")).split("[", 1)[0]
+            self._spec = str(kwargs.get("repr", "?"))
+            self._name = getattr(fn, "name", "") or self._spec.split("[", 1)[0]
             self._started = time.perf_counter()
         return skip
 
@@ -61,6 +65,7 @@ class JitClock:
             self.seconds += took
             self.kernels += 1
             self.records.append((self._name, took))
+            self.specs.append(self._spec)
             self._started = None
         prev = self._prev[1]
         return prev(*args, **kwargs) if prev is not None else None

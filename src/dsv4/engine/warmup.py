@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import LayerKind, ModelConfig
+from .load_misses import explain_load_compiles
 from .residual import residual_step
 from .shape_store import StepShape, entry_path, load_step_shapes, step_shapes_key, store_step_shapes
 
@@ -67,6 +68,8 @@ class WarmupReport:
         kernels_loaded: kernels this process loaded (or compiled, if a worker missed one) while warming.
         slowest_loads: the load pass's slowest kernels, ``[(name, seconds)]`` (at most 5 of ≥ 0.5 s): a load
             from the disk cache takes milliseconds, so these were compiled here.
+        load_compiles: why each of those (at most 12) compiled here (``engine.load_misses``): a specialisation no
+            worker launched (the differing arguments named), or one a worker did launch that the disk cache missed.
         warm_start: whether the manifest showed everything compiled already.
         error: why the workers' pass failed, if it did (the load pass then compiles what it needs, serially).
         cache_dir: Triton's on-disk cache the kernels went into.
@@ -84,6 +87,7 @@ class WarmupReport:
     seconds: float = 0.0
     kernels_loaded: int = 0
     slowest_loads: list[tuple[str, float]] = field(default_factory=list)
+    load_compiles: list[str] = field(default_factory=list)
     warm_start: bool = False
     error: str = ""
     cache_dir: str = ""
@@ -105,9 +109,11 @@ class WarmupReport:
         shapes = "stored" if self.shapes_stored else "replayed"
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
                 f"{self.graph_buckets} ({shapes} in {self.shapes_s:.2f} s); {done}; {self.kernels_loaded} kernels "
-                f"loaded in {self.load_s:.1f} s{self._compiled_here()} — Triton cache {self.cache_dir}")
+                f"loaded in {self.load_s:.1f} s — Triton cache {self.cache_dir}{self._compiled_here()}")
 
     def _compiled_here(self) -> str:
+        if self.load_compiles:
+            return "; compiled while loading:\n" + "\n".join(f"  {line}" for line in self.load_compiles)
         if not self.slowest_loads:
             return ""
         return " (compiled while loading: " + ", ".join(f"{n} {s:.1f} s" for n, s in self.slowest_loads) + ")"
@@ -232,6 +238,16 @@ def _run_shape(cfg: ModelConfig, layers: list[int], numerics: str, backend: str,
     return time.perf_counter() - t0
 
 
+def _run_shape_recorded(*args) -> tuple[float, list[str]]:
+    """A compile worker's task: ``_run_shape(*args)``, and the specialisations it launched first in this process
+    (``JitClock.specs``: compiled, or loaded from disk)."""
+    from .jit_clock import JitClock
+
+    with JitClock() as clock:
+        seconds = _run_shape(*args)
+    return seconds, clock.specs
+
+
 def graph_shapes(engine, requests: Sequence, buckets: Sequence[int]) -> list[StepShape]:
     """The padded decode steps ``engine.graphs`` captures for ``buckets`` (``capacity + 1`` rows of
     ``decode_tokens`` tokens, the run's block-table width; see ``engine.graphs``)."""
@@ -269,9 +285,10 @@ def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
 
 
 def _compile_in_workers(report: WarmupReport, n: int, args: tuple, shapes: list[StepShape], device: str,
-                        bar) -> None:
+                        bar) -> set[str]:
     """Step 2: each (shape, layer kind) once in a pool of ``n`` workers. Tasks go out shape by shape, largest
-    first, each shape's layer kinds side by side: the first wave compiles the kinds' different kernels at once."""
+    first, each shape's layer kinds side by side: the first wave compiles the kinds' different kernels at once.
+    Returns every specialisation the workers launched (``JitClock.specs``)."""
     cfg, layers, *rest = args
     order = sorted(shapes, key=lambda s: -sum(s.num_new))
     tasks = [(shape, [li]) for shape in order for li in layers]
@@ -282,11 +299,15 @@ def _compile_in_workers(report: WarmupReport, n: int, args: tuple, shapes: list[
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_start_worker,
                                                 initargs=(device,)) as pool:
-        futures = [pool.submit(_run_shape, cfg, layer, *rest, shape, device) for shape, layer in tasks]
+        futures = [pool.submit(_run_shape_recorded, cfg, layer, *rest, shape, device) for shape, layer in tasks]
+        launched: set[str] = set()
         for f in concurrent.futures.as_completed(futures):
-            report.slowest_task_s = max(report.slowest_task_s, f.result())
+            seconds, specs = f.result()
+            report.slowest_task_s = max(report.slowest_task_s, seconds)
+            launched.update(specs)
             if bar is not None:
                 bar.update()
+    return launched
 
 
 def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bool = False) -> WarmupReport:
@@ -317,11 +338,12 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
         from tqdm.auto import tqdm
 
         bar = tqdm(unit="run", desc="warm-up", leave=False, dynamic_ncols=True)
+    worker_specs: set[str] = set()
     if not report.warm_start:
         n = max(1, min(workers or os.cpu_count() or 1, len(shapes) * len(layers)))
         t0 = time.perf_counter()
         try:
-            _compile_in_workers(report, n, args, shapes, device, bar)
+            worker_specs = _compile_in_workers(report, n, args, shapes, device, bar)
         except Exception as e:  # noqa: BLE001 - a failed worker costs time, never correctness: step 3 compiles
             report.error = f"{type(e).__name__}: {e}"[:300]
         report.workers = n
@@ -338,6 +360,8 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
     report.load_s = time.perf_counter() - t0
     report.kernels_loaded = clock.kernels
     report.slowest_loads = sorted(((n, round(s, 2)) for n, s in clock.records if s >= 0.5), key=lambda r: -r[1])[:5]
+    if report.workers and not report.error:
+        report.load_compiles = explain_load_compiles(clock.records, clock.specs, worker_specs)
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - t_all

@@ -94,3 +94,13 @@ def visible_entries(step: LayerStep) -> Tensor:
 def output(step: LayerStep, o: Tensor) -> Tensor:
     """See ``backend.AttentionBackend.output``: grouped ``W_oa``, then ``W_ob`` as the plan's FP8 GEMM."""
     return projections.output(step, o, projector(step))
+
+
+def _canonical_keys() -> None:
+    """Make the kernels' on-disk cache keys independent of launch order (``kernels.cache_keys``)."""
+    from ..kernels.cache_keys import canonical_cache_keys
+
+    canonical_cache_keys()
+
+
+_canonical_keys()

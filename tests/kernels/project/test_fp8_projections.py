@@ -5,6 +5,7 @@ M = 1, 7, 64, 256, 8192)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -29,13 +30,14 @@ for M, K in ((3, 128), (5, 200), (2, 640)):
 # interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K
 from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_linear
 from dsv4.kernels.project.block_gemm import GemmConfig, block_fp8_linear
-for M, N, K, bn, split in ((3, 256, 512, 64, 1), (5, 192, 640, 64, 3), (17, 128, 384, 32, 2), (1, 64, 200, 64, 2),
-                           (21, 192, 640, 128, 1)):
+for M, N, K, bn, split, quantized in ((3, 256, 512, 64, 1, False), (5, 192, 640, 64, 3, True),
+                                     (17, 128, 384, 32, 2, False), (1, 64, 200, 64, 2, True),
+                                     (21, 192, 640, 128, 1, True)):
     w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g) * K**-0.5)
     x = (torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))).bfloat16()
-    got = block_fp8_linear(x, w, torch.float32, GemmConfig(bm=16, bn=bn, split=split))
+    got = block_fp8_linear(x, w, torch.float32, GemmConfig(bm=16, bn=bn, split=split, quantized=quantized))
     want = reference_linear(x, w, torch.float32)
-    assert ((got - want).norm() / want.norm()).item() < 1e-6, (M, N, K, split)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6, (M, N, K, split, quantized)
 print("ok")
 """
 
@@ -46,7 +48,7 @@ def test_activation_quantization_kernel_in_interpreter() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", ["scaled_mm", "bf16", "triton"])
+@pytest.mark.parametrize("gemm", ["scaled_mm", "bf16", "triton", "triton-quantized"])
 @pytest.mark.parametrize("M", [1, 7, 64, 256, 8192])
 def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     if not torch.cuda.is_available():
@@ -65,8 +67,9 @@ def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     q, s = fp8_gemm.quantize_activations(x)
     codes, exps = quantize_activations(x)
     assert torch.equal(q.view(torch.uint8), codes)
-    if gemm == "triton":
+    if gemm.startswith("triton"):
         config = block_gemm.gemm_config(M, N, K, sm_count("cuda"))
+        config = dataclasses.replace(config, quantized=gemm == "triton-quantized")
         got = block_gemm.block_fp8_linear(x, w, torch.bfloat16, config)
         again = block_gemm.block_fp8_linear(x, w, torch.bfloat16, config)
         assert torch.equal(got, again)  # split partials summed in split order, the tile counters back at zero

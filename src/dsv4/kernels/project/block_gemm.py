@@ -30,6 +30,7 @@ from torch import Tensor
 from ...cache.workspace import Workspace
 from ...formats.block_fp8 import ACT_BLOCK, WEIGHT_BLOCK, BlockFp8Weight
 from ..quant import exp2i, fp8_block_qdq
+from .fp8_gemm import quantize_activations
 
 __all__ = ["COUNTERS", "GemmConfig", "block_fp8_linear", "gemm_config"]
 
@@ -39,20 +40,23 @@ COUNTERS = 1 << 14
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """One launch: ``[bm, bn]`` output tiles, K blocks split over ``split`` programs per tile."""
+    """One launch: ``[bm, bn]`` output tiles, K blocks split over ``split`` programs per tile; ``quantized``: the
+    activations quantized by a launch before (``fp8_gemm.quantize_activations``) rather than by every program."""
 
     bm: int
     bn: int
     split: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    quantized: bool = False
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
         return triton.cdiv(N, self.bn), triton.cdiv(M, self.bm), self.split
 
     def describe(self) -> str:
         split = f", split {self.split}" if self.split > 1 else ""
-        return f"{self.bm}x{self.bn}{split}"
+        quantized = ", quantized before" if self.quantized else ""
+        return f"{self.bm}x{self.bn}{split}{quantized}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,12 +81,15 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(x_ptr, stride_x, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K, NKB, MN,
-                           KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                           NKB, MN, KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           SPLIT: tl.constexpr, QUANTIZED: tl.constexpr):
     """Tile ``(pid0, pid1)`` of ``out`` ``[M, N]``, K blocks ``pid2·KB_PER_SPLIT …`` (see the module docstring).
 
-    x: bf16 ``[M, K]`` (row stride ``stride_x``); w: e4m3 ``[N, K]`` contiguous; w_scale: fp32 ``[⌈N/128⌉, NKB]``;
-    part: fp32 ``[SPLIT, M, N]`` workspace (MN = M·N); count: int32 per tile (0 before and after)."""
+    x: bf16 ``[M, K]`` (row stride ``stride_x``) or, ``QUANTIZED``, its E4M3 codes (uint8 ``[M, K]``) with their scales
+    ``x_scale`` fp32 ``[NKB, M]`` (``fp8_gemm.quantize_activations``); w: e4m3 ``[N, K]`` contiguous; w_scale: fp32
+    ``[⌈N/128⌉, NKB]``; part: fp32 ``[SPLIT, M, N]`` workspace (MN = M·N); count: int32 per tile (0 before and
+    after)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -98,11 +105,16 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, w_ptr, w_scale_ptr, out_ptr, part_pt
         kb = kb0 + i
         k = kb * 128 + kk
         k_ok = k < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        code, _, ebyte = fp8_block_qdq(x, 1)
-        a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        x_scale = exp2i(ebyte - 127)
+        if QUANTIZED:
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+            x_scale = tl.load(x_scale_ptr + kb * M + rows, mask=row_ok & (kb < NKB), other=0.0)
+        else:
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            code, _, ebyte = fp8_block_qdq(x, 1)
+            a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            x_scale = exp2i(ebyte - 127)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         block = tl.dot(a, tl.trans(w))
@@ -156,6 +168,10 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
     if M == 0:
         return out
     nkb = triton.cdiv(K, ACT_BLOCK)
+    x_scale = out
+    if config.quantized:
+        codes, x_scale = quantize_activations(x)
+        x = codes.view(torch.uint8)
     part, counters = out, out
     if config.split > 1:
         if workspace is None:
@@ -165,7 +181,8 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
             part = workspace.get("gemm_partials", (config.split, M, N), torch.float32)
             counters = workspace.get("gemm_tile_counters", (COUNTERS,), torch.int32, zero=True)
     _block_fp8_gemm_kernel[config.grid(M, N)](
-        x, x.stride(0), w.data, w.scale, out, part, counters, M, N, K, nkb, M * N,
+        x, x.stride(0), x_scale, w.data, w.scale, out, part, counters, M, N, K, nkb, M * N,
         KB_PER_SPLIT=triton.cdiv(nkb, config.split), BM=config.bm, BN=config.bn, SPLIT=config.split,
+        QUANTIZED=config.quantized,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
