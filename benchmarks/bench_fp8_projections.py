@@ -25,6 +25,7 @@ import torch
 import dsv4
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
 from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_fp8_linear
+from dsv4.input_stack import input_stack, stack_input_projections
 from dsv4.kernels.device import sm_count
 from dsv4.kernels.project import block_gemm, fp8_gemm
 
@@ -36,11 +37,16 @@ SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv", "wq_a+wkv")
 
 
 def fp8_projections(cfg: dsv4.ModelConfig) -> dict[str, BlockFp8Weight]:
-    """The layer's FP8 projection weights (random, as checkpoints store them), by name."""
+    """The layer's FP8 projection weights (random, as checkpoints store them) by name, and the stack of the two
+    that read the layer's input (``wq_a+wkv``, ``dsv4.input_stack``: one GEMM)."""
     kind = {li: cfg.layer_kind(li) for li in range(cfg.num_layers)}
     li = next((i for i, k in kind.items() if k.name == "CSA"), 0)
     w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
-    return {n: v for n, v in w.named_parameters() if isinstance(v, BlockFp8Weight)}
+    out = {n: v for n, v in w.named_parameters() if isinstance(v, BlockFp8Weight)}
+    stack = input_stack(stack_input_projections(w))
+    if stack is not None:
+        out["wq_a+wkv"] = stack
+    return out
 
 
 def scaled_mm_probe() -> str:
@@ -79,11 +85,6 @@ def sweep_configs(plan: block_gemm.GemmConfig) -> list[block_gemm.GemmConfig]:
     return list(dict.fromkeys(out))
 
 
-def stacked(a: BlockFp8Weight, b: BlockFp8Weight) -> BlockFp8Weight:
-    """Two weights of one input as one ``[Na + Nb, K]`` weight (Na a multiple of 128: the block scales stack)."""
-    return BlockFp8Weight(torch.cat([a.data, b.data]), torch.cat([a.scale, b.scale]))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="v4-flash")
@@ -100,8 +101,6 @@ def main() -> None:
     print(f"torch {torch.__version__} _scaled_mm blockwise probe: {probe}")
     ways = ["bf16", "triton"] + (["scaled_mm"] if fp8_gemm.scaled_mm_works(torch.device("cuda")) else [])
     weights = fp8_projections(cfg)
-    if a.sweep:  # the layer's two projections of its input x as one GEMM
-        weights["wq_a+wkv"] = stacked(weights["wq_a"], weights["wkv"])
     print(f"{'weight':<16}{'N x K':>14}{'M':>6}{'way':>10}{'us':>9}{'roof us':>9}{'roof %':>8}{'rel err':>10}  launch")
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)

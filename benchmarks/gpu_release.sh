@@ -39,7 +39,7 @@ for part in "$@"; do
     for tree in $(for _ in $(seq ${AB_ROUNDS:-2}); do echo pre new; done); do
       if [ $tree = pre ]; then P=.ab/pre/src; B=.ab/pre/benchmarks; else P=src; B=benchmarks; fi
       PYTHONPATH=$P TRITON_CACHE_DIR=/tmp/tc-ab-$tree timeout ${AB_S:-90} python3 $B/profile_layer.py --batch 64 4 \
-        --top 0 >> "$O/layer_ab.log" 2>&1
+        --top 12 >> "$O/layer_ab.log" 2>&1
       echo "== layer $tree rc=$?"
     done
     grep -E "^(SWA|CSA|HCA)|^== " "$O/layer_ab.log" ;;

@@ -7,39 +7,26 @@ Every compressor of a layer reads the same attention input ``x`` ``[T, d]``: a C
 matrix, ``N = Σ 2·width`` (V4-Flash: CSA 2·1024 + 2·256 = 2560 rows, HCA 2·512 = 1024), and ``x Sᵀ`` ``[T, N]``
 holds each projection as a block of columns.
 
-``stack_compressor_weights`` makes the weights' compressor matrices row views of one stacked tensor (no memory beyond
-the matrices themselves: the separate ones are views of it) and records the stack with the returned weights;
-``Attention`` does this once when it makes its device copy of the weights (``Attention._weights_on``).
-``compressor_stack`` returns the stack only while the weights' matrices are still exactly those views, at their
-addresses — weights whose matrices were replaced, or a copy made by ``dataclasses.replace`` / ``to`` /
-``for_numerics`` / ``shard``, have none, and their projections run as one GEMM per matrix — so a stack is never
-stale.
+``stack_compressor_weights`` makes the weights' compressor matrices row views of one stacked tensor and records the
+stack with the returned weights (``dsv4.weight_stack``); ``Attention`` does this once when it makes its device copy
+of the weights (``Attention._weights_on``). ``compressor_stack`` returns the stack only while the weights' matrices
+are still exactly those views (else their projections run as one GEMM per matrix), so a stack is never stale.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .weight_stack import current_stack, record_stack, replace_keeping_stacks, stacked_rows
 from .weights import AttentionWeights, CompressorWeights
 
 __all__ = ["compressor_stack", "compressors", "stack_compressor_weights"]
 
-#: the instance attribute of ``AttentionWeights`` holding its ``_Stack`` (not a dataclass field: copies drop it)
+#: the instance attribute of ``AttentionWeights`` recording its stack (``weight_stack``)
 _ATTR = "_compressor_stack"
-
-
-@dataclass(frozen=True)
-class _Stack:
-    """The stacked matrix ``weight`` ``[N, d]`` and the row views the weights held when it was made (``views``) with
-    their data addresses (``ptrs``): the weights still compute with the stack iff they hold these very tensors."""
-
-    weight: Tensor
-    views: tuple[Tensor, ...]
-    ptrs: tuple[int, ...]
 
 
 def compressors(w: AttentionWeights) -> list[CompressorWeights]:
@@ -53,20 +40,6 @@ def compressors(w: AttentionWeights) -> list[CompressorWeights]:
 def _matrices(w: AttentionWeights) -> list[Tensor]:
     """``[main.wkv, main.wgate, indexer.wkv, indexer.wgate]`` (those the layer has), the stacking order."""
     return [m for c in compressors(w) for m in (c.wkv, c.wgate)]
-
-
-def _already_stacked(mats: list[Tensor]) -> Tensor | None:
-    """The ``[N, d]`` tensor over ``mats`` when they already lie one after another, contiguous, in one storage (as
-    ``stack_compressor_weights`` leaves them); else ``None``."""
-    first = mats[0]
-    offset = first.storage_offset()
-    for m in mats:
-        if (not m.is_contiguous() or m.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or m.storage_offset() != offset):
-            return None
-        offset += m.numel()
-    rows = sum(m.shape[0] for m in mats)
-    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
 
 
 def stack_compressor_weights(w: AttentionWeights) -> AttentionWeights:
@@ -85,7 +58,7 @@ def stack_compressor_weights(w: AttentionWeights) -> AttentionWeights:
         raise ValueError("the compressor matrices (wkv, wgate of each compressor) must be 2-D [width, d] tensors of "
                          "one dtype and device to be stacked, got "
                          + ", ".join(f"{m.dtype} {list(m.shape)} on {m.device}" for m in mats))
-    stacked = _already_stacked(mats)
+    stacked = stacked_rows(mats)
     if stacked is None:
         stacked = torch.cat(mats)
     views, row = [], 0
@@ -94,8 +67,8 @@ def stack_compressor_weights(w: AttentionWeights) -> AttentionWeights:
         row += m.shape[0]
     comps = [dataclasses.replace(c, wkv=views[2 * i], wgate=views[2 * i + 1]) for i, c in enumerate(compressors(w))]
     indexer = None if w.indexer is None else dataclasses.replace(w.indexer, compressor=comps[1])
-    out = dataclasses.replace(w, compressor=comps[0], indexer=indexer)
-    setattr(out, _ATTR, _Stack(stacked, tuple(views), tuple(v.data_ptr() for v in views)))
+    out = replace_keeping_stacks(w, compressor=comps[0], indexer=indexer)
+    record_stack(out, _ATTR, stacked, views)
     return out
 
 
@@ -103,12 +76,4 @@ def compressor_stack(w: AttentionWeights) -> Tensor | None:
     """The stacked compressor matrix ``[N, d]`` of ``w`` (made by ``stack_compressor_weights``), or ``None`` when
     ``w`` has none or its compressor matrices are no longer the stack's row views (checked on every call: a few
     identity and address comparisons on the host, no device work)."""
-    stack = w.__dict__.get(_ATTR)
-    if stack is None:
-        return None
-    mats = _matrices(w)
-    if len(mats) != len(stack.views):
-        return None
-    if any(m is not v or m.data_ptr() != p for m, v, p in zip(mats, stack.views, stack.ptrs)):
-        return None
-    return stack.weight
+    return current_stack(w, _ATTR, _matrices(w))

@@ -22,6 +22,7 @@ from .cache.errors import NonFiniteError
 from .cache.guard import nonfinite_requests, restore_rows, save_rows
 from .cache.manager import HybridCache
 from .compressor_stack import stack_compressor_weights
+from .input_stack import stack_input_projections
 from .config import LayerKind, ModelConfig, require_config
 from .numerics import Numerics
 from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
@@ -180,12 +181,13 @@ class Attention:
     def _weights_on(self, device: torch.device, numerics: Numerics) -> tuple[AttentionWeights, Tensor]:
         """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused), as
         ``numerics`` computes with them (``AttentionWeights.for_numerics``); with BF16 activations the compressor
-        matrices stacked (``dsv4.compressor_stack``: one GEMM for all of them on CUDA)."""
+        matrices stacked (``dsv4.compressor_stack``: one GEMM for all of them on CUDA), and so are ``wq_a`` and
+        ``wkv`` (``dsv4.input_stack``)."""
         key = (device, numerics)
         if key not in self._device_weights:
             w = self.weights.to(device).for_numerics(numerics)
             if numerics.act_dtype == torch.bfloat16:
-                w = stack_compressor_weights(w)
+                w = stack_input_projections(stack_compressor_weights(w))
             self._device_weights[key] = (w, rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[key]
 
@@ -318,9 +320,8 @@ class Attention:
         step = self.layer_step(batch, cache, plan)
         x = x.to(cache.numerics.act_dtype)
 
-        q_latent = ops.query_latent(step, x)                    # SPEC §3 step 1
+        q_latent, kv = ops.input_projections(step, x)           # SPEC §3 steps 1 and 3: c^Q, the window KV
         q = ops.queries(step, q_latent)                         # step 2
-        kv = ops.window_kv(step, x)                             # step 3
         if batch.prefix_captures:                               # prefix caching: states at block boundaries
             ops.capture_prefix_states(step, x, kv)              # inside the step, before any write
         kv = ops.new_entries(step, x, kv)                       # SPEC §4: windows closing → the pool

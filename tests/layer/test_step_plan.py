@@ -123,14 +123,16 @@ def test_plan_describes_itself() -> None:
 
 def test_projection_plan_h200() -> None:
     """FP8 projections on an H200 (cuBLAS over the quantized values as the fallback): decode steps of 4 and 64 rows
-    run the two large projections (``wq_b``, ``wo_b``) on the Triton block GEMM, a prefill chunk none; every
-    launch's tiles divide the weight blocks and split K without empty splits."""
+    run the two large projections (``wq_b``, ``wo_b``) and the stacked ``wq_a+wkv`` on the Triton block GEMM, a
+    prefill chunk none; every launch's tiles divide the weight blocks and split K without empty splits; 64-row
+    tiles take activations quantized before."""
     from dsv4.kernels.project.plan import fp8_projection_shapes
 
     facts = DeviceFacts(kernels=True, sm_count=132, sm90=True, resident_clusters=lambda n: 132 // n, fp8_gemm="bf16")
     cfg = dsv4.ModelConfig.preset("v4-flash")
     shapes = fp8_projection_shapes(cfg)
-    large = {shapes["wq_b"], shapes["wo_b"]}
+    assert shapes["wq_a+wkv"] == (shapes["wq_a"][0] + shapes["wkv"][0], shapes["wq_a"][1])
+    large = {shapes["wq_b"], shapes["wo_b"], shapes["wq_a+wkv"]}
     for requests, new, triton_shapes in ((4, 1, large), (64, 1, large), (1, 2048, set())):
         _, plan = _plan(_flash_cache(requests, 1024), new, facts)
         for kind in (LayerKind.CSA, LayerKind.HCA, LayerKind.SWA):
@@ -140,6 +142,7 @@ def test_projection_plan_h200() -> None:
             for (n, k), launch in proj.launches.items():
                 kblocks = -(-k // 128)
                 assert 128 % launch.bn == 0 and launch.bm >= min(requests * new, 16)
+                assert launch.quantized == (launch.bm == 64)
                 assert (launch.split - 1) * -(-kblocks // launch.split) < kblocks  # the last split has blocks
         assert "projections:" in plan.describe()
     _, plan = _plan(_flash_cache(4, 1024), 1, OFF_HOPPER)  # no FP8 GEMM fact: the torch reference's project

@@ -7,9 +7,8 @@ the host and shared by every layer of the step). Every op takes the layer's ``La
 
 SPEC §3 in call order::
 
-    c^Q  = query_latent(step, x)               RMSNorm(W_qa x)                                       [T, q_lora]
+    c^Q, kv = input_projections(step, x)       RMSNorm(W_qa x), RMSNorm(W_kv x)                [T, q_lora], [T, D]
     q    = queries(step, c^Q)                   W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
-    kv   = window_kv(step, x)                   RMSNorm(W_kv x)                                       [T, D]
     capture_prefix_states(step, x, kv)          prefix caching: the state at block boundaries inside the step
     kv   = new_entries(step, x, kv)             the step's window entries (RoPE, rounded as stored); CSA/HCA also
                                                 every compressor: accumulate into the tails, pool every window
@@ -37,8 +36,7 @@ __all__ = ["AttentionBackend", "OP_NAMES"]
 
 #: the ops of a layer step, in call order
 OP_NAMES = (
-    "query_latent", "queries", "window_kv", "capture_prefix_states", "new_entries", "indexer_queries",
-    "indexer_weights",
+    "input_projections", "queries", "capture_prefix_states", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 )
 
@@ -52,34 +50,34 @@ class AttentionBackend(Protocol):
     def plan_step(self, batch: StepBatch, cache: HybridCache) -> StepPlan:
         """Every launch decision of the step, for each layer kind the cache holds (host only)."""
 
-    def query_latent(self, step: LayerStep, x: Tensor) -> Tensor:
-        """``c^Q = RMSNorm_{q_norm}(W_qa x)``. x: ``[T, d]`` act dtype. Returns ``[T, q_lora_rank]`` act dtype."""
+    def input_projections(self, step: LayerStep, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's two projections of its input (SPEC §3 steps 1 and 3): ``c^Q = RMSNorm_{q_norm}(W_qa x)``
+        ``[T, q_lora_rank]`` and the window KV ``RMSNorm_{kv_norm}(W_kv x)`` ``[T, D]`` (before RoPE and rounding),
+        both act dtype. x: ``[T, d]`` act dtype. A backend may run both projections as one GEMM."""
 
     def queries(self, step: LayerStep, q_latent: Tensor) -> Tensor:
         """``W_qb c^Q`` per head, unweighted RMSNorm, RoPE at each position. Returns ``[T, H, D]`` act dtype."""
 
-    def window_kv(self, step: LayerStep, x: Tensor) -> Tensor:
-        """``RMSNorm_{kv_norm}(W_kv x)``. Returns ``[T, D]`` act dtype (before RoPE and rounding)."""
-
     def capture_prefix_states(self, step: LayerStep, x: Tensor, kv: Tensor) -> None:
         """Prefix caching: for each of ``step.batch.prefix_captures`` (a block boundary strictly inside a request's
         new tokens) the state the layer would hold there, into its snapshot row — before any op writes the cache
-        (``ops.prefix_capture``, shared by both backends). x: ``[T, d]``; kv: ``window_kv``'s output."""
+        (``ops.prefix_capture``, shared by both backends). x: ``[T, d]``; kv: ``input_projections``' window KV."""
 
     def new_entries(self, step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
         """The step's new cache entries. Returns its window entries as stored (RoPE, then rounded to the KV
         format; ``[T, D]``: ``attend`` reads them, ``append_swa`` writes them to the ring). CSA/HCA layers also run
         every compressor: accumulate the step's tokens into the tails, pool every window that closes, finish and
-        store its entry in the pool (main entries; CSA also indexer keys). x: ``[T, d]``; kv: ``window_kv``'s."""
+        store its entry in the pool (main entries; CSA also indexer keys). x: ``[T, d]``; kv: ``input_projections``'."""
 
     def indexer_queries(self, step: LayerStep, q_latent: Tensor) -> Any:
         """CSA: the indexer queries ``W_Iq c^Q`` per head, RoPE, rounded as the index format; only the same
         backend's ``indexer_topk`` reads them (the torch backend: float32 ``[T, H_I, c_I]``)."""
 
-    def indexer_weights(self, step: LayerStep, x: Tensor) -> Tensor:
-        """CSA: the indexer's per-head weights ``W_w x · c_I^{-1/2} H_I^{-1/2}``, float32 ``[T, H_I]``."""
+    def indexer_weights(self, step: LayerStep, x: Tensor) -> Any:
+        """CSA: the indexer's per-head weights ``W_w x · c_I^{-1/2} H_I^{-1/2}``; only the same backend's
+        ``indexer_topk`` reads them (the torch backend: float32 ``[T, H_I]``)."""
 
-    def indexer_topk(self, step: LayerStep, q_idx: Any, head_weights: Tensor) -> Tensor:
+    def indexer_topk(self, step: LayerStep, q_idx: Any, head_weights: Any) -> Tensor:
         """CSA: index scores over each request's indexer keys, causal top-k (SPEC §5–6). int64 ``[T, k]``: entry
         indices of each token's request, −1 padded."""
 

@@ -31,8 +31,8 @@ from ..reference.primitives import project as reference_project
 from ..weights import CompressorWeights, Projection
 from .step import LayerStep
 
-__all__ = ["Norm", "Project", "compressor_projections", "indexer_query_projection", "indexer_weights",
-           "layer_compressor_projections", "output", "query_latent", "query_projection",
+__all__ = ["Norm", "Project", "compressor_projections", "grouped_latent", "indexer_query_projection",
+           "indexer_weights", "layer_compressor_projections", "output", "query_latent", "query_projection",
            "stacked_compressor_projections", "window_kv"]
 
 #: a weighted RMSNorm ``(x [rows, C], weight [C], eps) -> [rows, C]`` in x's dtype
@@ -70,8 +70,27 @@ def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
 
 
 def output(step: LayerStep, o: Tensor, project: Project = reference_project) -> Tensor:
-    """Grouped ``W_oa``, then ``W_ob``: o ``[T, H, D]`` (after the inverse RoPE) → ``[T, d]`` act dtype."""
-    return grouped_output(step.weights, step.cfg, o, step.numerics, project)
+    """Grouped ``W_oa``, then ``W_ob``: o ``[T, H, D]`` (after the inverse RoPE) → ``[T, d]`` act dtype.
+
+    On CUDA the grouped GEMM writes ``[T, G·o_lora]`` in place (``grouped_latent``: the layout ``W_ob`` reads, no
+    copy); elsewhere ``reference.layer.grouped_output``'s einsum. The same products either way."""
+    if not o.is_cuda:
+        return grouped_output(step.weights, step.cfg, o, step.numerics, project)
+    return project(grouped_latent(step, o), step.weights.wo_b, step.numerics)
+
+
+def grouped_latent(step: LayerStep, o: Tensor) -> Tensor:
+    """The grouped ``W_oa`` of SPEC §3 step 7 as one batched GEMM writing its ``[T, G, o_lora]`` output in place:
+    o ``[T, H, D]`` → ``[T, G·o_lora]`` act dtype, contiguous (group g's latent in columns ``g·o_lora …``).
+    ``reference.layer.grouped_output``'s einsum computes the same products into a ``[G, T, o_lora]`` buffer and
+    copies it into this layout."""
+    cfg, act = step.cfg, step.numerics.act_dtype
+    T, G = o.shape[0], cfg.o_groups
+    groups = o.reshape(T, G, -1).to(act)  # [T, G, H/G·D], heads contiguous per group
+    wo_a = step.weights.wo_a.to(o.device, act).unflatten(0, (G, cfg.o_lora_rank))  # [G, o_lora, H/G·D]
+    out = torch.empty((T, G, cfg.o_lora_rank), dtype=act, device=o.device)
+    torch.bmm(groups.transpose(0, 1), wo_a.transpose(1, 2), out=out.transpose(0, 1))
+    return out.flatten(1)
 
 
 def layer_compressor_projections(step: LayerStep, x: Tensor) -> list[tuple[Tensor, Tensor]]:

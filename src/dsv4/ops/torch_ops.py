@@ -33,11 +33,10 @@ from .step import LayerStep
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
     # the ops, in call order (ops.backend.OP_NAMES)
-    "query_latent", "queries", "window_kv", "capture_prefix_states", "new_entries", "indexer_queries",
-    "indexer_weights",
+    "input_projections", "queries", "capture_prefix_states", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
     # building blocks
-    "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries",
+    "query_latent", "window_kv", "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries",
     "window_keys",
 ]
 
@@ -51,8 +50,13 @@ def plan_step(batch: StepBatch, cache: HybridCache) -> StepPlan:
 
 
 # ------------------------------------------------------------------------------------------------ queries, window KV
+def input_projections(step: LayerStep, x: Tensor) -> tuple[Tensor, Tensor]:
+    """See ``backend.AttentionBackend.input_projections``: one GEMM per projection (the reference's)."""
+    return query_latent(step, x), window_kv(step, x)
+
+
 def query_latent(step: LayerStep, x: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.query_latent``."""
+    """``c^Q = RMSNorm_{q_norm}(W_qa x)``: x ``[T, d]`` → ``[T, q_lora_rank]`` act dtype."""
     return projections.query_latent(step, x, rms_norm)
 
 
@@ -63,7 +67,7 @@ def queries(step: LayerStep, q_latent: Tensor) -> Tensor:
 
 
 def window_kv(step: LayerStep, x: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.window_kv``."""
+    """The window KV ``RMSNorm_{kv_norm}(W_kv x)``: x ``[T, d]`` → ``[T, D]`` act dtype (before RoPE)."""
     return projections.window_kv(step, x, rms_norm)
 
 

@@ -24,17 +24,20 @@ from ..config import ModelConfig
 from ..kernels import device, device_facts
 from ..kernels.indexer.plan import IndexerPlan, head_pad, plan_indexer
 from ..kernels.indexer.queries import mxfp4_queries
+from ..kernels.indexer.score_weights import score_weights
 from ..kernels.indexer.scores import index_scores
 from ..kernels.indexer.topk import radix_topk
 from ..kernels.indexer.topk_plan import TopkPlan
 from ..numerics import Numerics
 from ..reference.indexer import index_scores as _reference_scores
+from ..reference.primitives import linear
 from ..reference.rope import apply_rope
 from . import projections, torch_ops
 from .step import LayerStep
 from .triton_project import projector
 
-__all__ = ["IndexerQueries", "head_pad", "indexer_plan", "indexer_queries", "indexer_topk", "mxfp4_operand_channels",
+__all__ = ["HeadWeights", "IndexerQueries", "head_pad", "head_weights", "indexer_plan", "indexer_queries", "indexer_topk",
+           "mxfp4_operand_channels",
            "queries_from_float", "queries_from_projection", "score_buffer", "topk_layer"]
 
 
@@ -61,6 +64,30 @@ class IndexerQueries:
     @property
     def num_tokens(self) -> int:
         return self.q.shape[0]
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """The indexer's per-head weights before their scale (the Triton backend's ``indexer_weights``).
+
+    Attributes:
+        projection: ``[T, H_I]`` act dtype: ``W_w x`` as the official model rounds it.
+        scale: ``c_I^{-1/2} H_I^{-1/2}`` (``ModelConfig.index_weight_scale``).
+    """
+
+    projection: Tensor
+    scale: float
+
+    def values(self) -> Tensor:
+        """float32 ``[T, H_I]``: ``projection · scale`` (``reference.indexer.indexer_head_weights``' bits)."""
+        return self.projection.float() * self.scale
+
+
+def head_weights(step: LayerStep, x: Tensor) -> HeadWeights:
+    """The per-head weight projection of ``x`` ``[T, d]`` (``reference.indexer.indexer_head_weights`` before its
+    scale: one GEMM)."""
+    w = step.weights.indexer
+    return HeadWeights(linear(x, w.weights_proj, step.numerics.act_dtype), step.cfg.index_weight_scale)
 
 
 def mxfp4_operand_channels(device: torch.device | str | None = None) -> Tensor:
@@ -162,21 +189,22 @@ def indexer_plan(layer: LayerCache, batch: StepBatch, m: int, k: int, heads: int
         sm_count=dev.sm_count, sm90=dev.sm90, interpreted=device.interpreting())
 
 
-def indexer_topk(step: LayerStep, q_idx: IndexerQueries, head_weights: Tensor) -> Tensor:
+def indexer_topk(step: LayerStep, q_idx: IndexerQueries, head_weights: HeadWeights | Tensor) -> Tensor:
     """See ``backend.AttentionBackend.indexer_topk``: as ``step.plan.indexer`` says (fixed width ``[T, k]``)."""
     return topk_layer(step.cache, step.batch, step.ratio, q_idx, head_weights, step.cfg.index_topk,
                       step.numerics.score_dtype, plan=step.plan.indexer)
 
 
 def topk_layer(
-    layer: LayerCache, batch: StepBatch, m: int, q_idx: IndexerQueries | Tensor, head_weights: Tensor, k: int,
+    layer: LayerCache, batch: StepBatch, m: int, q_idx: IndexerQueries | Tensor, head_weights: HeadWeights | Tensor,
+    k: int,
     score_dtype: torch.dtype, *, plan: IndexerPlan | None = None,
 ) -> Tensor:
     """``indexer_topk`` on explicit tensors: index scores over each request's keys in the paged pool, then causal top-k (SPEC §5–6).
 
     Args:
         q_idx: this module's ``IndexerQueries`` (a float ``[T, H_I, c_I]`` tensor on the format's grid is converted).
-        head_weights: float32 ``[T, H_I]``.
+        head_weights: float32 ``[T, H_I]``, or ``HeadWeights`` (the projection and its scale).
         k: ``index_topk``; score_dtype: BF16 (official) or FP32.
         plan: the step's indexer plan (``indexer_plan``); built here from the batch when omitted.
     Returns:
@@ -196,16 +224,16 @@ def topk_layer(
                          f"{q_idx.fmt} queries)")
     visible = batch.visible_entries[m]
     scores = score_buffer(layer, batch, m, score_dtype)
+    projection, scale = ((head_weights.projection, head_weights.scale) if isinstance(head_weights, HeadWeights)
+                         else (head_weights, 1.0))
     if plan.scores is not None:
-        w = torch.zeros_like(q_idx.scale)
-        w[:, : q_idx.num_heads] = head_weights.float()
-        w.mul_(q_idx.scale)
+        w = score_weights(projection, scale, q_idx.scale)  # one launch: the scale, the queries' scales, padding
         index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, visible, q_idx.q, w, scores,
                      plan.scores)
     else:  # nvfp4: the torch backend's scores (host loop), then the same top-k
-        values = q_idx.values
+        values, weights = q_idx.values, projection.float() * scale
         for rows, keys in torch_ops.request_index_keys(layer, batch, m):
-            scores[rows, : keys.shape[0]] = _reference_scores(values[rows], head_weights[rows], keys, score_dtype)
+            scores[rows, : keys.shape[0]] = _reference_scores(values[rows], weights[rows], keys, score_dtype)
     return radix_topk(scores, visible, plan.topk, **topk_scratch(layer, plan.topk))
 
 

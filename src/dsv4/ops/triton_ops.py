@@ -1,8 +1,8 @@
 """The Triton backend: the ops of one layer step (``ops.backend``) on Triton / Gluon kernels for Hopper GPUs
 (CUDA tensors; the Triton interpreter runs them on the CPU for tests), in call order:
 
-* ``query_latent``, ``queries``, ``window_kv``, ``new_entries``, ``append_swa`` —
-  ``triton_write`` (``kernels.project``, ``kernels.write``);
+* ``input_projections``, ``queries``, ``new_entries``, ``append_swa`` — ``triton_write`` (``kernels.project``,
+  ``kernels.write``);
 * ``indexer_queries``, ``indexer_weights``, ``indexer_topk`` — ``triton_indexer`` (``kernels.indexer``);
 * ``visible_entries``, ``attend`` — ``triton_attention`` (``kernels.attention``);
 * ``output`` — the grouped output projection (``ops.projections``).
@@ -30,12 +30,11 @@ from .plan import LayerPlan, StepPlan
 from .prefix_capture import capture_prefix_states
 from .step import LayerStep
 from .triton_project import projector
-from .triton_write import append_swa, kernels_handle, new_entries, queries, query_latent, window_kv
+from .triton_write import append_swa, input_projections, kernels_handle, new_entries, queries
 
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
-    "query_latent", "queries", "window_kv", "capture_prefix_states", "new_entries", "indexer_queries",
-    "indexer_weights",
+    "input_projections", "queries", "capture_prefix_states", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 ]
 
@@ -81,9 +80,10 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
     return StepPlan(NAME, layers, summary, batch.shape_key())
 
 
-def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.indexer_weights``."""
-    return projections.indexer_weights(step, x)
+def indexer_weights(step: LayerStep, x: Tensor) -> triton_indexer.HeadWeights:
+    """See ``backend.AttentionBackend.indexer_weights``: the projection ``W_w x`` (BF16) with its scale, applied by
+    ``indexer_topk``'s one launch that also folds in the queries' scales (``kernels.indexer.score_weights``)."""
+    return triton_indexer.head_weights(step, x)
 
 
 def visible_entries(step: LayerStep) -> Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..input_stack import input_stack
 from ..kernels.device import runs_here
 from ..kernels.project import queries as query_kernels, rms_norm as rms_norm_kernels
 from ..kernels.write import window as window_kernels
@@ -26,7 +27,8 @@ from . import projections, torch_ops
 from .triton_project import projector
 from .step import LayerStep
 
-__all__ = ["append_swa", "kernels_handle", "new_entries", "queries", "query_latent", "rms_norm", "window_kv"]
+__all__ = ["append_swa", "input_projections", "kernels_handle", "new_entries", "queries", "query_latent", "rms_norm",
+           "window_kv"]
 
 #: widest row the RMSNorm kernel takes in one program
 RMS_NORM_MAX_CHANNELS = 8192
@@ -47,8 +49,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return rms_norm_kernels.rms_norm(x, weight, eps)
 
 
+def input_projections(step: LayerStep, x: Tensor) -> tuple[Tensor, Tensor]:
+    """See ``backend.AttentionBackend.input_projections``: with the layer's ``[W_qa; W_kv]`` stacked
+    (``dsv4.input_stack``) one FP8 GEMM as the step's plan says, then each norm reading its column block in place;
+    else one GEMM per projection."""
+    stack = input_stack(step.weights)
+    if stack is None or step.plan.projection is None or not runs_here(x):
+        return query_latent(step, x), window_kv(step, x)
+    y = projector(step)(x, stack, step.numerics)
+    n, w, eps = step.cfg.q_lora_rank, step.weights, step.cfg.norm_eps
+    return rms_norm(y[:, :n], w.q_norm, eps), rms_norm(y[:, n:], w.kv_norm, eps)
+
+
 def query_latent(step: LayerStep, x: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.query_latent``."""
+    """``c^Q = RMSNorm_{q_norm}(W_qa x)`` (its own GEMM): x ``[T, d]`` → ``[T, q_lora_rank]`` act dtype."""
     return projections.query_latent(step, x, rms_norm, projector(step))
 
 
@@ -61,7 +75,8 @@ def queries(step: LayerStep, q_latent: Tensor) -> Tensor:
 
 
 def window_kv(step: LayerStep, x: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.window_kv`` (the norm: the torch backend's bits)."""
+    """The window KV ``RMSNorm_{kv_norm}(W_kv x)`` (its own GEMM; the norm: the torch backend's bits): x ``[T, d]``
+    → ``[T, D]`` act dtype."""
     return projections.window_kv(step, x, rms_norm, projector(step))
 
 

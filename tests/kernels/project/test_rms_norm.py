@@ -26,6 +26,13 @@ for rows, C in ((3, 512), (20, 512), (5, 1536), (2, 96)):
     x = (torch.randn(rows, C, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).bfloat16()
     w = 1 + 0.1 * torch.randn(C, generator=g)
     check_close(rms_norm(x, w, 1e-6), primitives.rms_norm(x, w, 1e-6))
+# a column block of a wider output (the stacked input projections' [T, q_lora + D]) is read in place, same bits
+wide = torch.randn(7, 1536 + 512, generator=g).bfloat16()
+for cols in (slice(0, 1536), slice(1536, None)):
+    block = wide[:, cols]
+    w = 1 + 0.1 * torch.randn(block.shape[1], generator=g)
+    got = rms_norm(block, w, 1e-6)
+    assert got.is_contiguous() and torch.equal(got, rms_norm(block.contiguous(), w, 1e-6))
 print("ok")
 """
 

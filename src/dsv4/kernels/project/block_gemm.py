@@ -63,9 +63,11 @@ class GemmConfig:
 def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     """The launch for ``[M, K] @ [N, K]ᵀ`` on a device of ``sms`` SMs.
 
-    The smallest row tile that holds M (16 … 64), 128-column tiles, 4 warps, 3 stages; where the tiles do not
-    cover the SMs, K split until about two programs per SM stream the weight (each split keeping ≥ 2 K blocks).
-    The choices measured best on the H200 (``benchmarks/bench_fp8_projections.py --sweep``).
+    The smallest row tile that holds M (16 … 64), 4 warps, 3 stages; where 128-column tiles do not cover the SMs,
+    K split until about two programs per SM stream the weight (each split keeping ≥ 2 K blocks). Row tiles of
+    16: 128-column tiles, the activations quantized in the GEMM; of 32 or 64 (where every program quantizing its
+    rows costs more than a launch doing it once): the activations quantized before, 64-column tiles. The choices
+    measured best on the H200 (``benchmarks/bench_fp8_projections.py --sweep``).
     """
     if M <= 0:
         raise ValueError(f"gemm_config: M must be positive, got {M}")
@@ -77,6 +79,8 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     split = triton.cdiv(kblocks, triton.cdiv(kblocks, split))  # no empty split
     if tiles * split > COUNTERS:
         split = 1
+    if bm >= 32:
+        return GemmConfig(bm=bm, bn=64, split=split, quantized=True)
     return GemmConfig(bm=bm, bn=bn, split=split)
 
 
@@ -131,7 +135,7 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w_ptr, w_scale_ptr, out
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(SPLIT):
+            for s in tl.static_range(SPLIT):  # unrolled: the partials' loads overlap instead of queueing
                 total += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count_ptr + tile, 0)

@@ -1,7 +1,8 @@
 """How a step's FP8 projections run (``ProjectionPlan``), decided once per step from its row count.
 
-The five FP8 projections of a layer (``weights.FP8_PROJECTIONS``) have fixed shapes; a step multiplies each by
-``rows`` activation rows (its tokens). Per weight shape the plan holds the Triton block GEMM's launch
+The five FP8 projections of a layer (``weights.FP8_PROJECTIONS``) have fixed shapes, and so has the stack of the
+two that read the layer's input (``wq_a+wkv``, ``dsv4.input_stack``); a step multiplies each by ``rows`` activation
+rows (its tokens). Per weight shape the plan holds the Triton block GEMM's launch
 (``block_gemm.gemm_config``) where that kernel was measured faster than the device's fallback way (``fallback``:
 cuBLAS over the quantized values, ``"bf16"``, or ``torch._scaled_mm``, ``"scaled_mm"``), and ``None`` elsewhere.
 The rule's figures: ``benchmarks/RESULTS.md``, "FP8 projections".
@@ -19,25 +20,30 @@ __all__ = ["ProjectionPlan", "fp8_projection_shapes", "plan_projections", "trito
 #: steps of at most this many rows (decode) take the Triton GEMM ...
 TRITON_ROWS = 64
 #: ... for weights of at least this many values (V4-Flash: ``wq_b``, ``wo_b``, 32 Mi each; the smaller ones are
-#: launch-latency bound either way)
+#: launch-latency bound either way) ...
 TRITON_MIN_VALUES = 1 << 24
+#: ... and for the stacked input projections whatever their size: one launch instead of two cuBLAS chains
+#: (activation quantization, split-K GEMM, its reduce) for ``wq_a`` and ``wkv``
+TRITON_STACKS = ("wq_a+wkv",)
 
 
 def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[str, tuple[int, int]]:
-    """``{name: (N, K)}`` of a layer's FP8 projections (``heads``: the query heads a rank computes; a
-    tensor-parallel rank holds their share of the output groups, ``G·heads/H``, and so of ``wo_b``'s columns)."""
+    """``{name: (N, K)}`` of a layer's FP8 projections and of the stacked ``wq_a+wkv`` (``heads``: the query heads a
+    rank computes; a tensor-parallel rank holds their share of the output groups, ``G·heads/H``, and so of
+    ``wo_b``'s columns)."""
     H = cfg.num_heads if heads is None else heads
     d = cfg.hidden_size
     groups = cfg.o_groups * H // cfg.num_heads
     return {"wq_a": (cfg.q_lora_rank, d), "wq_b": (H * cfg.head_dim, cfg.q_lora_rank), "wkv": (cfg.head_dim, d),
+            "wq_a+wkv": (cfg.q_lora_rank + cfg.head_dim, d),
             "wo_b": (d, groups * cfg.o_lora_rank),
             "indexer.wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)}
 
 
-def triton_gemm_wins(rows: int, n: int, k: int) -> bool:
-    """Whether the Triton block GEMM beats cuBLAS over the quantized values for this shape (measured on the H200:
-    decode rows over a large weight)."""
-    return rows <= TRITON_ROWS and n * k >= TRITON_MIN_VALUES
+def triton_gemm_wins(rows: int, n: int, k: int, name: str = "") -> bool:
+    """Whether the Triton block GEMM beats cuBLAS over the quantized values for weight ``name`` of this shape
+    (measured on the H200: decode rows over a large weight, or over a stack)."""
+    return rows <= TRITON_ROWS and (n * k >= TRITON_MIN_VALUES or name in TRITON_STACKS)
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ def plan_projections(rows: int, shapes: dict[str, tuple[int, int]], fallback: st
     Triton block GEMM (FP8 tensor cores: Hopper)."""
     launches = {}
     if triton_gemm and rows > 0:
-        for n, k in shapes.values():
-            if triton_gemm_wins(rows, n, k):
+        for name, (n, k) in shapes.items():
+            if triton_gemm_wins(rows, n, k, name):
                 launches[(n, k)] = gemm_config(rows, n, k, sms)
     return ProjectionPlan(rows=rows, fallback=fallback, launches=launches)

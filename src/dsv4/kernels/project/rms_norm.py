@@ -26,40 +26,43 @@ __all__ = ["rms_norm"]
 
 
 @triton.jit
-def _rms_norm_512_kernel(x_ptr, w_ptr, out_ptr, rows, eps):
-    """Row ``pid`` of bf16 ``x`` ``[rows, 512]`` → bf16 ``out`` (one warp; torch's order for ``rows`` rows)."""
-    base = tl.program_id(0).to(tl.int64) * 512
+def _rms_norm_512_kernel(x_ptr, stride_x, w_ptr, out_ptr, rows, eps):
+    """Row ``pid`` of bf16 ``x`` ``[rows, 512]`` (rows ``stride_x`` apart) → bf16 ``out`` (contiguous; one warp;
+    torch's order for ``rows`` rows)."""
+    row = tl.program_id(0).to(tl.int64)
+    src = x_ptr + row * stride_x
     cols = tl.arange(0, 128)  # thread l: channels 128k + 4l … 128k + 4l + 3 of chunk k
     sums = zero_square_sums()
     for k in tl.static_range(4):
-        sums = add_chunk_squares(tl.load(x_ptr + base + k * 128 + cols).to(tl.float32), k, *sums)
+        sums = add_chunk_squares(tl.load(src + k * 128 + cols).to(tl.float32), k, *sums)
     r = entry_rms_scale(*sums, rows, eps)
     for k in tl.static_range(4):
-        x = tl.load(x_ptr + base + k * 128 + cols).to(tl.float32)
+        x = tl.load(src + k * 128 + cols).to(tl.float32)
         y = bf16_round(tl.load(w_ptr + k * 128 + cols) * (x * r))
-        tl.store(out_ptr + base + k * 128 + cols, y.to(tl.bfloat16))
+        tl.store(out_ptr + row * 512 + k * 128 + cols, y.to(tl.bfloat16))
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, inv_c, eps, BLOCK: tl.constexpr):
-    """Row ``pid`` of bf16 ``x`` ``[rows, C]`` → bf16 ``out`` (``C ≤ BLOCK``; Triton's summation order; the mean as
-    torch takes it: the sum times fp32 ``inv_c = 1/C``)."""
-    base = tl.program_id(0).to(tl.int64) * C
+def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, C, inv_c, eps, BLOCK: tl.constexpr):
+    """Row ``pid`` of bf16 ``x`` ``[rows, C]`` (rows ``stride_x`` apart) → bf16 ``out`` (contiguous; ``C ≤ BLOCK``;
+    Triton's summation order; the mean as torch takes it: the sum times fp32 ``inv_c = 1/C``)."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < C
-    x = tl.load(x_ptr + base + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     r = rsqrtf(tl.sum(x * x) * inv_c + eps)
     y = bf16_round(tl.load(w_ptr + cols, mask=ok, other=0.0) * (x * r))
-    tl.store(out_ptr + base + cols, y.to(tl.bfloat16), mask=ok)
+    tl.store(out_ptr + row * C + cols, y.to(tl.bfloat16), mask=ok)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``reference.primitives.rms_norm(x, weight, eps)`` in one launch.
 
     Args:
-        x: bf16 ``[rows, C]`` (made contiguous). weight: ``[C]`` (used as fp32). eps: the epsilon.
+        x: bf16 ``[rows, C]``, rows any stride apart (a column block of a wider GEMM output is read in place).
+            weight: ``[C]`` (used as fp32). eps: the epsilon.
     Returns:
-        bf16 ``[rows, C]``: bit for bit the torch backend's for C = 512, else within one BF16 step.
+        bf16 ``[rows, C]``, contiguous: bit for bit the torch backend's for C = 512, else within one BF16 step.
     Raises:
         ValueError: ``x`` not a bf16 matrix, or ``weight`` not ``[C]``.
     """
@@ -68,15 +71,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     rows, C = x.shape
     if weight.shape != (C,):
         raise ValueError(f"weight must be [{C}], got {list(weight.shape)}")
-    x = x.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     w = weight.to(device=x.device, dtype=torch.float32).contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty((rows, C), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     if C == 512:
-        _rms_norm_512_kernel[(rows,)](x, w, out, rows, float(eps), num_warps=1, enable_fp_fusion=False)
+        _rms_norm_512_kernel[(rows,)](x, x.stride(0), w, out, rows, float(eps), num_warps=1, enable_fp_fusion=False)
     else:
         block = triton.next_power_of_2(C)
-        _rms_norm_kernel[(rows,)](x, w, out, C, 1.0 / C, float(eps), BLOCK=block, num_warps=max(1, min(8, block // 256)),
-                                  enable_fp_fusion=False)
+        _rms_norm_kernel[(rows,)](x, x.stride(0), w, out, C, 1.0 / C, float(eps), BLOCK=block,
+                                  num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False)
     return out

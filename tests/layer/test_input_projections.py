@@ -1,0 +1,120 @@
+"""The layer's input projections ``W_qa x`` and ``W_kv x`` as one FP8 GEMM over their stack (``dsv4.input_stack``,
+the Triton backend's ``input_projections``).
+
+CPU: the stacked ``BlockFp8Weight`` holds both weights' E4M3 values and block scales unchanged (its dequantized
+rows are theirs, bit for bit: the stacked GEMM forms the same products); ``wq_a`` / ``wkv`` are views of it, made
+once, never stale; weights that cannot stack (a ``q_lora_rank`` off the 128-row scale blocks, BF16 weights) are left
+alone. GPU (marked ``gpu``): on V4-Flash weights at 1 … 256 rows the Triton backend's
+stacked GEMM's columns are the reference's FP32 sums of the same products rounded once to BF16 (within one BF16
+step), and ``(c^Q, kv)`` the torch backend's separate projections and norms within two BF16 steps (one from the
+GEMMs' summation orders, one from the norm's rounding), at least 95% bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dsv4
+from dsv4.formats.block_fp8 import BlockFp8Weight
+from dsv4.compressor_stack import compressor_stack, stack_compressor_weights
+from dsv4.input_stack import input_stack, stack_input_projections
+from dsv4.numerics import resolve_numerics
+from dsv4.weight_stack import replace_keeping_stacks
+
+TINY = dsv4.ModelConfig.preset("tiny")
+#: the tiny model with a query latent of one 128-row scale block, so that ``wq_a`` and ``wkv`` can stack
+TINY_128 = dataclasses.replace(TINY, q_lora_rank=128)
+
+
+def _fp8_weights(cfg: dsv4.ModelConfig, li: int = 0) -> dsv4.AttentionWeights:
+    return dsv4.AttentionWeights.random(cfg, li, seed=3).for_numerics(resolve_numerics("official"))
+
+
+def test_stack_holds_both_weights_and_they_are_its_views() -> None:
+    w = _fp8_weights(TINY_128)
+    assert isinstance(w.wq_a, BlockFp8Weight) and input_stack(w) is None
+    s = stack_input_projections(w)
+    stack = input_stack(s)
+    n = TINY_128.q_lora_rank
+    assert stack.shape == (n + TINY_128.head_dim, TINY_128.hidden_size)
+    assert torch.equal(stack.dequantize(), torch.cat([w.wq_a.dequantize(), w.wkv.dequantize()]))
+    assert s.wq_a.data.data_ptr() == stack.data.data_ptr() and s.wkv.data.data_ptr() == stack.data[n:].data_ptr()
+    assert s.wkv.scale.data_ptr() == stack.scale[n // 128 :].data_ptr()
+    assert input_stack(w) is None  # the input is left as it was
+    again = stack_input_projections(s)  # already stacked: the same memory, nothing copied
+    assert input_stack(again).data.data_ptr() == stack.data.data_ptr()
+
+
+def test_stack_is_never_stale() -> None:
+    s = stack_input_projections(_fp8_weights(TINY_128))
+    other = BlockFp8Weight(s.wkv.data.clone(), s.wkv.scale.clone())
+    assert input_stack(dataclasses.replace(s, wkv=other)) is None  # a replaced weight: one GEMM per projection
+    assert input_stack(s.to("cpu")) is None  # a copy drops the record (``to`` makes new weight objects)
+    s.wq_a.data.view(torch.uint8)[0, 0] ^= 1  # an in-place change reaches the stack: it is the same memory
+    assert torch.equal(input_stack(s).data[0, 0].view(torch.uint8), s.wq_a.data[0, 0].view(torch.uint8))
+
+
+def test_weights_that_cannot_stack_are_left_alone() -> None:
+    off_blocks = _fp8_weights(TINY)  # q_lora_rank 64: a scale block would straddle wq_a and wkv
+    assert TINY.q_lora_rank % 128 and stack_input_projections(off_blocks) is off_blocks
+    bf16 = dsv4.AttentionWeights.random(TINY_128, 0, seed=3).for_numerics(resolve_numerics("exact"))
+    assert not isinstance(bf16.wq_a, BlockFp8Weight) and stack_input_projections(bf16) is bf16
+
+
+@pytest.mark.parametrize("li", [1, 2], ids=["csa", "hca"])
+def test_layer_device_weights_hold_both_stacks(li: int) -> None:
+    """The input projections' stack and the compressors' stack survive each other, in either order (each
+    stacking copies the weights: the other's record must come along), and a layer's device weights hold both."""
+    w = _fp8_weights(TINY_128, li)
+    for both in (stack_input_projections(stack_compressor_weights(w)),
+                 stack_compressor_weights(stack_input_projections(w))):
+        assert input_stack(both) is not None and compressor_stack(both) is not None
+    layer = dsv4.Attention(dsv4.AttentionWeights.random(TINY_128, li, seed=3), TINY_128, li, backend="torch")
+    dev, _ = layer._weights_on(torch.device("cpu"), resolve_numerics("official"))
+    assert input_stack(dev) is not None and compressor_stack(dev) is not None
+    assert input_stack(dataclasses.replace(dev)) is None  # a plain copy drops the records
+    stale = replace_keeping_stacks(dev, compressor=dataclasses.replace(dev.compressor, wkv=dev.compressor.wkv.clone()))
+    assert compressor_stack(stale) is None and input_stack(stale) is not None  # records kept, checked per stack
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 64, 256])
+def test_gpu_stacked_input_projections_match_torch_backend(rows: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from support.bf16 import bf16_step, check_close
+
+    from dsv4.formats.block_fp8 import fp8_linear
+    from dsv4.ops import torch_ops, triton_ops
+    from dsv4.ops.triton_project import projector
+
+    cfg = dsv4.ModelConfig.preset("v4-flash")
+    li = 2  # a CSA layer
+    layer = dsv4.Attention(dsv4.AttentionWeights.random(cfg, li, seed=1), cfg, li, backend="triton",
+                           check_inputs=False, nan_policy="off")
+    cache = dsv4.HybridCache(cfg, layers=[li], max_requests=rows, num_blocks=rows * 2 + 1, device="cuda")
+    for r in range(rows):
+        cache.add_request(f"r{r}")
+    batch = cache.prepare_forward({f"r{r}": 1 for r in range(rows)})
+    step = layer.layer_step(batch, cache, triton_ops.plan_step(batch, cache))
+    stack = input_stack(step.weights)
+    assert stack is not None and compressor_stack(step.weights) is not None
+    # decode rows take the Triton block GEMM, more rows cuBLAS over the quantized values (the plan's rule)
+    assert (step.plan.projection.launch(*stack.shape) is not None) == (rows <= 64)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, cfg.hidden_size, generator=g, device="cuda")
+         * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))).bfloat16()
+    # the one GEMM: each column the FP32 sum of the reference's products (formats.block_fp8), rounded once to BF16
+    y = projector(step)(x, stack, step.numerics)
+    n = cfg.q_lora_rank
+    for got, weight in ((y[:, :n], step.weights.wq_a), (y[:, n:], step.weights.wkv)):
+        want = fp8_linear(x, weight, torch.float32)
+        assert bool(((got.float() - want).abs() <= bf16_step(want)).all())
+    # then the norms: inputs within one BF16 step (2⁻⁸ relative) of the torch backend's, one more rounding
+    q_latent, kv = triton_ops.input_projections(step, x)
+    for got, want in ((q_latent, torch_ops.query_latent(step, x)), (kv, torch_ops.window_kv(step, x))):
+        check_close(got, want, 2 * bf16_step(want.float()), equal_fraction=0.95)
