@@ -33,7 +33,7 @@ REQUIRES_CUDA = True
 #: row counts ``--sweep`` explores (each launch shape compiles once: a wider sweep costs minutes)
 SWEEP_ROWS = (4, 64)
 #: weights ``--sweep`` explores: the large square-ish one, the long-K one and the narrow one
-SWEEP_WEIGHTS = ("wq_b", "wo_b", "wq_a+wkv")
+SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv", "wq_a+wkv")
 
 
 def fp8_projections(cfg: dsv4.ModelConfig) -> dict[str, BlockFp8Weight]:
@@ -72,18 +72,16 @@ def run_way(x: torch.Tensor, w: BlockFp8Weight, way: str, config: block_gemm.Gem
 
 
 def sweep_configs(plan: block_gemm.GemmConfig) -> list[block_gemm.GemmConfig]:
-    """The plan's launch and neighbours of it: the weight read by TMA or by per-thread loads, the activations
-    quantized in the GEMM or by a launch before, 64- or 128-column tiles, K split as planned or half as much, 3 or 5
-    stages (4 warps)."""
+    """The plan's launch and neighbours of it: the activations quantized in the GEMM or by a launch before, 64- or
+    128-column tiles, K split as planned or twice as much, two warp / stage pairs."""
     out = [plan]
-    splits = sorted({plan.split, max(1, plan.split // 2)})
-    for tma in (False, True):
-        for quantized in (False, True):
-            for bn in (64, 128):
-                for split in splits:
-                    for stages in (3, 5):
-                        out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=4, num_stages=stages,
-                                                       quantized=quantized, tma=tma))
+    splits = sorted({plan.split, plan.split * 2})
+    for quantized in (False, True):
+        for bn in (64, 128):
+            for split in splits:
+                for warps, stages in ((4, 3), (8, 4)):
+                    out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=warps, num_stages=stages,
+                                                   quantized=quantized))
     return list(dict.fromkeys(out))
 
 
@@ -130,7 +128,6 @@ def main() -> None:
                 launch = "" if config is None else (f"bm{config.bm} bn{config.bn} split{config.split} "
                                                     f"w{config.num_warps} s{config.num_stages}"
                                                     + (" q" if config.quantized else "")
-                                                    + (" tma" if config.tma else "")
                                                     + (" (plan)" if config == plan else ""))
                 rows.append({"weight": name, "N": N, "K": K, "M": M, "way": way, "launch": launch,
                              "us": t * 1e6, "roofline_us": floor * 1e6, "rel_err": rel})

@@ -41,9 +41,7 @@ COUNTERS = 1 << 14
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """One launch: ``[bm, bn]`` output tiles, K blocks split over ``split`` programs per tile; ``quantized``: the
-    activations quantized by a launch before (``fp8_gemm.quantize_activations``) rather than by every program;
-    ``tma``: the weight tiles read by the Hopper tensor-memory accelerator (a host-made descriptor) rather than by
-    per-thread loads."""
+    activations quantized by a launch before (``fp8_gemm.quantize_activations``) rather than by every program."""
 
     bm: int
     bn: int
@@ -51,7 +49,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     quantized: bool = False
-    tma: bool = False
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
         return triton.cdiv(N, self.bn), triton.cdiv(M, self.bm), self.split
@@ -59,8 +56,7 @@ class GemmConfig:
     def describe(self) -> str:
         split = f", split {self.split}" if self.split > 1 else ""
         quantized = ", quantized before" if self.quantized else ""
-        tma = ", TMA" if self.tma else ""
-        return f"{self.bm}x{self.bn}{split}{quantized}{tma}"
+        return f"{self.bm}x{self.bn}{split}{quantized}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,14 +85,13 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                            NKB, MN, KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           SPLIT: tl.constexpr, QUANTIZED: tl.constexpr, TMA: tl.constexpr):
+                           SPLIT: tl.constexpr, QUANTIZED: tl.constexpr):
     """Tile ``(pid0, pid1)`` of ``out`` ``[M, N]``, K blocks ``pid2·KB_PER_SPLIT …`` (see the module docstring).
 
     x: bf16 ``[M, K]`` (row stride ``stride_x``) or, ``QUANTIZED``, its E4M3 codes (uint8 ``[M, K]``) with their scales
-    ``x_scale`` fp32 ``[NKB, M]`` (``fp8_gemm.quantize_activations``); w: e4m3 ``[N, K]`` contiguous (``TMA``: a
-    tensor descriptor of it, ``[BN, 128]`` blocks, zero-padded past N and K); w_scale: fp32
+    ``x_scale`` fp32 ``[NKB, M]`` (``fp8_gemm.quantize_activations``); w: e4m3 ``[N, K]`` contiguous; w_scale: fp32
     ``[⌈N/128⌉, NKB]``; part: fp32 ``[SPLIT, M, N]`` workspace (MN = M·N); count: int32 per tile (0 before and
     after)."""
     pid_n = tl.program_id(0)
@@ -124,12 +119,9 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w, w_scale_ptr, out_ptr
             code, _, ebyte = fp8_block_qdq(x, 1)
             a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
             x_scale = exp2i(ebyte - 127)
-        if TMA:
-            w_tile = w.load([pid_n * BN, kb * 128])
-        else:
-            w_tile = tl.load(w + cols[:, None].to(tl.int64) * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-        block = tl.dot(a, tl.trans(w_tile))
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        block = tl.dot(a, tl.trans(w))
         scale = x_scale[:, None] * tl.load(w_scale_row + kb, mask=kb < NKB, other=0.0)
         acc += block * scale
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -147,17 +139,6 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w, w_scale_ptr, out_ptr
                 total += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count_ptr + tile, 0)
-
-
-def _weight_descriptor(w: BlockFp8Weight, bn: int):
-    """The TMA descriptor of ``w``'s E4M3 values in ``[bn, 128]`` blocks, made once per weight and tile width (a
-    host object passed by value to the kernel: nothing on the device)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    cache = w.__dict__.setdefault("_tma_descriptors", {})
-    if bn not in cache:
-        cache[bn] = TensorDescriptor.from_tensor(w.data, [bn, ACT_BLOCK])
-    return cache[bn]
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,9 +185,8 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
             part = workspace.get("gemm_partials", (config.split, M, N), torch.float32)
             counters = workspace.get("gemm_tile_counters", (COUNTERS,), torch.int32, zero=True)
     _block_fp8_gemm_kernel[config.grid(M, N)](
-        x, x.stride(0), x_scale, _weight_descriptor(w, config.bn) if config.tma else w.data, w.scale, out, part,
-        counters, M, N, K, nkb, M * N,
+        x, x.stride(0), x_scale, w.data, w.scale, out, part, counters, M, N, K, nkb, M * N,
         KB_PER_SPLIT=triton.cdiv(nkb, config.split), BM=config.bm, BN=config.bn, SPLIT=config.split,
-        QUANTIZED=config.quantized, TMA=config.tma,
+        QUANTIZED=config.quantized,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
