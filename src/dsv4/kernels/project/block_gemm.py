@@ -63,11 +63,11 @@ class GemmConfig:
 def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     """The launch for ``[M, K] @ [N, K]ᵀ`` on a device of ``sms`` SMs.
 
-    The smallest row tile that holds M (16 … 64), 4 warps, 3 stages; where 128-column tiles do not cover the SMs,
-    K split until about two programs per SM stream the weight (each split keeping ≥ 2 K blocks). Row tiles of
-    16: 128-column tiles, the activations quantized in the GEMM; of 32 or 64 (where every program quantizing its
-    rows costs more than a launch doing it once): the activations quantized before, 64-column tiles. The choices
-    measured best on the H200 (``benchmarks/bench_fp8_projections.py --sweep``).
+    The smallest row tile that holds M (16 … 64), 4 warps, 3 stages, 128-column tiles; where those tiles do not
+    cover the SMs, K split until about two programs per SM stream the weight (each split keeping ≥ 2 K blocks).
+    Row tiles of 64 (where every program quantizing its rows costs more than a launch doing it once, and a split's
+    partials are 4× larger): the activations quantized before, K split half as much, and 64-column tiles where it
+    is split. The choices measured best on the H200 (``benchmarks/bench_fp8_projections.py --sweep``).
     """
     if M <= 0:
         raise ValueError(f"gemm_config: M must be positive, got {M}")
@@ -79,8 +79,10 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     split = triton.cdiv(kblocks, triton.cdiv(kblocks, split))  # no empty split
     if tiles * split > COUNTERS:
         split = 1
-    if bm >= 32:
-        return GemmConfig(bm=bm, bn=64, split=split, quantized=True)
+    if bm == 64:
+        split = max(1, split // 2)
+        split = triton.cdiv(kblocks, triton.cdiv(kblocks, split))
+        return GemmConfig(bm=bm, bn=64 if split > 1 else bn, split=split, quantized=True)
     return GemmConfig(bm=bm, bn=bn, split=split)
 
 
