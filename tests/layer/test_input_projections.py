@@ -4,10 +4,9 @@ the Triton backend's ``input_projections``).
 CPU: the stacked ``BlockFp8Weight`` holds both weights' E4M3 values and block scales unchanged (its dequantized
 rows are theirs, bit for bit: the stacked GEMM forms the same products); ``wq_a`` / ``wkv`` are views of it, made
 once, never stale; weights that cannot stack (a ``q_lora_rank`` off the 128-row scale blocks, BF16 weights) are left
-alone. GPU (marked ``gpu``): on V4-Flash weights at 1 … 256 rows the Triton backend's
-stacked GEMM's columns are the reference's FP32 sums of the same products rounded once to BF16 (within one BF16
-step), and ``(c^Q, kv)`` the torch backend's separate projections and norms within two BF16 steps (one from the
-GEMMs' summation orders, one from the norm's rounding), at least 95% bit for bit.
+alone. GPU (marked ``gpu``): on V4-Flash weights at 1 … 256 rows (the Triton block GEMM up to 64, cuBLAS
+beyond) each column block of the one GEMM is the reference's FP8 GEMM of its weight up to the tensor cores'
+accumulation precision, and the norms read their blocks in place: the torch backend's norms of the same values.
 """
 
 from __future__ import annotations
@@ -89,8 +88,9 @@ def test_gpu_stacked_input_projections_match_torch_backend(rows: int) -> None:
     from support.bf16 import bf16_step, check_close
 
     from dsv4.formats.block_fp8 import fp8_linear, qdq_activations
-    from dsv4.ops import torch_ops, triton_ops
+    from dsv4.ops import triton_ops
     from dsv4.ops.triton_project import projector
+    from dsv4.reference.primitives import rms_norm
 
     cfg = dsv4.ModelConfig.preset("v4-flash")
     li = 2  # a CSA layer
@@ -108,16 +108,20 @@ def test_gpu_stacked_input_projections_match_torch_backend(rows: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = (torch.randn(rows, cfg.hidden_size, generator=g, device="cuda")
          * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))).bfloat16()
-    # the one GEMM: each column an FP32 sum of the reference's products (formats.block_fp8) in some order, rounded
-    # once to BF16: within one BF16 step plus the FP32 summation bound γ_K·Σ|x_k||w_k| of the FP32 reference
+    # the one GEMM: each column block the reference's FP8 GEMM of its weight (formats.block_fp8: the same
+    # products, summed in FP32) up to the tensor cores' accumulation — Hopper's FP8 MMA keeps about 14 bits within a
+    # 128-wide K block (why the block GEMM adds each block into FP32), cuBLAS's BF16 GEMM may reduce split-K
+    # partials in reduced precision: within one BF16 step + 2⁻¹⁰·Σ|x_k w_k|, and 4e-3 relative overall
     y = projector(step)(x, stack, step.numerics)
-    n, K = cfg.q_lora_rank, cfg.hidden_size
-    gamma = 2 * K * 2.0**-23  # two FP32 sums (this GEMM's and the reference's), each within γ_K
+    n = cfg.q_lora_rank
     for got, weight in ((y[:, :n], step.weights.wq_a), (y[:, n:], step.weights.wkv)):
         want = fp8_linear(x, weight, torch.float32)
-        bound = bf16_step(want) + gamma * (qdq_activations(x).abs() @ weight.dequantize().abs().T)
+        bound = bf16_step(want) + 2.0**-10 * (qdq_activations(x).abs() @ weight.dequantize().abs().T)
         assert bool(((got.float() - want).abs() <= bound).all())
-    # then the norms: inputs within one BF16 step (2⁻⁸ relative) of the torch backend's, one more rounding
+        assert float((got.float() - want).norm() / want.norm()) < 4e-3
+    # then the norms, each over its column block of that output read in place: the torch backend's norm of the
+    # same values (the 512-wide one bit for bit, torch's summation order; c^Q in Triton's: one BF16 step)
     q_latent, kv = triton_ops.input_projections(step, x)
-    for got, want in ((q_latent, torch_ops.query_latent(step, x)), (kv, torch_ops.window_kv(step, x))):
-        check_close(got, want, 2 * bf16_step(want.float()), equal_fraction=0.95)
+    w, eps = step.weights, cfg.norm_eps
+    assert torch.equal(kv, rms_norm(y[:, n:].contiguous(), w.kv_norm, eps))
+    check_close(q_latent, rms_norm(y[:, :n].contiguous(), w.q_norm, eps))
