@@ -14,6 +14,7 @@ Prints every specialisation the load pass launches that no worker task launched 
 process), grouped by kernel, with the argument that differs.
 
     PYTHONPATH=src python tools/diag_warmup_launches.py [--max-tokens 1024]
+    PYTHONPATH=src python tools/diag_warmup_launches.py --census      # specialisations per kernel (≈ 13 min here)
 """
 
 from __future__ import annotations
@@ -175,13 +176,43 @@ def _task(cfg, layers: list[int], shape, device: str) -> tuple[list, dict]:
     return [(n, k, names, spec) for n, k, names, spec, _, _ in rec[start:]], process_state(device)
 
 
+def census(args) -> int:
+    """Every distinct specialisation the workload launches, counted per kernel, with the arguments that vary."""
+    import dsv4
+    from dsv4.engine.warmup import _kinds
+
+    _init(args.device)
+    eager, graph = workload_shapes(args.max_tokens)
+    if args.requests:
+        eager = [s for s in eager if len(s.num_new) in args.requests]
+    cfg = dsv4.ModelConfig.preset("v4-flash")
+    layers = _kinds(cfg, range(cfg.num_layers))
+    specs: dict[str, dict] = defaultdict(dict)
+    for shape in eager + graph:
+        recs, _ = _task(cfg, layers, shape, args.device)
+        for name, key, names, spec in recs:
+            specs[name].setdefault(key, (names, spec))
+    print(f"{len(eager)} eager + {len(graph)} graph shapes, layers {layers}: "
+          f"{sum(len(k) for k in specs.values())} specialisations")
+    for name, keys in sorted(specs.items(), key=lambda kv: -len(kv[1])):
+        names = next(iter(keys.values()))[0]
+        varying = [f"{nm}({n})" for j, nm in enumerate(names)
+                   if (n := len({repr(v[1][j]) if j < len(v[1]) else None for v in keys.values()})) > 1]
+        print(f"{len(keys):4d}  {name}: varies in {', '.join(varying[:8])}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=1 << 30, help="eager shapes of at most this many tokens")
     p.add_argument("--requests", type=int, nargs="*", help="only eager shapes of these request counts")
     p.add_argument("--device", default="cpu", help="cpu (launches recorded, not run; an H200 stand-in) or cuda")
     p.add_argument("--workers", type=int, default=2, help="spawned worker processes")
+    p.add_argument("--census", action="store_true",
+                   help="only count the distinct specialisations per kernel (this process, load-pass order)")
     args = p.parse_args()
+    if args.census:
+        return census(args)
     import concurrent.futures
     import multiprocessing
 
