@@ -176,8 +176,8 @@ def _task(cfg, layers: list[int], shape, device: str) -> tuple[list, dict]:
     return [(n, k, names, spec) for n, k, names, spec, _, _ in rec[start:]], process_state(device)
 
 
-def census(args) -> int:
-    """Every distinct specialisation the workload launches, counted per kernel, with the arguments that vary."""
+def _setup(args) -> tuple:
+    """This process's recorder, and the run's ``(cfg, one layer per kind, eager shapes, graph shapes)``."""
     import dsv4
     from dsv4.engine.warmup import _kinds
 
@@ -186,7 +186,12 @@ def census(args) -> int:
     if args.requests:
         eager = [s for s in eager if len(s.num_new) in args.requests]
     cfg = dsv4.ModelConfig.preset("v4-flash")
-    layers = _kinds(cfg, range(cfg.num_layers))
+    return cfg, _kinds(cfg, range(cfg.num_layers)), eager, graph
+
+
+def census(args) -> int:
+    """Every distinct specialisation the workload launches, counted per kernel, with the arguments that vary."""
+    cfg, layers, eager, graph = _setup(args)
     specs: dict[str, dict] = defaultdict(dict)
     for shape in eager + graph:
         recs, _ = _task(cfg, layers, shape, args.device)
@@ -216,15 +221,7 @@ def main() -> int:
     import concurrent.futures
     import multiprocessing
 
-    import dsv4
-    from dsv4.engine.warmup import _kinds
-
-    _init(args.device)
-    eager, graph = workload_shapes(args.max_tokens)
-    if args.requests:
-        eager = [s for s in eager if len(s.num_new) in args.requests]
-    cfg = dsv4.ModelConfig.preset("v4-flash")
-    layers = _kinds(cfg, range(cfg.num_layers))
+    cfg, layers, eager, graph = _setup(args)
     shapes = eager + graph
     print(f"{len(eager)} eager shapes + {len(graph)} graph shapes; layers {layers}; device {args.device}")
     seen: dict[str, dict] = {"worker": defaultdict(list), "load": defaultdict(list)}

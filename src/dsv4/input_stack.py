@@ -1,5 +1,5 @@
 """A layer's two FP8 projections of its input ``x`` — ``W_qa`` (the query latent) and ``W_kv`` (the window KV) —
-stacked into one block-scaled FP8 matrix, so that one GEMM computes both (``ops.triton_project.input_projections``).
+stacked into one block-scaled FP8 matrix, so that one GEMM computes both (``ops.triton_write.input_projections``).
 
 Both read the attention input ``x`` ``[T, d]``. Stacked as ``[W_qa; W_kv]`` they are one ``[q_lora_rank + D, d]``
 ``BlockFp8Weight`` (V4-Flash: 1,024 + 512 = 1,536 rows): the E4M3 values one after the other, and the 128 × 128 block

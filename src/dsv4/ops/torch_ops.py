@@ -36,8 +36,8 @@ __all__ = [
     "input_projections", "queries", "capture_prefix_states", "new_entries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
     # building blocks
-    "query_latent", "window_kv", "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys", "window_entries",
-    "window_keys",
+    "query_latent", "window_kv", "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys",
+    "window_entries", "window_keys",
 ]
 
 NAME = "torch"

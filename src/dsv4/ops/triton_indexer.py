@@ -36,9 +36,9 @@ from . import projections, torch_ops
 from .step import LayerStep
 from .triton_project import projector
 
-__all__ = ["HeadWeights", "IndexerQueries", "head_pad", "head_weights", "indexer_plan", "indexer_queries", "indexer_topk",
-           "mxfp4_operand_channels",
-           "queries_from_float", "queries_from_projection", "score_buffer", "topk_layer"]
+__all__ = ["HeadWeights", "IndexerQueries", "head_pad", "head_weights", "indexer_plan", "indexer_queries",
+           "indexer_topk", "mxfp4_operand_channels", "queries_from_float", "queries_from_projection", "score_buffer",
+           "topk_layer"]
 
 
 @dataclass
@@ -77,10 +77,6 @@ class HeadWeights:
 
     projection: Tensor
     scale: float
-
-    def values(self) -> Tensor:
-        """float32 ``[T, H_I]``: ``projection · scale`` (``reference.indexer.indexer_head_weights``' bits)."""
-        return self.projection.float() * self.scale
 
 
 def head_weights(step: LayerStep, x: Tensor) -> HeadWeights:
@@ -197,8 +193,7 @@ def indexer_topk(step: LayerStep, q_idx: IndexerQueries, head_weights: HeadWeigh
 
 def topk_layer(
     layer: LayerCache, batch: StepBatch, m: int, q_idx: IndexerQueries | Tensor, head_weights: HeadWeights | Tensor,
-    k: int,
-    score_dtype: torch.dtype, *, plan: IndexerPlan | None = None,
+    k: int, score_dtype: torch.dtype, *, plan: IndexerPlan | None = None,
 ) -> Tensor:
     """``indexer_topk`` on explicit tensors: index scores over each request's keys in the paged pool, then causal top-k (SPEC §5–6).
 

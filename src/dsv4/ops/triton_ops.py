@@ -19,6 +19,7 @@ from torch import Tensor
 from ..cache.batch import StepBatch
 from ..cache.manager import HybridCache
 from ..config import LayerKind
+from ..kernels.cache_keys import canonical_cache_keys
 from ..kernels.device import DeviceFacts
 from ..kernels.device_facts import facts
 from ..kernels.write.plan import plan_write
@@ -96,11 +97,4 @@ def output(step: LayerStep, o: Tensor) -> Tensor:
     return projections.output(step, o, projector(step))
 
 
-def _canonical_keys() -> None:
-    """Make the kernels' on-disk cache keys independent of launch order (``kernels.cache_keys``)."""
-    from ..kernels.cache_keys import canonical_cache_keys
-
-    canonical_cache_keys()
-
-
-_canonical_keys()
+canonical_cache_keys()  # every kernel's on-disk cache key independent of which one this process launches first

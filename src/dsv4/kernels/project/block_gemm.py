@@ -76,14 +76,18 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     kblocks = triton.cdiv(K, ACT_BLOCK)
     split = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))
-    split = triton.cdiv(kblocks, triton.cdiv(kblocks, split))  # no empty split
+    split = _without_empty_split(kblocks, split)
     if tiles * split > COUNTERS:
         split = 1
     if bm == 64:
-        split = max(1, split // 2)
-        split = triton.cdiv(kblocks, triton.cdiv(kblocks, split))
+        split = _without_empty_split(kblocks, max(1, split // 2))
         return GemmConfig(bm=bm, bn=64 if split > 1 else bn, split=split, quantized=True)
     return GemmConfig(bm=bm, bn=bn, split=split)
+
+
+def _without_empty_split(kblocks: int, split: int) -> int:
+    """The fewest splits that keep ``⌈kblocks / split⌉`` blocks each: none of them left empty."""
+    return triton.cdiv(kblocks, triton.cdiv(kblocks, split))
 
 
 @triton.jit
