@@ -5,9 +5,9 @@ computes the specialisation it would key the compiled kernel by (argument types,
 integers, 16-byte-aligned pointers, constexprs, options), the launch itself does nothing. The layer's host logic
 runs as on an H200 (``DeviceFacts`` of 132 SMs, Hopper, the Triton path for CPU tensors).
 
-Two ways of running ``engine.warmup._run_shape`` over the same step shapes are compared:
+Two ways of running ``engine.shape_run.run_shape`` over the same step shapes are compared:
 
-* ``worker``: one task per (shape, layer kind), ``layers=[li]`` — what ``_compile_in_workers`` submits;
+* ``worker``: one task per (shape, layer kind), ``layers=[li]`` — what the compile workers' fallback submits (``engine.compile_workers``);
 * ``load``: one run per shape with every kind, ``layers=[...]`` — what ``warm_up``'s load pass runs.
 
 Prints every specialisation the load pass launches that no worker task launched (those compile in the main
@@ -156,37 +156,38 @@ _LAUNCHES: list = []
 
 
 def _init(device: str) -> None:
-    """Spawned worker: the recorder (and on the CPU the H200 stand-in), then ``warmup._start_worker``'s work."""
+    """Spawned worker: the recorder (and on the CPU the H200 stand-in), then ``compile_workers.start_worker``'s
+    work."""
     _LAUNCHES[:] = [install_recorder(launch=device != "cpu")]
     if device == "cpu":
         pretend_h200()
     else:
-        from dsv4.engine.warmup import _start_worker
+        from dsv4.engine.compile_workers import start_worker
 
-        _start_worker(device)
+        start_worker(device)
 
 
 def _task(cfg, layers: list[int], shape, device: str) -> tuple[list, dict]:
-    """One ``_run_shape`` in this process: its launches' ``(kernel, specialisation, arg names, spec)``."""
-    from dsv4.engine.warmup import _run_shape
+    """One ``run_shape`` in this process: its launches' ``(kernel, specialisation, arg names, spec)``."""
+    from dsv4.engine.shape_run import run_shape
 
     rec = _LAUNCHES[0]
     start = len(rec)
-    _run_shape(cfg, layers, "official", "triton", 256, shape, device)
+    run_shape(cfg, layers, "official", "triton", 256, shape, device)
     return [(n, k, names, spec) for n, k, names, spec, _, _ in rec[start:]], process_state(device)
 
 
 def _setup(args) -> tuple:
     """This process's recorder, and the run's ``(cfg, one layer per kind, eager shapes, graph shapes)``."""
     import dsv4
-    from dsv4.engine.warmup import _kinds
+    from dsv4.engine.shape_run import kind_layers
 
     _init(args.device)
     eager, graph = workload_shapes(args.max_tokens)
     if args.requests:
         eager = [s for s in eager if len(s.num_new) in args.requests]
     cfg = dsv4.ModelConfig.preset("v4-flash")
-    return cfg, _kinds(cfg, range(cfg.num_layers)), eager, graph
+    return cfg, kind_layers(cfg, range(cfg.num_layers)), eager, graph
 
 
 def census(args) -> int:
@@ -226,7 +227,7 @@ def main() -> int:
     print(f"{len(eager)} eager shapes + {len(graph)} graph shapes; layers {layers}; device {args.device}")
     seen: dict[str, dict] = {"worker": defaultdict(list), "load": defaultdict(list)}
     states: dict[str, set] = {"worker": set(), "load": set()}
-    order = sorted(shapes, key=lambda s: -sum(s.num_new))  # as _compile_in_workers submits them
+    order = sorted(shapes, key=lambda s: -sum(s.num_new))  # as compile_workers submits them
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx, initializer=_init,
                                                 initargs=(args.device,)) as pool:

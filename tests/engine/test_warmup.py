@@ -84,6 +84,8 @@ def test_warmed_run_compiles_nothing_inside_its_steps(monkeypatch: pytest.Monkey
         assert s["warmup"]["warm_start"] is not cold  # the second run finds the manifest
         if cold:
             assert s["warmup"]["tasks"] > 0 and s["warmup"]["slowest_task_s"] > 0 and s["warmup"]["workers"] > 0
+            assert s["warmup"]["specialisations"] > 0 and s["warmup"]["census_error"] == "", s["warmup"]
+        assert s["warmup"]["load_errors"] == [] and s["warmup"]["load_compiles"] == [], s["warmup"]
         assert s["warmup"]["eager_shapes"] > 0
         assert s["jit_kernels"] == 0, s["jit_s"]
         assert s["graph_buckets"] == s["warmup"]["graph_buckets"]
@@ -91,13 +93,13 @@ def test_warmed_run_compiles_nothing_inside_its_steps(monkeypatch: pytest.Monkey
 
 def test_each_planned_shape_runs_on_a_synthetic_cache() -> None:
     """What the compile workers do, on the CPU with the torch backend: one layer of each kind over each shape."""
-    from dsv4.engine.warmup import _kinds, _run_shape
+    from dsv4.engine.shape_run import kind_layers, run_shape
 
     eng = Engine(TINY, config=EngineConfig(device="cpu", max_running=3, max_batched_tokens=96, block_size=64))
     reqs = make_requests(4, "uniform:8:150", 3, seed=2)
     eager, _ = plan_step_shapes(eng, reqs)
     shapes = eager + graph_shapes(eng, reqs, [1, 2])
-    layers = _kinds(TINY, eng.layer_ids)
+    layers = kind_layers(TINY, eng.layer_ids)
     assert {TINY.layer_kind(li) for li in layers} == {TINY.layer_kind(li) for li in eng.layer_ids}
     for s in shapes:
-        assert _run_shape(TINY, layers, "official", "torch", 64, s, "cpu") > 0
+        assert run_shape(TINY, layers, "official", "torch", 64, s, "cpu") > 0

@@ -9,30 +9,28 @@ which depend only on a step's fixed-shape geometry) and the integer arguments Tr
 1. ``plan_step_shapes``: replays the run's scheduling on the host against a cache on the ``meta`` device (no
    memory, no layers run) and collects every distinct eager step shape (prefill chunks, mixed steps) and the decode
    batch sizes the CUDA graphs will serve;
-2. *compiles* them: worker processes (``spawn``, one per CPU core) run each (shape, layer kind) once on a small
-   synthetic cache of the shape's geometry; every kernel the run will launch compiles there, side by side, into
-   the on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``);
-3. *loads* them: this process runs each shape once more, which reads the kernels from disk (milliseconds each). The
-   run's steps then meet no compile and no load (its JIT clock stays at zero).
+2. *compiles* them (``engine.compile_workers``): worker processes (one per CPU core) first take a census of the
+   specialisations each shape launches through one layer of each kind on a small synthetic cache
+   (``engine.shape_run``; nothing compiles or runs), then compile each distinct specialisation once, side by side,
+   into the on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``);
+3. *loads* them: this process loads each specialisation from disk (``kernels.census.compile_spec``: milliseconds
+   each). The run's steps then meet no compile and no load (its JIT clock stays at zero).
 
 Step 1's result is stored in the same cache directory (``stored_step_shapes``, ``dsv4.engine.shape_store``; keyed by
 everything the replay depends on, the package's sources included): a second run of the same workload skips it.
 
 A manifest in the cache directory names what a warm-up compiled (keyed by the kernels' sources, the versions, the
-device, the model and the shapes): a second run on the same machine skips step 2. It only saves time — a kernel
-missing from the cache is compiled in step 3 all the same.
-
-Layers of one kind launch the same kernels (the weights are arguments), so one layer per kind suffices.
+device, the model and the shapes) and lists the specialisations: a second run on the same machine skips step 2 and
+loads those. It only saves time — a specialisation missing from the disk cache compiles in step 3 all the same,
+and one the manifest does not name compiles in the step that launches it (the run's JIT clock reports it). Without
+the census's list (it failed), step 3 runs every shape once more in this process instead.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
-import importlib
 import json
-import multiprocessing
 import os
 import time
 from collections.abc import Sequence
@@ -40,9 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import LayerKind, ModelConfig
+from ..kernels.census import KernelSpec
+from .compile_workers import compile_in_workers
 from .load_misses import explain_load_compiles
-from .residual import residual_step
+from .shape_run import kind_layers, run_shape
 from .shape_store import StepShape, entry_path, load_step_shapes, step_shapes_key, store_step_shapes
 
 __all__ = ["StepShape", "WarmupReport", "graph_shapes", "graph_sizes", "plan_step_shapes", "stored_step_shapes",
@@ -60,16 +59,31 @@ class WarmupReport:
             a replay of the run's scheduling.
         shapes_s: seconds to get the step shapes (the replay, or reading its stored result).
         workers: worker processes that compiled (0: the manifest said all was compiled already).
-        tasks: (shape, layer kind) runs the workers made.
-        compile_s: wall time of the workers' pass, their start included (0 on a warm start).
-        slowest_task_s: the longest single task (a lower bound of ``compile_s`` however many workers).
-        load_s: wall time of loading every kernel into this process (one real run of each shape).
+        tasks: the workers' census runs (one per shape, every layer kind), or the fallback's (shape, layer kind)
+            runs.
+        specialisations: distinct kernel specialisations the census found, each compiled by one worker.
+        census_s: wall time of the census, the workers' start included.
+        census_cpu_s: the census tasks' seconds summed over the workers (the rest of ``census_s`` is the workers'
+            start).
+        census_slowest_s: the longest census task (a worker's first builds its layers and asks the device).
+        census_query_s: the longest time a census task spent compiling for device queries (the attention kernel's
+            occupancy probe; this process compiles it meanwhile).
+        compile_s: wall time of the workers' whole pass, census included (0 on a warm start).
+        compile_cpu_s: the compiles' seconds summed over the workers; ``launcher_cpu_s`` the part of them spent
+            building the kernels' launchers (C modules) and loading them.
+        slowest_task_s: the longest single compile (the fallback: the longest (shape, kind) run) — a lower bound
+            of ``compile_s - census_s`` however many workers.
+        slowest_kernel: the kernel of that compile.
+        census_error: why the census failed, if it did (the workers then ran every (shape, kind) for real).
+        load_s: wall time of loading every kernel into this process.
         seconds: the whole warm-up, host replay of the schedule included.
         kernels_loaded: kernels this process loaded (or compiled, if a worker missed one) while warming.
         slowest_loads: the load pass's slowest kernels, ``[(name, seconds)]`` (at most 5 of ≥ 0.5 s): a load
             from the disk cache takes milliseconds, so these were compiled here.
         load_compiles: why each of those (at most 12) compiled here (``engine.load_misses``): a specialisation no
             worker launched (the differing arguments named), or one a worker did launch that the disk cache missed.
+        load_errors: specialisations (of the census or the manifest) that failed to load, skipped: a step that
+            launches one compiles it then.
         warm_start: whether the manifest showed everything compiled already.
         error: why the workers' pass failed, if it did (the load pass then compiles what it needs, serially).
         cache_dir: Triton's on-disk cache the kernels went into.
@@ -81,13 +95,23 @@ class WarmupReport:
     shapes_s: float = 0.0
     workers: int = 0
     tasks: int = 0
+    specialisations: int = 0
+    census_s: float = 0.0
+    census_cpu_s: float = 0.0
+    census_slowest_s: float = 0.0
+    census_query_s: float = 0.0
     compile_s: float = 0.0
+    compile_cpu_s: float = 0.0
+    launcher_cpu_s: float = 0.0
     slowest_task_s: float = 0.0
+    slowest_kernel: str = ""
+    census_error: str = ""
     load_s: float = 0.0
     seconds: float = 0.0
     kernels_loaded: int = 0
     slowest_loads: list[tuple[str, float]] = field(default_factory=list)
     load_compiles: list[str] = field(default_factory=list)
+    load_errors: list[str] = field(default_factory=list)
     warm_start: bool = False
     error: str = ""
     cache_dir: str = ""
@@ -96,22 +120,28 @@ class WarmupReport:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        """One line for the CLI."""
+        """One line for the CLI (more lines where the load pass compiled)."""
         if self.warm_start:
             done = "all compiled already (manifest)"
         elif not self.workers:
             done = "nothing to compile (no Triton kernels on this device and backend)"
         elif self.error:
             done = f"the compile workers failed ({self.error}): compiled serially while loading"
+        elif self.census_error:
+            done = (f"the census failed ({self.census_error}): {self.workers} workers ran {self.tasks} shape x "
+                    f"layer-kind tasks in {self.compile_s:.1f} s, the slowest {self.slowest_task_s:.1f} s")
         else:
-            done = (f"compiled by {self.workers} workers in {self.compile_s:.1f} s ({self.tasks} shape x layer-kind "
-                    f"runs, the slowest {self.slowest_task_s:.1f} s)")
+            done = (f"{self.specialisations} specialisations compiled by {self.workers} workers in "
+                    f"{self.compile_s:.1f} s (census of {self.tasks} shapes {self.census_s:.1f} s; "
+                    f"the slowest compile {self.slowest_task_s:.1f} s, {self.slowest_kernel})")
         shapes = "stored" if self.shapes_stored else "replayed"
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
                 f"{self.graph_buckets} ({shapes} in {self.shapes_s:.2f} s); {done}; {self.kernels_loaded} kernels "
                 f"loaded in {self.load_s:.1f} s — Triton cache {self.cache_dir}{self._compiled_here()}")
 
     def _compiled_here(self) -> str:
+        if self.load_errors:
+            return "; failed to load (compiled when launched):\n" + "\n".join(f"  {e}" for e in self.load_errors)
         if self.load_compiles:
             return "; compiled while loading:\n" + "\n".join(f"  {line}" for line in self.load_compiles)
         if not self.slowest_loads:
@@ -188,66 +218,6 @@ def stored_step_shapes(engine, requests: Sequence, directory: str | None = None
     return eager, buckets, False
 
 
-def _kinds(cfg: ModelConfig, layers: Sequence[int]) -> list[int]:
-    """One layer of each kind among ``layers``."""
-    first: dict[LayerKind, int] = {}
-    for li in layers:
-        first.setdefault(cfg.layer_kind(li), li)
-    return sorted(first.values())
-
-
-_WORKER_LAYERS: dict[tuple, dict] = {}  # per process: (cfg, layers, backend, device) -> {layer: Attention}
-
-
-def _run_shape(cfg: ModelConfig, layers: list[int], numerics: str, backend: str, block_size: int,
-               shape: StepShape, device: str) -> float:
-    """Run ``shape`` once, eagerly, through one layer of each kind on a small synthetic cache of its geometry:
-    every kernel the shape launches compiles (or loads from the disk cache). Returns its seconds."""
-    import dsv4
-    from dsv4.cache import HybridCache
-
-    t0 = time.perf_counter()
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is not None:
-        torch.cuda.set_device(dev)
-    key = (cfg, tuple(layers), backend, device)
-    if key not in _WORKER_LAYERS:
-        _WORKER_LAYERS[key] = {
-            li: dsv4.Attention(dsv4.AttentionWeights.random(cfg, li, seed=0, device=dev), cfg, li, backend=backend,
-                               check_inputs=False, nan_policy="off")
-            for li in layers
-        }
-    attn = _WORKER_LAYERS[key]
-    B = len(shape.num_new)
-    cache = HybridCache(cfg, layers=layers, max_requests=B, num_blocks=B * shape.width + 1, block_size=block_size,
-                        device=dev, numerics=numerics)
-    for b in range(B):
-        cache.add_request(f"r{b}")
-    with torch.no_grad():
-        batch = cache.prepare_forward({f"r{b}": n for b, n in enumerate(shape.num_new)}, max_blocks=shape.width)
-        # the engine's glue between layers (``dsv4.engine.residual``) runs too: every variant of it compiles
-        glue = residual_step(backend, dev, cache.numerics.act_dtype, cfg.norm_eps)
-        h, x = glue(torch.randn(batch.num_tokens, cfg.hidden_size, device=dev), None)
-        plan = attn[layers[0]].plan_step(batch, cache)
-        for li in layers:
-            y = attn[li](x, batch, cache, plan)
-        h, _ = glue(h, y)
-        glue(h, y, norm=False, in_place=True)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return time.perf_counter() - t0
-
-
-def _run_shape_recorded(*args) -> tuple[float, list[str]]:
-    """A compile worker's task: ``_run_shape(*args)``, and the specialisations it launched first in this process
-    (``JitClock.specs``: compiled, or loaded from disk)."""
-    from .jit_clock import JitClock
-
-    with JitClock() as clock:
-        seconds = _run_shape(*args)
-    return seconds, clock.specs
-
-
 def graph_shapes(engine, requests: Sequence, buckets: Sequence[int]) -> list[StepShape]:
     """The padded decode steps ``engine.graphs`` captures for ``buckets`` (``capacity + 1`` rows of
     ``decode_tokens`` tokens, the run's block-table width; see ``engine.graphs``)."""
@@ -256,16 +226,6 @@ def graph_shapes(engine, requests: Sequence, buckets: Sequence[int]) -> list[Ste
     ratios = [engine.cfg.ratio(li) for li in engine.layer_ids if engine.cfg.ratio(li)]
     width = decode_table_width(max(r.total_len for r in requests), min(ratios, default=0), engine.config.block_size)
     return [StepShape((engine.config.decode_tokens,) * (c + 1), width) for c in buckets]
-
-
-def _start_worker(device: str) -> None:
-    """Pool initializer: import the kernels and make ``device`` current (a CUDA context per worker)."""
-    import dsv4.ops.triton_ops  # noqa: F401 - imports every kernel module
-
-    dev = torch.device(device)
-    if dev.index is not None:  # "cuda" alone: the default device
-        torch.cuda.set_device(dev)
-    torch.empty(1, device=dev)
 
 
 def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
@@ -279,35 +239,64 @@ def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
     h = hashlib.sha256(source_digest("kernels", "ops"))  # the kernels and the plans that pick their constexprs
     ratios = sorted({engine.cfg.ratio(li) for li in engine.layer_ids if engine.cfg.ratio(li)})
     h.update(repr((triton.__version__, torch.__version__, torch.cuda.get_device_name(engine.device),
-                   dataclasses.astuple(engine.cfg), _kinds(engine.cfg, engine.layer_ids), engine.numerics.name,
+                   dataclasses.astuple(engine.cfg), kind_layers(engine.cfg, engine.layer_ids), engine.numerics.name,
                    engine.backend, engine.config.block_size, sorted(s.key(ratios) for s in shapes))).encode())
     return os.path.join(triton_cache_dir(), "dsv4-warmup", h.hexdigest()[:32] + ".json")
 
 
-def _compile_in_workers(report: WarmupReport, n: int, args: tuple, shapes: list[StepShape], device: str,
-                        bar) -> set[str]:
-    """Step 2: each (shape, layer kind) once in a pool of ``n`` workers. Tasks go out shape by shape, largest
-    first, each shape's layer kinds side by side: the first wave compiles the kinds' different kernels at once.
-    Returns every specialisation the workers launched (``JitClock.specs``)."""
-    cfg, layers, *rest = args
-    order = sorted(shapes, key=lambda s: -sum(s.num_new))
-    tasks = [(shape, [li]) for shape in order for li in layers]
-    report.tasks = len(tasks)
+def _write_manifest(path: str, report: WarmupReport, specs: Sequence[KernelSpec]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"report": report.as_dict(), "specs": [s.data for s in specs]}, f)
+    os.replace(tmp, path)  # a reader never sees half a manifest
+
+
+def _manifest_specs(path: str) -> list[KernelSpec]:
+    """The specialisations a manifest lists (empty if it lists none or cannot be read: the load pass then runs the
+    shapes instead). Each names a JIT function of this package or ``census.compile_spec`` refuses it."""
+    try:
+        with open(path) as f:
+            return [KernelSpec.from_data(d) for d in json.load(f)["specs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _load(report: WarmupReport, specs: Sequence[KernelSpec], shapes: Sequence[StepShape], args: tuple, device: str,
+          bar) -> "JitClock":
+    """Step 3: every specialisation of ``specs`` loaded into this process (compiled if the disk cache lacks it; one
+    that fails is named in ``report.load_errors`` and skipped); without specs, every shape of ``shapes`` run once
+    (what it launches compiles or loads). Returns the pass's ``JitClock``."""
+    from ..kernels.census import compile_spec
+    from .jit_clock import JitClock
+
     if bar is not None:
-        bar.reset(total=len(tasks))
-        bar.set_description("warm-up: compile")
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_start_worker,
-                                                initargs=(device,)) as pool:
-        futures = [pool.submit(_run_shape_recorded, cfg, layer, *rest, shape, device) for shape, layer in tasks]
-        launched: set[str] = set()
-        for f in concurrent.futures.as_completed(futures):
-            seconds, specs = f.result()
-            report.slowest_task_s = max(report.slowest_task_s, seconds)
-            launched.update(specs)
+        bar.reset(total=len(specs) or len(shapes))
+        bar.set_description("warm-up: load")
+    with JitClock() as clock:
+        for item in specs or shapes:
+            if not specs:
+                run_shape(*args, item, device)
+            else:
+                try:
+                    compile_spec(item)
+                except Exception as e:  # noqa: BLE001 - a bad entry costs a compile in a step, never a wrong kernel
+                    report.load_errors.append(f"{item.name}: {type(e).__name__}: {e}"[:300])
             if bar is not None:
                 bar.update()
-    return launched
+    return clock
+
+
+def _ask_device(device: torch.device) -> None:
+    """This process's device facts for the plans, asked now (the attention kernel's resident clusters compile a
+    probe kernel): while the workers start, so that theirs load it from disk."""
+    from ..kernels.attention.cluster_launch import MAX_CLUSTER
+    from ..kernels.device_facts import facts
+
+    clusters = facts(device).resident_clusters
+    if clusters is not None:
+        for size in range(2, MAX_CLUSTER + 1):
+            clusters(size)
 
 
 def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bool = False) -> WarmupReport:
@@ -315,8 +304,6 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
     docstring for the three steps). ``workers``: compile processes (default: one per CPU core). Returns the
     ``WarmupReport``. On a device other than CUDA, a backend without kernels, or under TP / CP
     (``Engine(parallel=...)``) it only plans."""
-    from .jit_clock import JitClock
-
     t_all = time.perf_counter()
     report = WarmupReport(cache_dir=triton_cache_dir())
     eager, buckets, report.shapes_stored = stored_step_shapes(engine, requests)
@@ -327,7 +314,7 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
         report.seconds = time.perf_counter() - t_all
         return report
     shapes = eager + graph_shapes(engine, requests, buckets)
-    layers = _kinds(engine.cfg, engine.layer_ids)
+    layers = kind_layers(engine.cfg, engine.layer_ids)
     numerics = engine.numerics.name if engine.numerics.name in ("official", "exact") else "official"
     args = (engine.cfg, layers, numerics, engine.backend, engine.config.block_size)
     device = str(engine.device)
@@ -337,36 +324,36 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(unit="run", desc="warm-up", leave=False, dynamic_ncols=True)
-    worker_specs: set[str] = set()
+        bar = tqdm(unit="kernel", desc="warm-up", leave=False, dynamic_ncols=True)
+    specs: list[KernelSpec] = _manifest_specs(manifest) if report.warm_start else []
+    launched: set[str] = set()
     if not report.warm_start:
         n = max(1, min(workers or os.cpu_count() or 1, len(shapes) * len(layers)))
         t0 = time.perf_counter()
         try:
-            worker_specs = _compile_in_workers(report, n, args, shapes, device, bar)
+            done = compile_in_workers(n, lambda shape, kind: (args[0], kind, *args[2:], shape, device), shapes,
+                                      layers, device, bar, meanwhile=lambda: _ask_device(engine.device))
+            specs, launched = done.specs, done.launched
+            report.tasks, report.specialisations, report.census_s = done.tasks, len(done.specs), done.census_s
+            report.census_slowest_s, report.census_query_s = done.census_slowest_s, done.query_s
+            report.census_cpu_s = done.census_cpu_s
+            report.compile_cpu_s, report.launcher_cpu_s = done.compile_cpu_s, done.launcher_cpu_s
+            report.slowest_task_s, report.slowest_kernel = done.slowest_s, done.slowest_kernel
+            report.census_error = done.census_error
         except Exception as e:  # noqa: BLE001 - a failed worker costs time, never correctness: step 3 compiles
             report.error = f"{type(e).__name__}: {e}"[:300]
         report.workers = n
         report.compile_s = time.perf_counter() - t0
-    if bar is not None:
-        bar.reset(total=len(shapes))
-        bar.set_description("warm-up: load")
     t0 = time.perf_counter()
-    with JitClock() as clock:
-        for s in shapes:
-            _run_shape(*args, s, device)
-            if bar is not None:
-                bar.update()
+    clock = _load(report, specs, shapes, args, device, bar)
     report.load_s = time.perf_counter() - t0
     report.kernels_loaded = clock.kernels
     report.slowest_loads = sorted(((n, round(s, 2)) for n, s in clock.records if s >= 0.5), key=lambda r: -r[1])[:5]
     if report.workers and not report.error:
-        report.load_compiles = explain_load_compiles(clock.records, clock.specs, worker_specs)
+        report.load_compiles = explain_load_compiles(clock.records, clock.specs, launched)
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - t_all
     if not report.warm_start and not report.error:
-        os.makedirs(os.path.dirname(manifest), exist_ok=True)
-        with open(manifest, "w") as f:
-            json.dump(report.as_dict(), f)
+        _write_manifest(manifest, report, specs)
     return report

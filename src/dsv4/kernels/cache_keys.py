@@ -19,13 +19,13 @@ import importlib
 import pkgutil
 import sys
 
-__all__ = ["canonical_cache_keys"]
+__all__ = ["callees_first", "canonical_cache_keys", "package_jit_functions"]
 
 #: rehash passes at most (each pass completes one more level of the call graph; the package's is 4 deep)
 MAX_PASSES = 8
 
 
-def _package_jit_functions() -> list:
+def package_jit_functions() -> list:
     """Every ``@triton.jit`` / ``@gluon.jit`` function defined in an imported ``dsv4`` module, by qualified name."""
     from triton.runtime.jit import JITCallable
 
@@ -39,11 +39,11 @@ def _package_jit_functions() -> list:
     return [found[k] for k in sorted(found)]
 
 
-def _callees_first(functions: list) -> list:
-    """``functions`` ordered so that each comes after the JIT functions it names as globals (its callees, as far
-    as its code's global names tell), found without parsing a source: hashed in this order, one pass reaches the
-    fixed point and a second confirms it."""
-    known = {id(f) for f in functions}
+def callees_first(functions: list, universe: list | None = None) -> list:
+    """``functions`` and the JIT functions of ``universe`` (default: ``functions``) they call, ordered so that each
+    comes after the JIT functions it names as globals (its callees, as far as its code's global names tell), found
+    without parsing a source: hashed in this order, one pass reaches the fixed point and a second confirms it."""
+    known = {id(f) for f in (functions if universe is None else universe)}
     seen: set[int] = set()
     order: list = []
 
@@ -71,7 +71,7 @@ def canonical_cache_keys() -> int:
 
     for info in pkgutil.walk_packages(dsv4.kernels.__path__, "dsv4.kernels."):
         importlib.import_module(info.name)
-    functions = _callees_first(_package_jit_functions())
+    functions = callees_first(package_jit_functions())
     previous = None
     for passes in range(1, MAX_PASSES + 1):
         for fn in functions:

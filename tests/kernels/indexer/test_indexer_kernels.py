@@ -26,7 +26,7 @@ from dsv4.cache import HybridCache  # noqa: E402
 from dsv4.numerics import Numerics  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.reference.indexer import indexer_queries as reference_indexer_queries  # noqa: E402
-from dsv4.reference.primitives import linear  # noqa: E402
+from dsv4.reference.primitives import project  # noqa: E402
 from dsv4.ops import triton_indexer as ti  # noqa: E402
 from dsv4.kernels import device  # noqa: E402
 from dsv4.kernels.indexer.scores import index_scores  # noqa: E402
@@ -521,7 +521,8 @@ def test_gpu_scores_exact_per_block_vs_asm() -> None:
 
 @pytest.mark.gpu
 def test_gpu_mxfp4_queries_match_reference() -> None:
-    """Fused RoPE → Hadamard → MXFP4 equals the torch reference's queries, encoded (bitwise)."""
+    """Fused RoPE → Hadamard → MXFP4 of the reference's projection equals the torch reference's queries, encoded
+    (bitwise). The projection is the official FP8 GEMM (``reference.primitives.project``), as in the reference."""
     cfg = dsv4.ModelConfig.preset("v4-flash")
     nm = Numerics.official()
     g = torch.Generator().manual_seed(5)
@@ -533,7 +534,7 @@ def test_gpu_mxfp4_queries_match_reference() -> None:
     from dsv4.reference.rope import rope_inv_freq
 
     inv_freq = rope_inv_freq(cfg, dsv4.config.LayerKind.CSA, "cuda")
-    got = ti.queries_from_projection(linear(q_lat, wq_b, nm.act_dtype), pos, inv_freq, cfg, nm)
+    got = ti.queries_from_projection(project(q_lat, wq_b, nm), pos, inv_freq, cfg, nm)
     assert isinstance(got, ti.IndexerQueries) and got.q.dtype == torch.uint8
     ref = reference_indexer_queries(q_lat, iw, pos, inv_freq, cfg, nm)
     assert torch.equal(_decode_mxfp4_queries(got).cpu(), ref.cpu())

@@ -37,9 +37,12 @@ def _driver() -> Any:
     return _libcuda
 
 
-def compiled_kernel(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:
-    """The compiled kernel a ``kernel[grid](*args, **kwargs)`` launch would run (compiled now if it is not yet)."""
+def compiled_kernel(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any | None:
+    """The compiled kernel a ``kernel[grid](*args, **kwargs)`` launch would run (compiled now if it is not yet);
+    ``None`` where a JIT hook skipped the compile (``kernels.census.LaunchCensus``: nothing launches)."""
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    if compiled is None:
+        return None
     if hasattr(compiled, "result"):  # asynchronous compilation
         compiled = compiled.result()
     compiled._init_handles()
@@ -66,13 +69,16 @@ def _prepare(compiled: Any, cluster: int) -> None:
     compiled.packed_metadata = (warps, cluster, shared)
 
 
-def launch(kernel: Any, compiled: Any, grid: tuple[int, ...], cluster: int, args: tuple, kwargs: dict) -> None:
+def launch(kernel: Any, compiled: Any | None, grid: tuple[int, ...], cluster: int, args: tuple, kwargs: dict
+           ) -> None:
     """Launch ``compiled`` (``compiled_kernel(kernel, grid, args, kwargs)``: a ``@triton.jit`` / ``@gluon.jit``
     function compiled for one CTA) as ``grid[0]`` clusters of ``cluster`` consecutive programs along x
-    (``grid[0] · cluster`` programs in all; ``grid[1:]`` as usual).
+    (``grid[0] · cluster`` programs in all; ``grid[1:]`` as usual); ``None`` (a census skipped it) launches nothing.
 
     The cluster size must be one of the kernel's constexpr arguments (in ``kwargs``), so that each size is its own
     compiled kernel: the size is a property of the launch that this module sets on it."""
+    if compiled is None:
+        return
     _prepare(compiled, cluster)
     params = [kwargs[name] if name in kwargs else args[i] for i, name in enumerate(kernel.arg_names)]
     grid = tuple(grid) + (1,) * (3 - len(grid))

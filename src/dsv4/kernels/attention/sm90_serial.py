@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from .. import ptx
+from .. import census, ptx
 from . import cluster_launch
 from .args import AttentionArgs
 from .plan import AttentionPlan
@@ -450,7 +450,7 @@ def _probe_args() -> tuple:
 def _probe_compiled(device_index: int):
     """``_PROBE_CONSTEXPRS``' specialisation compiled for ``device_index`` from argument dtypes alone: what
     ``resident_clusters`` asks the driver about."""
-    with torch.cuda.device(device_index):
+    with torch.cuda.device(device_index), census.device_query():  # a question to the driver, not a launch
         return cluster_launch.compiled_kernel(_sparse_attention_sm90_kernel, (1, 1), _probe_args(),
                                               dict(_PROBE_CONSTEXPRS, num_warps=NUM_WARPS))
 
