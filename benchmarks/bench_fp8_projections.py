@@ -26,6 +26,7 @@ import dsv4
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
 from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_fp8_linear
 from dsv4.input_stack import input_stack, stack_input_projections
+from dsv4.query_stack import query_stack, stack_query_projections
 from dsv4.kernels.device import sm_count
 from dsv4.kernels.project import block_gemm, fp8_gemm
 
@@ -37,15 +38,17 @@ SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv", "wq_a+wkv")
 
 
 def fp8_projections(cfg: dsv4.ModelConfig) -> dict[str, BlockFp8Weight]:
-    """The layer's FP8 projection weights (random, as checkpoints store them) by name, and the stack of the two
-    that read the layer's input (``wq_a+wkv``, ``dsv4.input_stack``: one GEMM)."""
+    """The layer's FP8 projection weights (random, as checkpoints store them) by name, and the stacks of the two
+    that read the layer's input (``wq_a+wkv``, ``dsv4.input_stack``) and of the two that read the query latent
+    (``wq_b+indexer.wq_b``, ``dsv4.query_stack``), one GEMM each."""
     kind = {li: cfg.layer_kind(li) for li in range(cfg.num_layers)}
     li = next((i for i, k in kind.items() if k.name == "CSA"), 0)
     w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
     out = {n: v for n, v in w.named_parameters() if isinstance(v, BlockFp8Weight)}
-    stack = input_stack(stack_input_projections(w))
-    if stack is not None:
-        out["wq_a+wkv"] = stack
+    for name, stack in (("wq_a+wkv", input_stack(stack_input_projections(w))),
+                        ("wq_b+indexer.wq_b", query_stack(stack_query_projections(w)))):
+        if stack is not None:
+            out[name] = stack
     return out
 
 
@@ -101,7 +104,7 @@ def main() -> None:
     print(f"torch {torch.__version__} _scaled_mm blockwise probe: {probe}")
     ways = ["bf16", "triton"] + (["scaled_mm"] if fp8_gemm.scaled_mm_works(torch.device("cuda")) else [])
     weights = fp8_projections(cfg)
-    print(f"{'weight':<16}{'N x K':>14}{'M':>6}{'way':>10}{'us':>9}{'roof us':>9}{'roof %':>8}{'rel err':>10}  launch")
+    print(f"{'weight':<18}{'N x K':>14}{'M':>6}{'way':>10}{'us':>9}{'roof us':>9}{'roof %':>8}{'rel err':>10}  launch")
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     for name, w in weights.items():
@@ -123,7 +126,7 @@ def main() -> None:
                     rel = ((got - want).norm() / want.norm()).item()
                     t = time_cuda(fn, warmup=5, iters=50, graph=True)
                 except Exception:  # noqa: BLE001 - one failing launch must not hide the others
-                    print(f"{name:<16}{M:>6} {way} {config}: FAILED\n{traceback.format_exc(limit=2)}")
+                    print(f"{name:<18}{M:>6} {way} {config}: FAILED\n{traceback.format_exc(limit=2)}")
                     continue
                 launch = "" if config is None else (f"bm{config.bm} bn{config.bn} split{config.split} "
                                                     f"w{config.num_warps} s{config.num_stages}"
@@ -131,7 +134,7 @@ def main() -> None:
                                                     + (" (plan)" if config == plan else ""))
                 rows.append({"weight": name, "N": N, "K": K, "M": M, "way": way, "launch": launch,
                              "us": t * 1e6, "roofline_us": floor * 1e6, "rel_err": rel})
-                print(f"{name:<16}{f'{N}x{K}':>14}{M:>6}{way:>10}{t * 1e6:>9.1f}{floor * 1e6:>9.1f}"
+                print(f"{name:<18}{f'{N}x{K}':>14}{M:>6}{way:>10}{t * 1e6:>9.1f}{floor * 1e6:>9.1f}"
                       f"{100 * floor / t:>7.1f}%{rel:>10.1e}  {launch}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -125,7 +125,7 @@ KERNELS = {
         dict(BLOCK=1024, num_warps=4, enable_fp_fusion=False), {"stride_x"}),
     "queries": ("dsv4.kernels.project.queries:_queries_kernel", {"q_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
                                                          "out_ptr": "*bf16", "eps": "fp32"},
-        dict(ROWS=4, num_warps=4, enable_fp_fusion=False), set()),
+        dict(ROWS=4, num_warps=4, enable_fp_fusion=False), {"stride_t"}),
     "combine": ("dsv4.kernels.attention.combine:_combine_kernel", {
         "po_ptr": "*fp32", "plse_ptr": "*fp32", "positions_ptr": "*i64", "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32",
         "o_ptr": "*bf16", "lse_ptr": "*fp32"},

@@ -8,16 +8,14 @@ output column of ``x Sᵀ`` is the same dot product either way: the stacked GEMM
 projections.
 
 ``stack_input_projections`` makes ``wq_a`` / ``wkv`` row views of the stack and records it (``dsv4.weight_stack``);
-``Attention`` and the engine's weights do this once, with the compressors' stack. ``input_stack`` returns it while
-the weights still hold those views.
+``Attention`` and the engine's weights do this once, with the other stacks (``dsv4.layer_stacks``). ``input_stack``
+returns it while the weights still hold those views.
 """
 
 from __future__ import annotations
 
-import torch
-
-from .formats.block_fp8 import WEIGHT_BLOCK, BlockFp8Weight
-from .weight_stack import current_stack, record_stack, replace_keeping_stacks, stacked_rows
+from .formats.block_fp8 import BlockFp8Weight
+from .weight_stack import current_stack, record_stack, replace_keeping_stacks, stack_fp8_rows
 from .weights import AttentionWeights
 
 __all__ = ["input_stack", "stack_input_projections"]
@@ -26,28 +24,16 @@ __all__ = ["input_stack", "stack_input_projections"]
 _ATTR = "_input_stack"
 
 
-def _stackable(w: AttentionWeights) -> bool:
-    a, b = w.wq_a, w.wkv
-    return (isinstance(a, BlockFp8Weight) and isinstance(b, BlockFp8Weight) and a.shape[1] == b.shape[1]
-            and a.shape[0] % WEIGHT_BLOCK == 0 and a.device == b.device)
-
-
 def stack_input_projections(w: AttentionWeights) -> AttentionWeights:
     """A copy of ``w`` (the same tensors) whose ``wq_a`` and ``wkv`` are row views of one ``BlockFp8Weight``
     ``[q_lora_rank + D, d]``, recorded for ``input_stack``. The stack is the weights' own memory when they already
     lie stacked (as after an earlier call), else one copy of them. Weights that cannot be stacked — not block-scaled
     FP8 (the exact numerics), or a ``q_lora_rank`` that is not a multiple of 128 — come back unchanged."""
-    if not _stackable(w):
+    made = stack_fp8_rows([w.wq_a, w.wkv])
+    if made is None:
         return w
-    a, b = w.wq_a, w.wkv
-    data = stacked_rows([a.data, b.data])
-    scale = stacked_rows([a.scale, b.scale])
-    if data is None or scale is None:
-        data, scale = torch.cat([a.data, b.data]), torch.cat([a.scale, b.scale])
-    stack = BlockFp8Weight(data, scale)
-    n, s = a.shape[0], a.shape[0] // WEIGHT_BLOCK
-    views = (BlockFp8Weight(data[:n], scale[:s]), BlockFp8Weight(data[n:], scale[s:]))
-    out = replace_keeping_stacks(w, wq_a=views[0], wkv=views[1])  # the compressors' stack, if any, stays
+    stack, views = made
+    out = replace_keeping_stacks(w, wq_a=views[0], wkv=views[1])  # the other stacks, if any, stay
     record_stack(out, _ATTR, stack, views)
     return out
 

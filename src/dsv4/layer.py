@@ -21,9 +21,8 @@ from .cache.batch import StepBatch
 from .cache.errors import NonFiniteError
 from .cache.guard import nonfinite_requests, restore_rows, save_rows
 from .cache.manager import HybridCache
-from .compressor_stack import stack_compressor_weights
-from .input_stack import stack_input_projections
 from .config import LayerKind, ModelConfig, require_config
+from .layer_stacks import stack_layer_weights
 from .numerics import Numerics
 from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
 from .reference.rope import rope_inv_freq
@@ -180,14 +179,14 @@ class Attention:
 
     def _weights_on(self, device: torch.device, numerics: Numerics) -> tuple[AttentionWeights, Tensor]:
         """The weights and the layer's RoPE frequencies ``[R/2]`` on ``device`` (moved once, then reused), as
-        ``numerics`` computes with them (``AttentionWeights.for_numerics``); with BF16 activations the compressor
-        matrices stacked (``dsv4.compressor_stack``: one GEMM for all of them on CUDA), and so are ``wq_a`` and
-        ``wkv`` (``dsv4.input_stack``)."""
+        ``numerics`` computes with them (``AttentionWeights.for_numerics``); with BF16 activations the matrices that
+        read one input stacked (``dsv4.layer_stacks``: the compressor matrices, one GEMM for all of them on CUDA;
+        ``wq_a`` and ``wkv``; CSA: ``wq_b`` and the indexer's ``wq_b``)."""
         key = (device, numerics)
         if key not in self._device_weights:
             w = self.weights.to(device).for_numerics(numerics)
             if numerics.act_dtype == torch.bfloat16:
-                w = stack_input_projections(stack_compressor_weights(w))
+                w = stack_layer_weights(w)
             self._device_weights[key] = (w, rope_inv_freq(self.cfg, self.kind, device))
         return self._device_weights[key]
 
@@ -321,13 +320,13 @@ class Attention:
         x = x.to(cache.numerics.act_dtype)
 
         q_latent, kv = ops.input_projections(step, x)           # SPEC §3 steps 1 and 3: c^Q, the window KV
-        q = ops.queries(step, q_latent)                         # step 2
+        q, q_index = ops.queries(step, q_latent)                # step 2; CSA: W_Iq c^Q if the same GEMM made it
         if batch.prefix_captures:                               # prefix caching: states at block boundaries
             ops.capture_prefix_states(step, x, kv)              # inside the step, before any write
         kv = ops.new_entries(step, x, kv)                       # SPEC §4: windows closing → the pool
         entry_idx = None
         if self.kind is LayerKind.CSA:                          # SPEC §5–6: the lightning indexer's top-k
-            q_idx = ops.indexer_queries(step, q_latent)
+            q_idx = ops.indexer_queries(step, q_latent, q_index)
             entry_idx = ops.indexer_topk(step, q_idx, ops.indexer_weights(step, x))
         elif self.kind is LayerKind.HCA:                        # every visible entry
             entry_idx = ops.visible_entries(step)

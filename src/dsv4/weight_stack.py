@@ -2,7 +2,8 @@
 weights, and found again only while the weights still hold exactly those views.
 
 Matrices that multiply the same input can run as one GEMM over their stack (``dsv4.compressor_stack``: the
-compressors' BF16 matrices; ``dsv4.input_stack``: the FP8 ``wq_a`` and ``wkv``). The weights then hold row views of
+compressors' BF16 matrices; ``dsv4.input_stack``: the FP8 ``wq_a`` and ``wkv``; ``dsv4.query_stack``: the FP8
+``wq_b`` and the indexer's ``wq_b``; ``dsv4.layer_stacks`` applies them all). The weights then hold row views of
 the stack — no memory beyond the matrices themselves — and the stack is recorded on the weights' instance (not a
 dataclass field: ``dataclasses.replace`` / ``to`` / ``for_numerics`` / ``shard`` copies drop it). ``current_stack``
 returns it only while the weights still hold those very views at their addresses, so a stack is never stale: a
@@ -16,11 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .formats.block_fp8 import BlockFp8Weight
+from .formats.block_fp8 import WEIGHT_BLOCK, BlockFp8Weight
 
-__all__ = ["current_stack", "record_stack", "replace_keeping_stacks", "stacked_rows"]
+__all__ = ["current_stack", "record_stack", "replace_keeping_stacks", "stack_fp8_rows", "stacked_rows"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,32 @@ def stacked_rows(mats: Sequence[Tensor]) -> Tensor | None:
         offset += m.numel()
     rows = sum(m.shape[0] for m in mats)
     return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+
+
+def stack_fp8_rows(weights: Sequence[Any]) -> tuple[BlockFp8Weight, tuple[BlockFp8Weight, ...]] | None:
+    """One block-scaled FP8 matrix ``[Σ rows, K]`` over ``weights`` (each ``[rows_i, K]``), and each of them as its
+    row view: the E4M3 values one after the other, and their 128 × 128 block scales too. The stack is the weights'
+    own memory when they already lie stacked (as after an earlier stacking), else one copy of them.
+
+    ``None`` when they cannot stack: not all ``BlockFp8Weight`` (the exact numerics' BF16 matrices), K or device
+    differing, or a weight before the last whose rows are not a multiple of 128 (a scale block would straddle two
+    weights)."""
+    if not all(isinstance(w, BlockFp8Weight) for w in weights):
+        return None
+    first = weights[0]
+    if any(w.shape[1] != first.shape[1] or w.device != first.device for w in weights):
+        return None
+    if any(w.shape[0] % WEIGHT_BLOCK for w in weights[:-1]):
+        return None
+    data, scale = stacked_rows([w.data for w in weights]), stacked_rows([w.scale for w in weights])
+    if data is None or scale is None:
+        data, scale = torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights])
+    views, row = [], 0
+    for w in weights:
+        n, s = w.shape[0], row // WEIGHT_BLOCK
+        views.append(BlockFp8Weight(data[row : row + n], scale[s : s + w.scale.shape[0]]))
+        row += n
+    return BlockFp8Weight(data, scale), tuple(views)
 
 
 def replace_keeping_stacks(weights: Any, **changes: Any) -> Any:

@@ -123,8 +123,8 @@ def test_plan_describes_itself() -> None:
 
 def test_projection_plan_h200() -> None:
     """FP8 projections on an H200 (cuBLAS over the quantized values as the fallback): decode steps of 4 and 64 rows
-    run the two large projections (``wq_b``, ``wo_b``) and the stacked ``wq_a+wkv`` on the Triton block GEMM, a
-    prefill chunk none; every launch's tiles divide the weight blocks and split K without empty splits; 64-row
+    run the two large projections (``wq_b``, ``wo_b``) and the stacks ``wq_a+wkv``, ``wq_b+indexer.wq_b`` on the
+    Triton block GEMM, a prefill chunk none; every launch's tiles divide the weight blocks and split K without empty splits; 64-row
     tiles take activations quantized before."""
     from dsv4.kernels.project.plan import fp8_projection_shapes
 
@@ -132,7 +132,8 @@ def test_projection_plan_h200() -> None:
     cfg = dsv4.ModelConfig.preset("v4-flash")
     shapes = fp8_projection_shapes(cfg)
     assert shapes["wq_a+wkv"] == (shapes["wq_a"][0] + shapes["wkv"][0], shapes["wq_a"][1])
-    large = {shapes["wq_b"], shapes["wo_b"], shapes["wq_a+wkv"]}
+    assert shapes["wq_b+indexer.wq_b"] == (shapes["wq_b"][0] + shapes["indexer.wq_b"][0], shapes["wq_b"][1])
+    large = {shapes["wq_b"], shapes["wo_b"], shapes["wq_a+wkv"], shapes["wq_b+indexer.wq_b"]}
     for requests, new, triton_shapes in ((4, 1, large), (64, 1, large), (1, 2048, set())):
         _, plan = _plan(_flash_cache(requests, 1024), new, facts)
         for kind in (LayerKind.CSA, LayerKind.HCA, LayerKind.SWA):
@@ -151,10 +152,14 @@ def test_projection_plan_h200() -> None:
 
 def test_projection_shapes_of_a_tensor_parallel_rank() -> None:
     """A rank of 2 holds half the query heads and half the output groups: its ``wq_b`` rows and ``wo_b`` columns
-    are the sharded weights' (``AttentionWeights.shard``), so the plan's launches are found for them."""
+    are the sharded weights' (``AttentionWeights.shard``), and so are its query stack's rows (its ``wq_b`` and the
+    whole indexer's), so the plan's launches are found for them."""
     from dsv4.kernels.project.plan import fp8_projection_shapes
+    from dsv4.query_stack import query_stack, stack_query_projections
 
     cfg = dsv4.ModelConfig.preset("v4-flash")
     w = dsv4.AttentionWeights.random(cfg, 2, seed=0).shard(0, 2)
     shapes = fp8_projection_shapes(cfg, heads=cfg.num_heads // 2)
     assert shapes["wq_b"] == tuple(w.wq_b.shape) and shapes["wo_b"] == tuple(w.wo_b.shape)
+    stack = query_stack(stack_query_projections(w.for_numerics(dsv4.Numerics.official())))
+    assert stack is not None and shapes["wq_b+indexer.wq_b"] == tuple(stack.shape)

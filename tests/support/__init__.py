@@ -11,7 +11,8 @@ No test module imports another; what two of them share lives here, by topic:
 * ``write_path`` — the write ops of one layer step through two caches, and the bytes that differ;
 * ``attention`` — a sparse-attention step over a real cache (random entries), and the two backends compared;
 * ``ptx`` — a small interpreter of the PTX instructions the kernels' inline assembly uses;
-* ``hf`` — transformers' DeepSeek-V4 attention and a tiny causal LM with realistic-scale weights.
+* ``hf`` — transformers' DeepSeek-V4 attention and a tiny causal LM with realistic-scale weights;
+* ``stacks`` — a block-scaled FP8 stack holding its weights, and their views at their places.
 """
 
 from pathlib import Path

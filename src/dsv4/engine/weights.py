@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..compressor_stack import stack_compressor_weights
-from ..input_stack import stack_input_projections
 from ..config import LayerKind, ModelConfig
 from ..formats.block_fp8 import BlockFp8Weight
+from ..layer_stacks import stack_layer_weights
 from ..numerics import Numerics
 from ..weights import AttentionWeights
 
@@ -33,9 +32,9 @@ GivenWeights = Mapping[int, AttentionWeights] | Callable[[int], AttentionWeights
 def engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) -> AttentionWeights:
     """Weights as an engine holds them: block-scaled FP8 projections as they are (the checkpoint's bytes), other
     matrices in the activation dtype (what the checkpoint ships in and the GEMMs read: BF16 for the official
-    numerics), vectors (norms, sinks) and the position biases in FP32. Under BF16 activations the compressor
-    matrices are row views of one stacked matrix (``dsv4.compressor_stack``), and so are ``wq_a`` and ``wkv``
-    (``dsv4.input_stack``)."""
+    numerics), vectors (norms, sinks) and the position biases in FP32. Under BF16 activations the matrices that
+    read one input are row views of one stacked matrix (``dsv4.layer_stacks``: the compressor matrices; ``wq_a``
+    and ``wkv``; CSA: ``wq_b`` and the indexer's ``wq_b``)."""
 
     def cast(path: str, t: Tensor) -> Tensor:
         small = t.dim() < 2 or path.endswith("ape")
@@ -51,9 +50,10 @@ def engine_weights(w: AttentionWeights, act: torch.dtype, device: torch.device) 
         return x
 
     out = mv(w, "")
-    # the layer's one compressor GEMM and its one input-projection GEMM read stacked matrices (``compressor_stack``,
-    # ``input_stack``): stack here, so the layer's device copy reuses this memory instead of holding a second one
-    return stack_input_projections(stack_compressor_weights(out)) if act == torch.bfloat16 else out
+    # the layer's stacked GEMMs (its compressors', its input projections', CSA its query projections') read stacked
+    # matrices (``layer_stacks``): stack here, so the layer's device copy reuses this memory instead of holding a
+    # second one
+    return stack_layer_weights(out) if act == torch.bfloat16 else out
 
 
 def weights_bytes(cfg: ModelConfig, layers: Sequence[int], act_bytes: int = 2) -> int:

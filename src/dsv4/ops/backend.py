@@ -8,12 +8,13 @@ the host and shared by every layer of the step). Every op takes the layer's ``La
 SPEC §3 in call order::
 
     c^Q, kv = input_projections(step, x)       RMSNorm(W_qa x), RMSNorm(W_kv x)                [T, q_lora], [T, D]
-    q    = queries(step, c^Q)                   W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
+    q, q_I = queries(step, c^Q)                 W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
+                                                (CSA: q_I = W_Iq c^Q where the same GEMM made it, else None)
     capture_prefix_states(step, x, kv)          prefix caching: the state at block boundaries inside the step
     kv   = new_entries(step, x, kv)             the step's window entries (RoPE, rounded as stored); CSA/HCA also
                                                 every compressor: accumulate into the tails, pool every window
                                                 that closes, store its entries in the pool
-    CSA:     idx = indexer_topk(step, indexer_queries(step, c^Q), indexer_weights(step, x))      [T, k], −1 padded
+    CSA:     idx = indexer_topk(step, indexer_queries(step, c^Q, q_I), indexer_weights(step, x)) [T, k], −1 padded
     HCA:     idx = visible_entries(step)        per-token count of visible entries              [T]
     o, lse = attend(step, q, kv, idx)           one softmax over window ∪ compressed keys + sink, inverse RoPE
     append_swa(step, kv)                        last: a multi-token step must not overwrite ring slots its own
@@ -55,8 +56,11 @@ class AttentionBackend(Protocol):
         ``[T, q_lora_rank]`` and the window KV ``RMSNorm_{kv_norm}(W_kv x)`` ``[T, D]`` (before RoPE and rounding),
         both act dtype. x: ``[T, d]`` act dtype. A backend may run both projections as one GEMM."""
 
-    def queries(self, step: LayerStep, q_latent: Tensor) -> Tensor:
-        """``W_qb c^Q`` per head, unweighted RMSNorm, RoPE at each position. Returns ``[T, H, D]`` act dtype."""
+    def queries(self, step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``W_qb c^Q`` per head, unweighted RMSNorm, RoPE at each position: ``[T, H, D]`` act dtype. A backend may
+        compute a CSA layer's indexer projection ``W_Iq c^Q`` in the same GEMM (both read ``c^Q``); it returns that
+        ``[T, H_I·c_I]`` act dtype (possibly a column view of a wider output) for ``indexer_queries``, else
+        ``None``."""
 
     def capture_prefix_states(self, step: LayerStep, x: Tensor, kv: Tensor) -> None:
         """Prefix caching: for each of ``step.batch.prefix_captures`` (a block boundary strictly inside a request's
@@ -69,9 +73,10 @@ class AttentionBackend(Protocol):
         every compressor: accumulate the step's tokens into the tails, pool every window that closes, finish and
         store its entry in the pool (main entries; CSA also indexer keys). x: ``[T, d]``; kv: ``input_projections``'."""
 
-    def indexer_queries(self, step: LayerStep, q_latent: Tensor) -> Any:
+    def indexer_queries(self, step: LayerStep, q_latent: Tensor, projection: Tensor | None = None) -> Any:
         """CSA: the indexer queries ``W_Iq c^Q`` per head, RoPE, rounded as the index format; only the same
-        backend's ``indexer_topk`` reads them (the torch backend: float32 ``[T, H_I, c_I]``)."""
+        backend's ``indexer_topk`` reads them (the torch backend: float32 ``[T, H_I, c_I]``). ``projection``: the
+        ``W_Iq c^Q`` the same backend's ``queries`` returned, or ``None`` (then this op runs the GEMM)."""
 
     def indexer_weights(self, step: LayerStep, x: Tensor) -> Any:
         """CSA: the indexer's per-head weights ``W_w x · c_I^{-1/2} H_I^{-1/2}``; only the same backend's

@@ -21,7 +21,8 @@ from ..config import LayerKind
 from ..numerics import Numerics
 from ..reference.compressor import finish_entries, pool_windows
 from ..reference.core import attend_with_sink, window_indices
-from ..reference.indexer import index_scores, indexer_queries as _reference_indexer_queries, select_topk
+from ..reference.indexer import (index_scores, indexer_queries as _reference_indexer_queries,
+                                 rounded_indexer_queries, select_topk)
 from ..reference.primitives import rms_norm
 from ..reference.rope import apply_rope
 from ..weights import CompressorWeights
@@ -60,10 +61,11 @@ def query_latent(step: LayerStep, x: Tensor) -> Tensor:
     return projections.query_latent(step, x, rms_norm)
 
 
-def queries(step: LayerStep, q_latent: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.queries``: per-head unweighted RMSNorm, then RoPE (SPEC §3 step 2)."""
+def queries(step: LayerStep, q_latent: Tensor) -> tuple[Tensor, None]:
+    """See ``backend.AttentionBackend.queries``: per-head unweighted RMSNorm, then RoPE (SPEC §3 step 2). The
+    indexer's projection is not made here (``indexer_queries`` runs its own GEMM): ``(q, None)``."""
     q = projections.query_projection(step, q_latent)
-    return apply_rope(rms_norm(q, None, step.cfg.norm_eps), step.positions, step.inv_freq)
+    return apply_rope(rms_norm(q, None, step.cfg.norm_eps), step.positions, step.inv_freq), None
 
 
 def window_kv(step: LayerStep, x: Tensor) -> Tensor:
@@ -216,8 +218,11 @@ def new_entries(step: LayerStep, x: Tensor, kv: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ indexer
-def indexer_queries(step: LayerStep, q_latent: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.indexer_queries``: float32 ``[T, H_I, c_I]`` on the index format's grid."""
+def indexer_queries(step: LayerStep, q_latent: Tensor, projection: Tensor | None = None) -> Tensor:
+    """See ``backend.AttentionBackend.indexer_queries``: float32 ``[T, H_I, c_I]`` on the index format's grid (from
+    ``projection`` when given, else the reference's own GEMM)."""
+    if projection is not None:
+        return rounded_indexer_queries(projection, step.positions, step.inv_freq, step.cfg, step.numerics)
     return _reference_indexer_queries(q_latent, step.weights.indexer, step.positions, step.inv_freq, step.cfg,
                                       step.numerics)
 

@@ -29,9 +29,8 @@ from ..kernels.indexer.scores import index_scores
 from ..kernels.indexer.topk import radix_topk
 from ..kernels.indexer.topk_plan import TopkPlan
 from ..numerics import Numerics
-from ..reference.indexer import index_scores as _reference_scores
+from ..reference.indexer import index_scores as _reference_scores, rounded_indexer_queries
 from ..reference.primitives import linear
-from ..reference.rope import apply_rope
 from . import projections, torch_ops
 from .step import LayerStep
 from .triton_project import projector
@@ -143,25 +142,27 @@ def queries_from_float(values: Tensor, fmt: str) -> IndexerQueries:
     return IndexerQueries(fmt, v.new_zeros((T, 2, hp, 64)), v.new_zeros((T, hp)), H, values=v)
 
 
-def indexer_queries(step: LayerStep, q_latent: Tensor) -> IndexerQueries:
-    """See ``backend.AttentionBackend.indexer_queries``."""
-    q = projections.indexer_query_projection(step, q_latent, projector(step))
+def indexer_queries(step: LayerStep, q_latent: Tensor, projection: Tensor | None = None) -> IndexerQueries:
+    """See ``backend.AttentionBackend.indexer_queries``: from ``projection`` (``triton_write.queries``' column block
+    of the layer's stacked query GEMM, read in place) when given, else from ``W_Iq c^Q``'s own GEMM."""
+    q = projection if projection is not None else projections.indexer_query_projection(step, q_latent,
+                                                                                         projector(step))
     return queries_from_projection(q, step.positions, step.inv_freq, step.cfg, step.numerics)
 
 
 def queries_from_projection(
     q: Tensor, positions: Tensor, inv_freq: Tensor, cfg: ModelConfig, numerics: Numerics
 ) -> IndexerQueries:
-    """Indexer queries (SPEC §5): ``W_Iq c^Q`` (torch GEMM), then for MXFP4 one fused kernel (RoPE → Hadamard →
-    MXFP4 → operand bytes); other formats round in torch (``numerics.qdq_index``)."""
+    """Indexer queries (SPEC §5) from ``q`` ``= W_Iq c^Q`` ``[T, H_I·c_I]`` (rows any stride apart): for MXFP4 one
+    fused kernel (RoPE → Hadamard → MXFP4 → operand bytes); other formats round in torch
+    (``reference.indexer.rounded_indexer_queries``)."""
     H, c = cfg.index_n_heads, cfg.index_head_dim
     fmt = numerics.index_format
     if fmt == "mxfp4" and c == 128 and inv_freq.numel() == 32 and q.is_cuda:
         hp = head_pad(H)
         q8, scale = mxfp4_queries(q, positions, inv_freq, H, hp)
         return IndexerQueries(fmt, q8, scale, H)
-    values = numerics.qdq_index(apply_rope(q.unflatten(-1, (H, c)), positions, inv_freq))
-    return queries_from_float(values, fmt)
+    return queries_from_float(rounded_indexer_queries(q, positions, inv_freq, cfg, numerics), fmt)
 
 
 def score_buffer(layer: LayerCache, batch: StepBatch, m: int, score_dtype: torch.dtype) -> Tensor:

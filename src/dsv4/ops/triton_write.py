@@ -21,14 +21,15 @@ from ..kernels.project import queries as query_kernels, rms_norm as rms_norm_ker
 from ..kernels.write import window as window_kernels
 from ..kernels.write.launch import CompressorArgs, write_before_attention
 from ..numerics import Numerics
+from ..query_stack import query_stack
 from ..reference.primitives import rms_norm as torch_rms_norm
 from ..weights import CompressorWeights
 from . import projections, torch_ops
 from .triton_project import projector
 from .step import LayerStep
 
-__all__ = ["append_swa", "input_projections", "kernels_handle", "new_entries", "queries", "query_latent", "rms_norm",
-           "window_kv"]
+__all__ = ["append_swa", "input_projections", "kernels_handle", "new_entries", "queries", "query_latent",
+           "query_projections", "rms_norm", "window_kv"]
 
 #: widest row the RMSNorm kernel takes in one program
 RMS_NORM_MAX_CHANNELS = 8192
@@ -66,12 +67,28 @@ def query_latent(step: LayerStep, x: Tensor) -> Tensor:
     return projections.query_latent(step, x, rms_norm, projector(step))
 
 
-def queries(step: LayerStep, q_latent: Tensor) -> Tensor:
-    """See ``backend.AttentionBackend.queries``: the projection, then the per-head RMSNorm + RoPE in one launch."""
+def queries(step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
+    """See ``backend.AttentionBackend.queries``: the projection (``query_projections``: CSA, one GEMM for the
+    heads' and the indexer's), then the per-head RMSNorm + RoPE in one launch reading the heads' projection in
+    place. Returns the queries and the indexer's projection where that GEMM made it (else ``None``)."""
     if not step.plan.kernels:
         return torch_ops.queries(step, q_latent)
-    q = projections.query_projection(step, q_latent, projector(step))
-    return query_kernels.queries(q.contiguous(), step.positions, step.inv_freq.float().contiguous(), step.cfg.norm_eps)
+    q, index = query_projections(step, q_latent)
+    return query_kernels.queries(q, step.positions, step.inv_freq.float().contiguous(), step.cfg.norm_eps), index
+
+
+def query_projections(step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``W_qb c^Q`` per head ``[T, H, D]`` and, where the layer's ``[W_qb; W_Iq]`` are stacked
+    (``dsv4.query_stack``: CSA), the indexer's ``W_Iq c^Q`` ``[T, H_I·c_I]``: column views of one FP8 GEMM's
+    ``[T, H·D + H_I·c_I]`` output (rows that far apart), as the step's plan says; else ``W_qb c^Q`` alone (its own
+    GEMM, contiguous) and ``None``. Act dtype."""
+    stack = query_stack(step.weights)
+    if stack is None or step.plan.projection is None or not runs_here(q_latent):
+        return projections.query_projection(step, q_latent, projector(step)), None
+    y = projector(step)(q_latent, stack, step.numerics)
+    cfg = step.cfg
+    n = cfg.num_heads * cfg.head_dim
+    return y[:, :n].unflatten(-1, (cfg.num_heads, cfg.head_dim)), y[:, n:]
 
 
 def window_kv(step: LayerStep, x: Tensor) -> Tensor:

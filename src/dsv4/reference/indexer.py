@@ -10,7 +10,8 @@ from ..weights import IndexerWeights
 from .primitives import linear, project
 from .rope import apply_rope
 
-__all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "select_topk", "topk_differences", "topk_within"]
+__all__ = ["indexer_queries", "indexer_head_weights", "index_scores", "rounded_indexer_queries", "select_topk",
+           "topk_differences", "topk_within"]
 
 
 def indexer_queries(
@@ -23,7 +24,15 @@ def indexer_queries(
     Returns:
         ``[T, H_I, c_I]`` float32 (values on the index format's grid).
     """
-    q = project(q_latent, iw.wq_b, numerics).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+    return rounded_indexer_queries(project(q_latent, iw.wq_b, numerics), positions, inv_freq, cfg, numerics)
+
+
+def rounded_indexer_queries(
+    q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, cfg: ModelConfig, numerics: Numerics
+) -> torch.Tensor:
+    """The indexer queries from their projection ``q = W_Iq c^Q`` ``[T, H_I·c_I]`` (act dtype): RoPE (compressed
+    table), Hadamard + quantize. Returns ``[T, H_I, c_I]`` float32 (values on the index format's grid)."""
+    q = q.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
     return numerics.qdq_index(apply_rope(q, positions, inv_freq))
 
 

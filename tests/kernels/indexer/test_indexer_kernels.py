@@ -550,7 +550,9 @@ def _decode_mxfp4_queries(iq) -> torch.Tensor:
 
 
 def test_interpreter_mxfp4_queries() -> None:
-    """The fused query kernel (interpreter) equals RoPE → Hadamard → MXFP4 QDQ of the reference (bitwise values)."""
+    """The fused query kernel (interpreter) equals RoPE → Hadamard → MXFP4 QDQ of the reference (bitwise values);
+    the indexer's column block of a wider GEMM output (the stacked ``[W_qb; W_Iq]`` projection) is read in place,
+    the same bytes as its contiguous copy."""
     if ON_GPU or not INTERPRETED:
         pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1)")
     from dsv4.kernels.indexer.queries import mxfp4_queries
@@ -565,6 +567,13 @@ def test_interpreter_mxfp4_queries() -> None:
     want = Numerics.official().qdq_index(apply_rope(q.unflatten(-1, (H, 128)), pos, inv))
     assert torch.equal(_decode_mxfp4_queries(ti.IndexerQueries("mxfp4", q8, qs, H)), want)
     assert (q8[:, :, H:] == 0).all() and (qs[:, H:] == 0).all()
+    wide = (torch.randn(T, 3 * 512 + H * 128, generator=g) * 3).bfloat16()
+    block = wide[:, 3 * 512 :]  # after three 512-wide heads, rows 2,048 elements apart
+    q8s, qss = mxfp4_queries(block, pos, inv, H, 16)
+    assert block.stride(0) == 2048 and torch.equal(q8s, mxfp4_queries(block.contiguous(), pos, inv, H, 16)[0])
+    assert torch.equal(qss, mxfp4_queries(block.contiguous(), pos, inv, H, 16)[1])
+    want = Numerics.official().qdq_index(apply_rope(block.unflatten(-1, (H, 128)), pos, inv))
+    assert torch.equal(_decode_mxfp4_queries(ti.IndexerQueries("mxfp4", q8s, qss, H)), want)
 
 
 @pytest.mark.gpu

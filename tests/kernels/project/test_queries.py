@@ -3,7 +3,7 @@
 The kernel sums the 512 squares in another order than torch's reduce kernel, so a query may differ in its last
 BF16 bit; everything else is the same operations. Both tests check every element within one BF16 step of the torch
 backend and nearly all of them equal: on the CPU under the Triton interpreter (logic, addressing, the rope pairs
-as words) and on the GPU (marked gpu).
+as words; a column block of a wider output read in place, the same bits as its copy) and on the GPU (marked gpu).
 """
 
 from __future__ import annotations
@@ -30,6 +30,16 @@ q = (torch.randn(T, H, 512, generator=g) * torch.exp(2 * torch.randn(T, H, 1, ge
 pos = torch.tensor([0, 1, 5, 127, 4096, 70000, 1048575])
 inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
 check_queries(queries(q, pos, inv, 1e-6), apply_rope(rms_norm(q, None, 1e-6), pos, inv))
+# the heads' column block of a wider GEMM output (the stacked [W_qb; W_Iq] projection: tokens 2,560 elements apart
+# here, the indexer's 1,024 columns after the heads'), and one that does not start the row: read in place, the
+# same bits as their contiguous copies
+wide = (torch.randn(T, H * 512 + 1024, generator=g) * torch.exp(2 * torch.randn(T, 1, generator=g))).bfloat16()
+for block in (wide[:, : H * 512], wide[:, 512 : 512 + H * 512]):
+    heads = block.unflatten(-1, (H, 512))
+    assert heads.stride() == (H * 512 + 1024, 512, 1)
+    got = queries(heads, pos, inv, 1e-6)
+    assert got.is_contiguous() and torch.equal(got, queries(heads.contiguous(), pos, inv, 1e-6))
+    check_queries(got, apply_rope(rms_norm(heads, None, 1e-6), pos, inv))
 print("ok")
 """
 
@@ -69,6 +79,12 @@ def test_queries_kernel_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match=r"bf16 \[T, H, 512\]"):
         queries(torch.zeros(2, 3, 256, dtype=torch.bfloat16), pos, inv, 1e-6)
     with pytest.raises(ValueError, match=r"bf16 \[T, H, 512\]"):
-        queries(torch.zeros(2, 512, 3, dtype=torch.bfloat16).transpose(1, 2), pos, inv, 1e-6)  # not contiguous
+        queries(torch.zeros(2, 512, 3, dtype=torch.bfloat16).transpose(1, 2), pos, inv, 1e-6)  # channels strided
+    odd = torch.zeros(2, 3 * 512 + 1, dtype=torch.bfloat16)[:, : 3 * 512].unflatten(-1, (3, 512))
+    with pytest.raises(ValueError, match="even number of elements apart"):
+        queries(odd, pos, inv, 1e-6)  # tokens an odd number of elements apart: the rope words would straddle
+    gapped = torch.zeros(2, 3, 1024, dtype=torch.bfloat16)[..., :512]
+    with pytest.raises(ValueError, match="heads 512"):
+        queries(gapped, pos, inv, 1e-6)  # heads 1,024 apart
     with pytest.raises(ValueError, match="out must be"):
         queries(torch.zeros(2, 3, 512, dtype=torch.bfloat16), pos, inv, 1e-6, out=torch.zeros(2, 3, 512))

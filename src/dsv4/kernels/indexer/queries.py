@@ -24,14 +24,14 @@ def _butterfly(y, R: tl.constexpr, h: tl.constexpr):
 
 @triton.jit
 def _mxfp4_queries_kernel(
-    q_ptr, q_stride,            # bf16 [T, H * 128]: W_Iq c^Q, head-major
+    q_ptr, q_stride,            # bf16 [T, H * 128]: W_Iq c^Q, head-major, rows q_stride apart
     cos_ptr, sin_ptr,           # fp32 [T, 32]: cos / sin of p · ω_i
     q8_ptr,                     # uint8 [T, 2, HP, 64] out: E4M3 operand bytes (channel order of unpack_keys_asm)
     qs_ptr,                     # fp32 [T, HP] out: 2**(e_max − 133) per head (0 for padded heads)
     H, HP,
     HB: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HB
     heads = h0 + tl.arange(0, HB)
     ch = tl.arange(0, 128)
@@ -96,7 +96,8 @@ def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int
 
     Args:
         q: ``[T, H * 128]`` act dtype, ``W_Iq c^Q`` head-major (the rotated values are rounded back to this dtype
-            when it is BF16, as the reference's RoPE does).
+            when it is BF16, as the reference's RoPE does); channels contiguous, rows any stride apart (a column
+            block of a wider GEMM output is read in place).
         positions: int64 ``[T]``; inv_freq: float32 ``[32]`` (the layer's compressed RoPE table).
         num_heads: ``H``; head_pad: ``HP`` ≥ H, a power of two ≥ 16 (MMA width).
     Returns:
@@ -106,7 +107,8 @@ def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int
         heads).
     """
     T = q.shape[0]
-    q = q.contiguous()
+    if q.stride(1) != 1:
+        q = q.contiguous()
     angle = positions.to(torch.float32)[:, None] * inv_freq.to(device=q.device, dtype=torch.float32)[None, :]
     cos, sin = angle.cos().contiguous(), angle.sin().contiguous()
     q8 = torch.empty((T, 2, head_pad, 64), dtype=torch.uint8, device=q.device)

@@ -1,8 +1,9 @@
 """How a step's FP8 projections run (``ProjectionPlan``), decided once per step from its row count.
 
-The five FP8 projections of a layer (``weights.FP8_PROJECTIONS``) have fixed shapes, and so has the stack of the
-two that read the layer's input (``wq_a+wkv``, ``dsv4.input_stack``); a step multiplies each by ``rows`` activation
-rows (its tokens). Per weight shape the plan holds the Triton block GEMM's launch
+The five FP8 projections of a layer (``weights.FP8_PROJECTIONS``) have fixed shapes, and so have the stack of the
+two that read the layer's input (``wq_a+wkv``, ``dsv4.input_stack``) and, CSA, of the two that read the query
+latent (``wq_b+indexer.wq_b``, ``dsv4.query_stack``); a step multiplies each by ``rows`` activation rows (its
+tokens). Per weight shape the plan holds the Triton block GEMM's launch
 (``block_gemm.gemm_config``) where that kernel was measured faster than the device's fallback way (``fallback``:
 cuBLAS over the quantized values, ``"bf16"``, or ``torch._scaled_mm``, ``"scaled_mm"``), and ``None`` elsewhere.
 The rule's figures: ``benchmarks/RESULTS.md``, "FP8 projections".
@@ -22,22 +23,25 @@ TRITON_ROWS = 64
 #: ... for weights of at least this many values (V4-Flash: ``wq_b``, ``wo_b``, 32 Mi each; the smaller ones are
 #: launch-latency bound either way) ...
 TRITON_MIN_VALUES = 1 << 24
-#: ... and for the stacked input projections whatever their size: one launch instead of two cuBLAS chains
-#: (activation quantization, split-K GEMM, its reduce) for ``wq_a`` and ``wkv``
-TRITON_STACKS = ("wq_a+wkv",)
+#: ... and for the stacks whatever their size: one launch instead of a cuBLAS chain (activation quantization,
+#: split-K GEMM, its reduce) per stacked weight below that size (``wq_a`` and ``wkv``; the indexer's ``wq_b``)
+TRITON_STACKS = ("wq_a+wkv", "wq_b+indexer.wq_b")
 
 
 def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[str, tuple[int, int]]:
-    """``{name: (N, K)}`` of a layer's FP8 projections and of the stacked ``wq_a+wkv`` (``heads``: the query heads a
-    rank computes; a tensor-parallel rank holds their share of the output groups, ``G·heads/H``, and so of
-    ``wo_b``'s columns)."""
+    """``{name: (N, K)}`` of a layer's FP8 projections and of the stacks ``wq_a+wkv`` and (CSA)
+    ``wq_b+indexer.wq_b`` (``heads``: the query heads a rank computes — its ``wq_b`` rows; a tensor-parallel rank
+    holds their share of the output groups, ``G·heads/H``, and so of ``wo_b``'s columns; the indexer is whole on
+    every rank)."""
     H = cfg.num_heads if heads is None else heads
     d = cfg.hidden_size
     groups = cfg.o_groups * H // cfg.num_heads
+    index_rows = cfg.index_n_heads * cfg.index_head_dim
     return {"wq_a": (cfg.q_lora_rank, d), "wq_b": (H * cfg.head_dim, cfg.q_lora_rank), "wkv": (cfg.head_dim, d),
             "wq_a+wkv": (cfg.q_lora_rank + cfg.head_dim, d),
             "wo_b": (d, groups * cfg.o_lora_rank),
-            "indexer.wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)}
+            "indexer.wq_b": (index_rows, cfg.q_lora_rank),
+            "wq_b+indexer.wq_b": (H * cfg.head_dim + index_rows, cfg.q_lora_rank)}
 
 
 def triton_gemm_wins(rows: int, n: int, k: int, name: str = "") -> bool:

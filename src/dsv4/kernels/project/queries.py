@@ -32,11 +32,12 @@ ROWS = 4
 
 
 @triton.jit
-def _queries_kernel(q_ptr, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, ROWS: tl.constexpr):
+def _queries_kernel(q_ptr, stride_t, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, ROWS: tl.constexpr):
     """Rows ``pid·ROWS …`` of ``q`` (row ``r`` = token ``r // H``, head ``r % H``).
 
     Args:
-        q_ptr: bf16 ``[R, 512]`` contiguous, the query projection (``R = T·H`` rows).
+        q_ptr: bf16 ``[T, H, 512]``, the query projection: heads 512 apart, tokens ``stride_t`` apart (even: the
+            rope dims are read as int32 words); ``R = T·H`` rows.
         pos_ptr: int64 ``[T]`` positions. inv_freq_ptr: fp32 ``[32]``.
         out_ptr: bf16 ``[R, 512]`` contiguous: the queries.
         H: heads per token; R: rows; eps: the RMSNorm epsilon.
@@ -44,50 +45,65 @@ def _queries_kernel(q_ptr, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, ROWS: tl.c
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = row < R
     row64 = row.to(tl.int64)
+    tok = row64 // H
+    src = tok * stride_t + (row64 - tok * H) * 512  # the row's first element in q
     # Every load first. The rope dims again as [ROWS, 32] int32 words, one (re, im) BF16 pair each
     # (quant.bf16_pairs): the pair stays in one thread for the rotation.
     pair = tl.arange(0, 32)
-    words = row64[:, None] * 256 + 224 + pair[None, :]
-    rope = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + words, mask=ok[:, None], other=0)
-    pos_f = tl.load(pos_ptr + row64 // H, mask=ok, other=0).to(tl.float32)[:, None]
+    words = 224 + pair[None, :]
+    rope = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + src[:, None] // 2 + words, mask=ok[:, None], other=0)
+    pos_f = tl.load(pos_ptr + tok, mask=ok, other=0).to(tl.float32)[:, None]
     inv_freq = tl.load(inv_freq_ptr + pair)[None, :]
     blk = tl.arange(0, 8)
     col = tl.arange(0, 64)
-    offs = row64[:, None, None] * 512 + blk[None, :, None] * 64 + col[None, None, :]
-    x = tl.load(q_ptr + offs, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    cols = blk[None, :, None] * 64 + col[None, None, :]
+    x = tl.load(q_ptr + src[:, None, None] + cols, mask=ok[:, None, None], other=0.0).to(tl.float32)
     # RMSNorm: mean of squares (× 1/512: exact), rsqrt, scale, round to BF16 (torch: y.to(x.dtype))
     r = rsqrtf(tl.sum(tl.sum(x * x, axis=2), axis=1) * (1.0 / 512.0) + eps)
     y = bf16_round(x * r[:, None, None])
-    tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=ok[:, None, None] & (blk[None, :, None] < 7))
+    tl.store(out_ptr + row64[:, None, None] * 512 + cols, y.to(tl.bfloat16),
+             mask=ok[:, None, None] & (blk[None, :, None] < 7))
     re, im = bf16_pairs(rope)
     re2, im2 = rope_pairs(bf16_round(re * r[:, None]), bf16_round(im * r[:, None]), pos_f, inv_freq)
-    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + words, bf16_pair_words(bf16_round(re2), bf16_round(im2)),
-             mask=ok[:, None])
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + row64[:, None] * 256 + words,
+             bf16_pair_words(bf16_round(re2), bf16_round(im2)), mask=ok[:, None])
 
 
 def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """The attention queries (one launch): per-head RMSNorm over the 512 dims, then RoPE on the last 64.
 
     Args:
-        q: bf16 ``[T, H, 512]`` contiguous, the query projection ``W_qb c^Q`` per head.
+        q: bf16 ``[T, H, 512]``, the query projection ``W_qb c^Q`` per head: channels contiguous, heads 512 apart,
+            tokens any even number of elements apart (a column block of a wider GEMM output is read in place),
+            4-byte aligned.
         positions: int64 ``[T]``. inv_freq: fp32 ``[32]`` contiguous. eps: the RMSNorm epsilon.
         out: optional bf16 ``[T, H, 512]`` contiguous output (may not alias ``q``).
     Returns:
-        bf16 ``[T, H, 512]``.
+        bf16 ``[T, H, 512]``, contiguous.
     Raises:
-        ValueError: ``q`` not a contiguous bf16 ``[T, H, 512]``, or ``out`` of another shape / dtype.
+        ValueError: ``q`` not a bf16 ``[T, H, 512]`` of that layout, or ``out`` of another shape / dtype.
     """
-    if q.dim() != 3 or q.shape[-1] != HEAD_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
-        raise ValueError(f"queries takes a contiguous bf16 [T, H, {HEAD_DIM}] tensor, got {q.dtype} "
-                         f"{list(q.shape)} (strides {tuple(q.stride())})")
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM or q.dtype != torch.bfloat16 or not _fits(q):
+        raise ValueError(f"queries takes a bf16 [T, H, {HEAD_DIM}] tensor, channels contiguous, heads {HEAD_DIM} "
+                         f"apart, tokens an even number of elements apart, got {q.dtype} {list(q.shape)} (strides "
+                         f"{tuple(q.stride())})")
     if out is None:
-        out = q.new_empty(q.shape)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} {list(q.shape)} tensor, got {out.dtype} "
                          f"{list(out.shape)}")
     T, H, _ = q.shape
     if T * H:
         _queries_kernel[(triton.cdiv(T * H, ROWS),)](
-            q, positions, inv_freq, out, H, T * H, float(eps), ROWS=ROWS, num_warps=4, enable_fp_fusion=False,
+            q, q.stride(0), positions, inv_freq, out, H, T * H, float(eps), ROWS=ROWS, num_warps=4,
+            enable_fp_fusion=False,
         )
     return out
+
+
+def _fits(q: Tensor) -> bool:
+    """Whether the kernel reads ``q`` ``[T, H, 512]`` in place: channels contiguous, heads 512 apart, tokens an
+    even number of elements apart, 4-byte aligned (the rope dims are read as int32 words)."""
+    T, H, _ = q.shape
+    return (q.stride(2) == 1 and (H <= 1 or q.stride(1) == HEAD_DIM) and (T <= 1 or q.stride(0) % 2 == 0)
+            and q.data_ptr() % 4 == 0)

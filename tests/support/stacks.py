@@ -1,0 +1,20 @@
+"""Checks shared by the tests of the block-scaled FP8 stacks (``dsv4.input_stack``, ``dsv4.query_stack``)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.formats.block_fp8 import WEIGHT_BLOCK, BlockFp8Weight
+
+
+def assert_stack_of(stack: BlockFp8Weight, originals: list[BlockFp8Weight], views: list[BlockFp8Weight]) -> None:
+    """``stack`` holds ``originals``' values (E4M3 values and block scales, dequantized: bit for bit) one after the
+    other, and ``views`` (what the stacked weights hold) are its row views at their places: no memory of their own."""
+    assert stack.shape == (sum(w.shape[0] for w in originals), originals[0].shape[1])
+    assert torch.equal(stack.dequantize(), torch.cat([w.dequantize() for w in originals]))
+    row = 0
+    for view, w in zip(views, originals, strict=True):
+        assert view.shape == w.shape
+        assert view.data.data_ptr() == stack.data[row:].data_ptr()
+        assert view.scale.data_ptr() == stack.scale[row // WEIGHT_BLOCK :].data_ptr()
+        row += w.shape[0]
