@@ -248,10 +248,10 @@ def test_gpu_stacked_query_projections_match_separate(rows: int) -> None:
         assert torch.equal(y[:, :n], project(q_latent, w.wq_b, step.numerics))
     # the ops: the queries' kernel reads the heads' block in place, the indexer's kernel its block
     heads, index = triton_write.query_projections(step, q_latent)
-    assert index is not None and heads.stride(0) == index.stride(0) == stack.shape[0]
+    assert index is not None and (rows == 1 or heads.stride(0) == index.stride(0) == stack.shape[0])
     assert torch.equal(heads.flatten(1), y[:, :n]) and torch.equal(index, y[:, n:])
     q, q_index = triton_write.queries(step, q_latent)
-    assert q_index is not None and q_index.stride(0) == stack.shape[0]
+    assert q_index is not None and (rows == 1 or q_index.stride(0) == stack.shape[0])  # one row: any stride
     pos, inv = step.positions, step.inv_freq.float().contiguous()
     contiguous = y[:, :n].contiguous().unflatten(-1, (FLASH.num_heads, FLASH.head_dim))
     assert torch.equal(q, query_kernels.queries(contiguous, pos, inv, FLASH.norm_eps))
