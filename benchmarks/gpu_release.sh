@@ -6,6 +6,8 @@
 #                                                      transformers >= 5.24 wheel in .whl/), old vs new tree A/B
 #   ... host | warmup-diag                            decode host path on the GPU | issue 36's key diff
 #   ... layer-ab                                       one layer of each kind, the tree in .ab/pre vs this one
+#                                                      (PRESET=v4-pro for V4-Pro)
+#   ... run-pro                                        the acceptance workload on V4-Pro, once (cold)
 # Each part writes one log (and JSON) under $OUT (at most 8 files come back from a device call).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
 O=${OUT:-out}; mkdir -p "$O"
@@ -26,6 +28,12 @@ for part in "$@"; do
     done
     grep -E "^== |warm-up|JIT|decode |prefill |total |decode-only|with prefill|first token|first step|CUDA graphs|check|PASS|FAIL" \
       "$O/run.log" ;;
+  run-pro)  # issue 38: the acceptance workload on V4-Pro, once, on a fresh Triton cache
+    rm -rf /tmp/tc-pro
+    timeout ${RUN_S:-300} python3 -m dsv4.cli run ${ACCEPT/v4-flash/v4-pro} --triton-cache /tmp/tc-pro \
+      --json "$O/run_pro.json" > "$O/run_pro.log" 2>&1
+    echo "== run-pro rc=$?"; grep -E "warm-up|JIT|decode |prefill |total |decode-only|first token|first step|CUDA graphs" \
+      "$O/run_pro.log" ;;
   host)  # issue 38: the decode step's host path against a real device (layers stood in), with its profile
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${HOST_S:-120} python3 benchmarks/bench_decode_host.py --device cuda \
       --profile 25 --out "$O/host.json" > "$O/host.log" 2>&1
@@ -39,7 +47,7 @@ for part in "$@"; do
     for tree in $(for _ in $(seq ${AB_ROUNDS:-2}); do echo pre new; done); do
       if [ $tree = pre ]; then P=.ab/pre/src; B=.ab/pre/benchmarks; else P=src; B=benchmarks; fi
       PYTHONPATH=$P TRITON_CACHE_DIR=/tmp/tc-ab-$tree timeout ${AB_S:-90} python3 $B/profile_layer.py --batch 64 4 \
-        --top 12 >> "$O/layer_ab.log" 2>&1
+        --preset ${PRESET:-v4-flash} --top 12 >> "$O/layer_ab.log" 2>&1
       echo "== layer $tree rc=$?"
     done
     grep -E "^(SWA|CSA|HCA)|^== " "$O/layer_ab.log" ;;

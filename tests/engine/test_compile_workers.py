@@ -13,8 +13,10 @@ import json
 import os
 import random
 import threading
+import time
 
 import pytest
+import torch
 
 from dsv4.engine import compile_workers
 from dsv4.engine.shape_store import StepShape
@@ -36,13 +38,18 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch):
     """Threads instead of processes; census = a random subset of a fixed spec universe per task."""
     rng = random.Random(0)
     universe = [_spec(n, f"k{i}") for n in KERNELS for i in range(3)]
-    calls = {"census": [], "compile": [], "shape": []}
+    calls = {"census": [], "compile": [], "shape": [], "in_flight": 0, "most_in_flight": 0, "free": 1 << 40}
     lock = threading.Lock()
 
     def census_task(*args):
         with lock:
             calls["census"].append(args)
-        return 0.2, 0.1, rng.sample(universe, 4)
+            calls["in_flight"] += 1
+            calls["most_in_flight"] = max(calls["most_in_flight"], calls["in_flight"])
+        time.sleep(0.01)
+        with lock:
+            calls["in_flight"] -= 1
+        return 3 << 30, 0.2, 0.1, rng.sample(universe, 4)
 
     def compile_task(spec):
         with lock:
@@ -52,9 +59,10 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch):
     def shape_task(*args):
         with lock:
             calls["shape"].append(args)
-        return 0.5, [f"shape{args[-2]}"]
+        return 3 << 30, 0.5, [f"shape{args[-2]}"]
 
-    monkeypatch.setattr(compile_workers, "_pool", lambda n, device: concurrent.futures.ThreadPoolExecutor(1))
+    monkeypatch.setattr(compile_workers, "_pool", lambda n, device: concurrent.futures.ThreadPoolExecutor(n))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (calls["free"], 1 << 40))
     monkeypatch.setattr(compile_workers, "census_task", census_task)
     monkeypatch.setattr(compile_workers, "compile_task", compile_task)
     monkeypatch.setattr(compile_workers, "shape_task", shape_task)
@@ -65,20 +73,24 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch):
 SHAPES = [StepShape((1,) * 3, 4), StepShape((64, 1), 8), StepShape((7,), 2)]
 
 
-def _run() -> compile_workers.WorkerPass:
-    return compile_workers.compile_in_workers(2, lambda shape, kind: ("cfg", kind, shape, "cuda"), SHAPES, [0, 2],
+SHAPES += [StepShape((2,) * k, 4) for k in range(1, 9)]
+
+
+def _run(n: int = 4) -> compile_workers.WorkerPass:
+    return compile_workers.compile_in_workers(n, lambda shape, kind: ("cfg", kind, shape, "cuda"), SHAPES, [0, 2],
                                               "cuda")
 
 
 def test_each_specialisation_compiles_once_costliest_first(fake_pool) -> None:
     done = _run()
     assert done.tasks == len(fake_pool["census"]) == len(SHAPES) and not done.census_error
-    assert [a[1] for a in fake_pool["census"]] == [[0, 2]] * 3  # one census per shape, every kind
-    assert fake_pool["census"][0][2] == SHAPES[1]  # the largest shape first
+    assert [a[1] for a in fake_pool["census"]] == [[0, 2]] * len(SHAPES)  # one census per shape, every kind
+    assert fake_pool["census"][0][2] == max(SHAPES, key=lambda s: sum(s.num_new))  # the largest shape first
+    assert done.concurrent == 4 and fake_pool["most_in_flight"] > 1  # memory to spare: every worker at once
     compiled = [(s.name, s.key) for s in fake_pool["compile"]]
     assert len(compiled) == len(set(compiled)) == len(done.specs)  # each distinct spec exactly once
     assert {(s.name, s.key) for s in done.specs} == set(compiled)
-    costs = [KERNELS[n] for n, _ in compiled]
+    costs = [KERNELS[s.name] for s in done.specs]  # the order they are handed out in
     assert costs == sorted(costs, reverse=True)
     assert done.launched == {f"{n}[{k}]" for n, k in compiled}
     assert done.slowest_s == max(costs) * 0.01 and done.slowest_kernel == "_sparse_attention_sm90_kernel"
@@ -113,3 +125,13 @@ def test_workers_take_the_engine_s_environment(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv("DSV4_TEST_WORKER_ENV", value)
         with compile_workers._pool(1, "cpu") as pool:
             assert pool.submit(_worker_view, "DSV4_TEST_WORKER_ENV").result(timeout=300) == (value, True)
+
+
+def test_tasks_at_once_are_bounded_by_the_device_s_free_memory(fake_pool) -> None:
+    """Each task held 3 GiB at most (the first, largest, measured alone): 7 GiB free hold two at once, 90% of it."""
+    fake_pool["free"] = 7 << 30
+    done = _run(n=8)
+    assert done.concurrent == 2 and fake_pool["most_in_flight"] <= 2 and len(fake_pool["census"]) == len(SHAPES)
+    fake_pool["free"] = 1 << 30
+    assert compile_workers.memory_bound_workers(8, "cuda", 3 << 30) == 1  # never fewer than one
+    assert compile_workers.memory_bound_workers(8, "cpu", 3 << 30) == 8

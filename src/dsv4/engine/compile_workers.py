@@ -9,6 +9,10 @@ machine's cores, each by exactly one worker.
    compiles it into Triton's on-disk cache (``census.compile_spec``). No kernel is compiled twice, and a large
    shape's kernels compile side by side instead of one after another inside its task.
 
+The largest shape's census runs first, alone: its device memory bounds how many tasks run at once
+(``memory_bound_workers``), since the engine's process already holds the model's weights (V4-Pro: 30 GiB) and each
+task builds a layer of each kind and a cache of its shape.
+
 If the census or a compile task fails (e.g. a worker process dies), ``compile_in_workers`` falls back to running every (shape, kind)
 task for real in a fresh pool, which compiles each task's kernels as it launches them.
 
@@ -19,10 +23,12 @@ Workers are forked from a ``forkserver`` that imported the kernels once; each ma
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +50,8 @@ class WorkerPass:
         specs: the distinct specialisations the census found (empty after the fallback).
         launched: every specialisation the workers compiled or loaded, as ``JitClock.specs`` names them.
         tasks: census tasks (one per shape, every layer kind), or the fallback's (shape, layer kind) runs.
+        concurrent: how many of them ran at once (the workers, unless the device's free memory holds fewer of the
+            largest shape's: ``memory_bound_workers``).
         census_s: wall time of the census, the pool's start included.
         census_cpu_s: the census tasks' seconds, summed (``census_s`` less this over ``n``: the pool's start).
         census_slowest_s: the longest census task (a worker's first builds its layers and asks the device).
@@ -59,6 +67,7 @@ class WorkerPass:
     specs: list[KernelSpec] = field(default_factory=list)
     launched: set[str] = field(default_factory=set)
     tasks: int = 0
+    concurrent: int = 0
     census_s: float = 0.0
     census_cpu_s: float = 0.0
     census_slowest_s: float = 0.0
@@ -85,12 +94,14 @@ def start_worker(device: str, environ: dict[str, str] | None = None) -> None:
     torch.empty(1, device=dev)
 
 
-def census_task(*run_args: Any) -> tuple[float, float, list[KernelSpec]]:
-    """``run_shape(*run_args)`` inside a census: its seconds, the seconds of the device queries' compiles among
-    them (``census.device_query``) and the specialisations it launches (nothing compiles or runs)."""
-    with JitClock() as clock, LaunchCensus() as census:  # the census passes device queries on to the clock
-        seconds = run_shape(*run_args)
-    return seconds, clock.seconds, census.specs
+def census_task(*run_args: Any) -> tuple[int, float, float, list[KernelSpec]]:
+    """``run_shape(*run_args)`` inside a census: the device memory it held at most (bytes: the allocator's peak +
+    ``CONTEXT_BYTES``), its seconds, the seconds of the device queries' compiles among them
+    (``census.device_query``) and the specialisations it launches (nothing compiles or runs). Its memory is handed
+    back after."""
+    with _peak_memory(run_args[-1]) as peak, JitClock() as clock, LaunchCensus() as census:
+        seconds = run_shape(*run_args)  # the census passes device queries on to the clock
+    return peak[0], seconds, clock.seconds, census.specs
 
 
 def compile_task(spec: KernelSpec) -> tuple[float, float, list[str]]:
@@ -103,11 +114,43 @@ def compile_task(spec: KernelSpec) -> tuple[float, float, list[str]]:
     return seconds, clock.seconds, clock.specs
 
 
-def shape_task(*run_args: Any) -> tuple[float, list[str]]:
-    """The fallback's task: ``run_shape(*run_args)`` for real, and the specialisations it compiled or loaded."""
-    with JitClock() as clock:
+def shape_task(*run_args: Any) -> tuple[int, float, list[str]]:
+    """The fallback's task: ``run_shape(*run_args)`` for real: the device memory it held at most, its seconds and
+    the specialisations it compiled or loaded."""
+    with _peak_memory(run_args[-1]) as peak, JitClock() as clock:
         seconds = run_shape(*run_args)
-    return seconds, clock.specs
+    return peak[0], seconds, clock.specs
+
+
+#: a worker's device memory outside torch's allocator (its CUDA context, cuBLAS' workspace), a conservative bound
+CONTEXT_BYTES = 1 << 30
+
+
+@contextmanager
+def _peak_memory(device: str) -> Iterator[list[int]]:
+    """Measures the torch allocator's peak on ``device`` inside (``[bytes]``, with ``CONTEXT_BYTES``; ``[0]`` off
+    CUDA) and returns the cached blocks to the device after: a worker holds only its layers between tasks."""
+    dev = torch.device(device)
+    out = [0]
+    if dev.type != "cuda":
+        yield out
+        return
+    torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        yield out
+    finally:
+        out[0] = torch.cuda.max_memory_reserved(dev) + CONTEXT_BYTES
+        torch.cuda.empty_cache()
+
+
+def memory_bound_workers(n: int, device: str, task_bytes: int, headroom: float = 0.9) -> int:
+    """How many of ``n`` workers may run tasks of ``task_bytes`` device memory each at once on ``device``: as many
+    as its free memory holds (``headroom`` of it), at least one. The engine's process already holds its weights:
+    sixteen workers of a large model's shapes would not fit beside them."""
+    if torch.device(device).type != "cuda" or task_bytes <= 0:
+        return n
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return max(1, min(n, int(free * headroom) // task_bytes))
 
 
 def _pool(n: int, device: str) -> concurrent.futures.ProcessPoolExecutor:
@@ -120,16 +163,40 @@ def _pool(n: int, device: str) -> concurrent.futures.ProcessPoolExecutor:
                                                   initargs=(device, dict(os.environ)))
 
 
-def _each(futures: Iterable[concurrent.futures.Future], bar: Any, total: int, what: str) -> Iterable[Any]:
-    """The futures' results as they complete, advancing ``bar`` (a tqdm bar or ``None``)."""
-    futures = list(futures)
+def _sized_limit(pool: concurrent.futures.Executor, fn: Callable, tasks: list[tuple], n: int, device: str,
+                 meanwhile: Callable[[], None] | None) -> tuple[Any, int]:
+    """Run ``tasks[0]`` (the largest shape) alone — ``meanwhile`` here while it runs — and size the concurrency by
+    its memory (``memory_bound_workers``; the result's first element): ``(its result, how many at once)``."""
+    first = pool.submit(fn, *tasks[0])
+    if meanwhile is not None:
+        meanwhile()
+    result = first.result()
+    return result, memory_bound_workers(n, device, result[0])
+
+
+def _run_all(pool: concurrent.futures.Executor, fn: Callable, tasks: list[tuple], limit: int, bar: Any,
+             what: str, first: Any = None) -> Iterator[tuple[tuple, Any]]:
+    """``(arguments, fn(*arguments))`` of every task as it completes, at most ``limit`` in flight, advancing ``bar``
+    (a tqdm bar or ``None``). ``first``: the result of ``tasks[0]``, already run."""
     if bar is not None:
-        bar.reset(total=total)
+        bar.reset(total=len(tasks))
         bar.set_description(f"warm-up: {what}")
-    for f in concurrent.futures.as_completed(futures):
-        yield f, f.result()
+    queue = iter(tasks[1:] if first is not None else tasks)
+    pending = {pool.submit(fn, *a): a for a in itertools.islice(queue, max(1, limit))}
+    if first is not None:
         if bar is not None:
             bar.update()
+        yield tasks[0], first
+    while pending:
+        done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for f in done:
+            args = pending.pop(f)
+            following = next(queue, None)
+            if following is not None:
+                pending[pool.submit(fn, *following)] = following
+            if bar is not None:
+                bar.update()
+            yield args, f.result()
 
 
 def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple], shapes: list[StepShape],
@@ -150,13 +217,12 @@ def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple]
     t0 = time.perf_counter()
     try:
         with _pool(n, device) as pool:
-            seen: dict[tuple[str, str], KernelSpec] = {}
             tasks = [run_args(shape, layers) for shape in order]  # no compiles: one task per shape, every kind
             out.tasks = len(tasks)
-            futures = [pool.submit(census_task, *a) for a in tasks]
-            if meanwhile is not None:
-                meanwhile()
-            for _, (seconds, query_s, specs) in _each(futures, bar, len(tasks), "census"):
+            first, out.concurrent = _sized_limit(pool, census_task, tasks, n, device, meanwhile)
+            seen: dict[tuple[str, str], KernelSpec] = {}
+            for _, (_, seconds, query_s, specs) in _run_all(pool, census_task, tasks, out.concurrent, bar, "census",
+                                                            first):
                 out.census_slowest_s = max(out.census_slowest_s, seconds)
                 out.census_cpu_s += seconds
                 out.query_s = max(out.query_s, query_s)
@@ -165,13 +231,13 @@ def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple]
             out.census_s = time.perf_counter() - t0
             cost = {name: compile_cost(name) for name, _ in seen}
             out.specs = sorted(seen.values(), key=lambda s: (-cost[s.name], s.name, s.key))
-            futures = {pool.submit(compile_task, spec): spec for spec in out.specs}
-            for f, (seconds, kernel_s, launched) in _each(futures, bar, len(futures), "compile"):
+            for (spec,), (seconds, kernel_s, launched) in _run_all(pool, compile_task, [(s,) for s in out.specs], n,
+                                                                   bar, "compile"):
                 out.compile_cpu_s += seconds
                 out.launcher_cpu_s += seconds - kernel_s
                 out.launched.update(launched)
                 if seconds > out.slowest_s:
-                    out.slowest_s, out.slowest_kernel = seconds, futures[f].name.rsplit(".", 1)[-1]
+                    out.slowest_s, out.slowest_kernel = seconds, spec.name.rsplit(".", 1)[-1]
         return out
     except Exception as e:  # noqa: BLE001 - the census only saves time: the fallback compiles the same kernels
         out.census_error = f"{type(e).__name__}: {e}"[:300]
@@ -179,8 +245,8 @@ def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple]
     tasks = [run_args(shape, [li]) for shape in order for li in layers]  # each kind's compiles in its own task
     out.tasks = len(tasks)
     with _pool(n, device) as pool:
-        for _, (seconds, launched) in _each((pool.submit(shape_task, *a) for a in tasks), bar, len(tasks),
-                                            "compile"):
+        first, out.concurrent = _sized_limit(pool, shape_task, tasks, n, device, None)
+        for _, (_, seconds, launched) in _run_all(pool, shape_task, tasks, out.concurrent, bar, "compile", first):
             out.slowest_s = max(out.slowest_s, seconds)
             out.launched.update(launched)
     return out

@@ -61,6 +61,8 @@ class WarmupReport:
         workers: worker processes that compiled (0: the manifest said all was compiled already).
         tasks: the workers' census runs (one per shape, every layer kind), or the fallback's (shape, layer kind)
             runs.
+        concurrent_tasks: how many of those ran at once (the workers, or fewer where the device's free memory
+            holds fewer of the largest shape's: ``compile_workers.memory_bound_workers``).
         specialisations: distinct kernel specialisations the census found, each compiled by one worker.
         census_s: wall time of the census, the workers' start included.
         census_cpu_s: the census tasks' seconds summed over the workers (the rest of ``census_s`` is the workers'
@@ -95,6 +97,7 @@ class WarmupReport:
     shapes_s: float = 0.0
     workers: int = 0
     tasks: int = 0
+    concurrent_tasks: int = 0
     specialisations: int = 0
     census_s: float = 0.0
     census_cpu_s: float = 0.0
@@ -131,8 +134,10 @@ class WarmupReport:
             done = (f"the census failed ({self.census_error}): {self.workers} workers ran {self.tasks} shape x "
                     f"layer-kind tasks in {self.compile_s:.1f} s, the slowest {self.slowest_task_s:.1f} s")
         else:
+            memory = (f", {self.concurrent_tasks} at once for memory" if 0 < self.concurrent_tasks < self.workers
+                      else "")
             done = (f"{self.specialisations} specialisations compiled by {self.workers} workers in "
-                    f"{self.compile_s:.1f} s (census of {self.tasks} shapes {self.census_s:.1f} s; "
+                    f"{self.compile_s:.1f} s (census of {self.tasks} shapes {self.census_s:.1f} s{memory}; "
                     f"the slowest compile {self.slowest_task_s:.1f} s, {self.slowest_kernel})")
         shapes = "stored" if self.shapes_stored else "replayed"
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
@@ -335,6 +340,7 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
                                       layers, device, bar, meanwhile=lambda: _ask_device(engine.device))
             specs, launched = done.specs, done.launched
             report.tasks, report.specialisations, report.census_s = done.tasks, len(done.specs), done.census_s
+            report.concurrent_tasks = done.concurrent
             report.census_slowest_s, report.census_query_s = done.census_slowest_s, done.query_s
             report.census_cpu_s = done.census_cpu_s
             report.compile_cpu_s, report.launcher_cpu_s = done.compile_cpu_s, done.launcher_cpu_s
