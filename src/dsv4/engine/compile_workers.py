@@ -168,6 +168,8 @@ def _sized_limit(pool: concurrent.futures.Executor, fn: Callable, tasks: list[tu
     """Run ``tasks[0]`` (the largest shape) alone — ``meanwhile`` here while it runs — and size the concurrency by
     its memory (``memory_bound_workers``; the result's first element): ``(its result, how many at once)``."""
     first = pool.submit(fn, *tasks[0])
+    for _ in range(n - 1):  # the other workers start meanwhile (a pool starts one per task submitted while busy)
+        pool.submit(os.getpid)
     if meanwhile is not None:
         meanwhile()
     result = first.result()
