@@ -38,7 +38,7 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch):
     """Threads instead of processes; census = a random subset of a fixed spec universe per task."""
     rng = random.Random(0)
     universe = [_spec(n, f"k{i}") for n in KERNELS for i in range(3)]
-    calls = {"census": [], "compile": [], "shape": [], "in_flight": 0, "most_in_flight": 0, "free": 1 << 40}
+    calls = {"census": [], "compile": [], "shape": [], "in_flight": 0, "most_in_flight": 0}
     lock = threading.Lock()
 
     def census_task(*args):
@@ -62,7 +62,6 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch):
         return 3 << 30, 0.5, [f"shape{args[-2]}"]
 
     monkeypatch.setattr(compile_workers, "_pool", lambda n, device: concurrent.futures.ThreadPoolExecutor(n))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (calls["free"], 1 << 40))
     monkeypatch.setattr(compile_workers, "census_task", census_task)
     monkeypatch.setattr(compile_workers, "compile_task", compile_task)
     monkeypatch.setattr(compile_workers, "shape_task", shape_task)
@@ -87,6 +86,7 @@ def test_each_specialisation_compiles_once_costliest_first(fake_pool) -> None:
     assert [a[1] for a in fake_pool["census"]] == [[0, 2]] * len(SHAPES)  # one census per shape, every kind
     assert fake_pool["census"][0][2] == max(SHAPES, key=lambda s: sum(s.num_new))  # the largest shape first
     assert done.concurrent == 4 and fake_pool["most_in_flight"] > 1  # memory to spare: every worker at once
+    assert done.task_bytes == 3 << 30
     compiled = [(s.name, s.key) for s in fake_pool["compile"]]
     assert len(compiled) == len(set(compiled)) == len(done.specs)  # each distinct spec exactly once
     assert {(s.name, s.key) for s in done.specs} == set(compiled)
@@ -127,11 +127,39 @@ def test_workers_take_the_engine_s_environment(monkeypatch: pytest.MonkeyPatch) 
             assert pool.submit(_worker_view, "DSV4_TEST_WORKER_ENV").result(timeout=300) == (value, True)
 
 
-def test_tasks_at_once_are_bounded_by_the_device_s_free_memory(fake_pool) -> None:
-    """Each task held 3 GiB at most (the first, largest, measured alone): 7 GiB free hold two at once, 90% of it."""
-    fake_pool["free"] = 7 << 30
+def test_a_task_out_of_device_memory_runs_again_with_fewer_at_once(fake_pool, monkeypatch) -> None:
+    """Tasks beside the engine's weights may not all fit: one that runs out of memory goes back in the queue and
+    halves the tasks at once; every shape is still taken exactly once."""
+    real = compile_workers.census_task
+    fits = 2
+    failed = []
+    lock = threading.Lock()
+    held = [0]
+
+    def census(*args):
+        with lock:
+            held[0] += 1
+            crowded = held[0] > fits
+        try:
+            if crowded:
+                failed.append(args[2])
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+            time.sleep(0.02)  # held while the next ones start
+            return real(*args)
+        finally:
+            with lock:
+                held[0] -= 1
+
+    monkeypatch.setattr(compile_workers, "census_task", census)
     done = _run(n=8)
-    assert done.concurrent == 2 and fake_pool["most_in_flight"] <= 2 and len(fake_pool["census"]) == len(SHAPES)
-    fake_pool["free"] = 1 << 30
-    assert compile_workers.memory_bound_workers(8, "cuda", 3 << 30) == 1  # never fewer than one
-    assert compile_workers.memory_bound_workers(8, "cpu", 3 << 30) == 8
+    assert failed and done.concurrent <= fits and not done.census_error
+    assert sorted(map(str, (a[2] for a in fake_pool["census"]))) == sorted(map(str, SHAPES))  # each once
+
+
+def test_out_of_memory_with_one_task_at_once_is_an_error(fake_pool, monkeypatch) -> None:
+    def census(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(compile_workers, "census_task", census)
+    done = _run(n=4)  # the census gives up; the fallback runs every (shape, kind) for real
+    assert "OutOfMemoryError" in done.census_error and len(fake_pool["shape"]) == len(SHAPES) * 2

@@ -9,9 +9,8 @@ machine's cores, each by exactly one worker.
    compiles it into Triton's on-disk cache (``census.compile_spec``). No kernel is compiled twice, and a large
    shape's kernels compile side by side instead of one after another inside its task.
 
-The largest shape's census runs first, alone: its device memory bounds how many tasks run at once
-(``memory_bound_workers``), since the engine's process already holds the model's weights (V4-Pro: 30 GiB) and each
-task builds a layer of each kind and a cache of its shape.
+Each task builds a layer of each kind and a cache of its shape beside the engine's process, which already holds the
+model's weights: a task that runs out of device memory is run again later with half as many at once (``_run_all``).
 
 If the census or a compile task fails (e.g. a worker process dies), ``compile_in_workers`` falls back to running every (shape, kind)
 task for real in a fresh pool, which compiles each task's kernels as it launches them.
@@ -22,8 +21,8 @@ Workers are forked from a ``forkserver`` that imported the kernels once; each ma
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import itertools
 import multiprocessing
 import os
 import time
@@ -50,8 +49,9 @@ class WorkerPass:
         specs: the distinct specialisations the census found (empty after the fallback).
         launched: every specialisation the workers compiled or loaded, as ``JitClock.specs`` names them.
         tasks: census tasks (one per shape, every layer kind), or the fallback's (shape, layer kind) runs.
-        concurrent: how many of them ran at once (the workers, unless the device's free memory holds fewer of the
-            largest shape's: ``memory_bound_workers``).
+        concurrent: how many of them ran at once in the end (the workers, or fewer after a task ran out of device
+            memory).
+        task_bytes: the most device memory one task held (torch's allocator, besides its CUDA context).
         census_s: wall time of the census, the pool's start included.
         census_cpu_s: the census tasks' seconds, summed (``census_s`` less this over ``n``: the pool's start).
         census_slowest_s: the longest census task (a worker's first builds its layers and asks the device).
@@ -68,6 +68,7 @@ class WorkerPass:
     launched: set[str] = field(default_factory=set)
     tasks: int = 0
     concurrent: int = 0
+    task_bytes: int = 0
     census_s: float = 0.0
     census_cpu_s: float = 0.0
     census_slowest_s: float = 0.0
@@ -95,8 +96,8 @@ def start_worker(device: str, environ: dict[str, str] | None = None) -> None:
 
 
 def census_task(*run_args: Any) -> tuple[int, float, float, list[KernelSpec]]:
-    """``run_shape(*run_args)`` inside a census: the device memory it held at most (bytes: the allocator's peak +
-    ``CONTEXT_BYTES``), its seconds, the seconds of the device queries' compiles among them
+    """``run_shape(*run_args)`` inside a census: the device memory it held at most (bytes, torch's allocator),
+    its seconds, the seconds of the device queries' compiles among them
     (``census.device_query``) and the specialisations it launches (nothing compiles or runs). Its memory is handed
     back after."""
     with _peak_memory(run_args[-1]) as peak, JitClock() as clock, LaunchCensus() as census:
@@ -122,14 +123,10 @@ def shape_task(*run_args: Any) -> tuple[int, float, list[str]]:
     return peak[0], seconds, clock.specs
 
 
-#: a worker's device memory outside torch's allocator (its CUDA context, cuBLAS' workspace), a conservative bound
-CONTEXT_BYTES = 1 << 30
-
-
 @contextmanager
 def _peak_memory(device: str) -> Iterator[list[int]]:
-    """Measures the torch allocator's peak on ``device`` inside (``[bytes]``, with ``CONTEXT_BYTES``; ``[0]`` off
-    CUDA) and returns the cached blocks to the device after: a worker holds only its layers between tasks."""
+    """Measures the torch allocator's peak on ``device`` inside (``[bytes]``; ``[0]`` off CUDA) and returns the
+    cached blocks to the device after: a worker holds only its layers between tasks."""
     dev = torch.device(device)
     out = [0]
     if dev.type != "cuda":
@@ -139,18 +136,8 @@ def _peak_memory(device: str) -> Iterator[list[int]]:
     try:
         yield out
     finally:
-        out[0] = torch.cuda.max_memory_reserved(dev) + CONTEXT_BYTES
+        out[0] = torch.cuda.max_memory_reserved(dev)
         torch.cuda.empty_cache()
-
-
-def memory_bound_workers(n: int, device: str, task_bytes: int, headroom: float = 0.9) -> int:
-    """How many of ``n`` workers may run tasks of ``task_bytes`` device memory each at once on ``device``: as many
-    as its free memory holds (``headroom`` of it), at least one. The engine's process already holds its weights:
-    sixteen workers of a large model's shapes would not fit beside them."""
-    if torch.device(device).type != "cuda" or task_bytes <= 0:
-        return n
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    return max(1, min(n, int(free * headroom) // task_bytes))
 
 
 def _pool(n: int, device: str) -> concurrent.futures.ProcessPoolExecutor:
@@ -163,42 +150,38 @@ def _pool(n: int, device: str) -> concurrent.futures.ProcessPoolExecutor:
                                                   initargs=(device, dict(os.environ)))
 
 
-def _sized_limit(pool: concurrent.futures.Executor, fn: Callable, tasks: list[tuple], n: int, device: str,
-                 meanwhile: Callable[[], None] | None) -> tuple[Any, int]:
-    """Run ``tasks[0]`` (the largest shape) alone — ``meanwhile`` here while it runs — and size the concurrency by
-    its memory (``memory_bound_workers``; the result's first element): ``(its result, how many at once)``."""
-    first = pool.submit(fn, *tasks[0])
-    for _ in range(n - 1):  # the other workers start meanwhile (a pool starts one per task submitted while busy)
-        pool.submit(os.getpid)
-    if meanwhile is not None:
-        meanwhile()
-    result = first.result()
-    return result, memory_bound_workers(n, device, result[0])
-
-
 def _run_all(pool: concurrent.futures.Executor, fn: Callable, tasks: list[tuple], limit: int, bar: Any,
-             what: str, first: Any = None) -> Iterator[tuple[tuple, Any]]:
-    """``(arguments, fn(*arguments))`` of every task as it completes, at most ``limit`` in flight, advancing ``bar``
-    (a tqdm bar or ``None``). ``first``: the result of ``tasks[0]``, already run."""
+             what: str, meanwhile: Callable[[], None] | None = None) -> Iterator[tuple[tuple, Any, int]]:
+    """``(arguments, fn(*arguments), tasks at once)`` of every task as it completes, at most ``limit`` in flight,
+    advancing ``bar`` (a tqdm bar or ``None``); ``meanwhile`` runs here once the first tasks are out. A task that ran out of device memory goes back in the queue and
+    halves the tasks at once (the engine's process already holds the model's weights: V4-Pro's 30 GiB leave room
+    for about ten workers' largest shapes, not sixteen); out of memory with one task at once, it raises."""
     if bar is not None:
         bar.reset(total=len(tasks))
         bar.set_description(f"warm-up: {what}")
-    queue = iter(tasks[1:] if first is not None else tasks)
-    pending = {pool.submit(fn, *a): a for a in itertools.islice(queue, max(1, limit))}
-    if first is not None:
-        if bar is not None:
-            bar.update()
-        yield tasks[0], first
-    while pending:
+    queue = collections.deque(tasks)
+    pending: dict[concurrent.futures.Future, tuple] = {}
+    while queue or pending:
+        while queue and len(pending) < limit:
+            args = queue.popleft()
+            pending[pool.submit(fn, *args)] = args
+        if meanwhile is not None:
+            meanwhile()
+            meanwhile = None
         done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
         for f in done:
             args = pending.pop(f)
-            following = next(queue, None)
-            if following is not None:
-                pending[pool.submit(fn, *following)] = following
+            try:
+                result = f.result()
+            except torch.OutOfMemoryError:
+                if limit == 1 and not pending:
+                    raise
+                limit = max(1, (len(pending) + 1) // 2)
+                queue.appendleft(args)
+                continue
             if bar is not None:
                 bar.update()
-            yield args, f.result()
+            yield args, result, limit
 
 
 def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple], shapes: list[StepShape],
@@ -221,10 +204,10 @@ def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple]
         with _pool(n, device) as pool:
             tasks = [run_args(shape, layers) for shape in order]  # no compiles: one task per shape, every kind
             out.tasks = len(tasks)
-            first, out.concurrent = _sized_limit(pool, census_task, tasks, n, device, meanwhile)
             seen: dict[tuple[str, str], KernelSpec] = {}
-            for _, (_, seconds, query_s, specs) in _run_all(pool, census_task, tasks, out.concurrent, bar, "census",
-                                                            first):
+            for _, (peak, seconds, query_s, specs), out.concurrent in _run_all(pool, census_task, tasks, n, bar,
+                                                                                "census", meanwhile):
+                out.task_bytes = max(out.task_bytes, peak)
                 out.census_slowest_s = max(out.census_slowest_s, seconds)
                 out.census_cpu_s += seconds
                 out.query_s = max(out.query_s, query_s)
@@ -233,8 +216,8 @@ def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple]
             out.census_s = time.perf_counter() - t0
             cost = {name: compile_cost(name) for name, _ in seen}
             out.specs = sorted(seen.values(), key=lambda s: (-cost[s.name], s.name, s.key))
-            for (spec,), (seconds, kernel_s, launched) in _run_all(pool, compile_task, [(s,) for s in out.specs], n,
-                                                                   bar, "compile"):
+            for (spec,), (seconds, kernel_s, launched), _ in _run_all(pool, compile_task, [(s,) for s in out.specs],
+                                                                      n, bar, "compile"):
                 out.compile_cpu_s += seconds
                 out.launcher_cpu_s += seconds - kernel_s
                 out.launched.update(launched)
@@ -247,8 +230,8 @@ def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple]
     tasks = [run_args(shape, [li]) for shape in order for li in layers]  # each kind's compiles in its own task
     out.tasks = len(tasks)
     with _pool(n, device) as pool:
-        first, out.concurrent = _sized_limit(pool, shape_task, tasks, n, device, None)
-        for _, (_, seconds, launched) in _run_all(pool, shape_task, tasks, out.concurrent, bar, "compile", first):
+        for _, (peak, seconds, launched), out.concurrent in _run_all(pool, shape_task, tasks, n, bar, "compile"):
+            out.task_bytes = max(out.task_bytes, peak)
             out.slowest_s = max(out.slowest_s, seconds)
             out.launched.update(launched)
     return out

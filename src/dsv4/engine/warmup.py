@@ -61,8 +61,9 @@ class WarmupReport:
         workers: worker processes that compiled (0: the manifest said all was compiled already).
         tasks: the workers' census runs (one per shape, every layer kind), or the fallback's (shape, layer kind)
             runs.
-        concurrent_tasks: how many of those ran at once (the workers, or fewer where the device's free memory
-            holds fewer of the largest shape's: ``compile_workers.memory_bound_workers``).
+        concurrent_tasks: how many of those ran at once in the end (the workers, or fewer after one ran out of
+            device memory beside the engine's weights).
+        task_gib: the most device memory one task held (GiB, torch's allocator).
         specialisations: distinct kernel specialisations the census found, each compiled by one worker.
         census_s: wall time of the census, the workers' start included.
         census_cpu_s: the census tasks' seconds summed over the workers (the rest of ``census_s`` is the workers'
@@ -98,6 +99,7 @@ class WarmupReport:
     workers: int = 0
     tasks: int = 0
     concurrent_tasks: int = 0
+    task_gib: float = 0.0
     specialisations: int = 0
     census_s: float = 0.0
     census_cpu_s: float = 0.0
@@ -134,7 +136,7 @@ class WarmupReport:
             done = (f"the census failed ({self.census_error}): {self.workers} workers ran {self.tasks} shape x "
                     f"layer-kind tasks in {self.compile_s:.1f} s, the slowest {self.slowest_task_s:.1f} s")
         else:
-            memory = (f", {self.concurrent_tasks} at once for memory" if 0 < self.concurrent_tasks < self.workers
+            memory = (f", {self.concurrent_tasks} at once for device memory" if 0 < self.concurrent_tasks < self.workers
                       else "")
             done = (f"{self.specialisations} specialisations compiled by {self.workers} workers in "
                     f"{self.compile_s:.1f} s (census of {self.tasks} shapes {self.census_s:.1f} s{memory}; "
@@ -340,7 +342,7 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
                                       layers, device, bar, meanwhile=lambda: _ask_device(engine.device))
             specs, launched = done.specs, done.launched
             report.tasks, report.specialisations, report.census_s = done.tasks, len(done.specs), done.census_s
-            report.concurrent_tasks = done.concurrent
+            report.concurrent_tasks, report.task_gib = done.concurrent, round(done.task_bytes / 2**30, 2)
             report.census_slowest_s, report.census_query_s = done.census_slowest_s, done.query_s
             report.census_cpu_s = done.census_cpu_s
             report.compile_cpu_s, report.launcher_cpu_s = done.compile_cpu_s, done.launcher_cpu_s
