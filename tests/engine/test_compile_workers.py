@@ -82,21 +82,22 @@ def _run(n: int = 4) -> compile_workers.WorkerPass:
 
 def test_each_specialisation_compiles_once_costliest_first(fake_pool) -> None:
     done = _run()
-    assert done.tasks == len(fake_pool["census"]) == len(SHAPES) and not done.census_error
+    assert done.stats.tasks == len(fake_pool["census"]) == len(SHAPES) and not done.stats.census_error
     assert [a[1] for a in fake_pool["census"]] == [[0, 2]] * len(SHAPES)  # one census per shape, every kind
     assert fake_pool["census"][0][2] == max(SHAPES, key=lambda s: sum(s.num_new))  # the largest shape first
-    assert done.concurrent == 4 and fake_pool["most_in_flight"] > 1  # memory to spare: every worker at once
-    assert done.task_bytes == 3 << 30
+    assert done.stats.concurrent_tasks == 4 and fake_pool["most_in_flight"] > 1  # memory to spare: all at once
+    assert done.stats.task_gib == 3.0
     compiled = [(s.name, s.key) for s in fake_pool["compile"]]
     assert len(compiled) == len(set(compiled)) == len(done.specs)  # each distinct spec exactly once
     assert {(s.name, s.key) for s in done.specs} == set(compiled)
     costs = [KERNELS[s.name] for s in done.specs]  # the order they are handed out in
     assert costs == sorted(costs, reverse=True)
     assert done.launched == {f"{n}[{k}]" for n, k in compiled}
-    assert done.slowest_s == max(costs) * 0.01 and done.slowest_kernel == "_sparse_attention_sm90_kernel"
-    assert done.compile_cpu_s == pytest.approx(0.01 * sum(costs))
-    assert done.launcher_cpu_s == pytest.approx(0.005 * sum(costs))
-    assert fake_pool["shape"] == [] and (done.census_slowest_s, done.query_s) == (0.2, 0.1)
+    assert done.stats.slowest_compile_s == max(costs) * 0.01
+    assert done.stats.slowest_kernel == "_sparse_attention_sm90_kernel"
+    assert done.stats.compile_cpu_s == pytest.approx(0.01 * sum(costs))
+    assert done.stats.launcher_cpu_s == pytest.approx(0.005 * sum(costs))
+    assert fake_pool["shape"] == [] and (done.stats.census_slowest_s, done.stats.census_query_s) == (0.2, 0.1)
 
 
 def test_a_failed_census_falls_back_to_running_every_task(fake_pool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,9 +106,10 @@ def test_a_failed_census_falls_back_to_running_every_task(fake_pool, monkeypatch
 
     monkeypatch.setattr(compile_workers, "census_task", broken)
     done = _run()
-    assert "worker died" in done.census_error
+    assert "worker died" in done.stats.census_error
     assert done.specs == [] and fake_pool["compile"] == []
-    assert len(fake_pool["shape"]) == len(SHAPES) * 2 and done.slowest_s == 0.5  # one task per shape and kind
+    assert len(fake_pool["shape"]) == len(SHAPES) * 2  # one task per shape and kind
+    assert done.stats.slowest_compile_s == 0.5
     assert {a[1][0] for a in fake_pool["shape"]} == {0, 2}
     assert done.launched == {f"shape{s}" for s in SHAPES}
 
@@ -152,7 +154,7 @@ def test_a_task_out_of_device_memory_runs_again_with_fewer_at_once(fake_pool, mo
 
     monkeypatch.setattr(compile_workers, "census_task", census)
     done = _run(n=8)
-    assert failed and done.concurrent <= fits and not done.census_error
+    assert failed and done.stats.concurrent_tasks <= fits and not done.stats.census_error
     assert sorted(map(str, (a[2] for a in fake_pool["census"]))) == sorted(map(str, SHAPES))  # each once
 
 
@@ -162,4 +164,4 @@ def test_out_of_memory_with_one_task_at_once_is_an_error(fake_pool, monkeypatch)
 
     monkeypatch.setattr(compile_workers, "census_task", census)
     done = _run(n=4)  # the census gives up; the fallback runs every (shape, kind) for real
-    assert "OutOfMemoryError" in done.census_error and len(fake_pool["shape"]) == len(SHAPES) * 2
+    assert "OutOfMemoryError" in done.stats.census_error and len(fake_pool["shape"]) == len(SHAPES) * 2

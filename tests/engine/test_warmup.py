@@ -14,7 +14,7 @@ import dsv4
 from dsv4.cache import HybridCache
 from dsv4.engine import Engine, EngineConfig, make_requests
 from dsv4.engine.graphs import default_batch_sizes
-from dsv4.engine.warmup import StepShape, graph_shapes, plan_step_shapes, warm_up
+from dsv4.engine.warmup import StepShape, WarmupReport, graph_shapes, plan_step_shapes, warm_up
 
 TINY = dsv4.ModelConfig.preset("tiny")
 
@@ -61,7 +61,7 @@ def test_planned_shapes_are_the_run_s_shapes(monkeypatch: pytest.MonkeyPatch, se
 def test_warm_up_on_the_cpu_only_plans() -> None:
     eng = Engine(TINY, config=EngineConfig(device="cpu", max_running=2, max_batched_tokens=64, block_size=64))
     report = warm_up(eng, make_requests(3, 40, 3, seed=0))
-    assert report.eager_shapes > 0 and report.workers == 0 and report.kernels_loaded == 0
+    assert report.eager_shapes > 0 and report.compile.workers == 0 and report.kernels_loaded == 0
     stats = eng.run(make_requests(3, 40, 3, seed=0))
     assert stats.summary()["warmup"] == {}  # the torch backend has nothing to warm: auto leaves it off
 
@@ -82,9 +82,13 @@ def test_warmed_run_compiles_nothing_inside_its_steps(monkeypatch: pytest.Monkey
         s = stats.summary()
         assert s["warmup"]["error"] == ""
         assert s["warmup"]["warm_start"] is not cold  # the second run finds the manifest
+        c = s["warmup"]["compile"]
         if cold:
-            assert s["warmup"]["tasks"] > 0 and s["warmup"]["slowest_task_s"] > 0 and s["warmup"]["workers"] > 0
-            assert s["warmup"]["specialisations"] > 0 and s["warmup"]["census_error"] == "", s["warmup"]
+            assert c["tasks"] > 0 and c["slowest_compile_s"] > 0 and c["workers"] > 0
+            assert c["specialisations"] > 0 and c["census_error"] == "", s["warmup"]
+        else:
+            assert c["workers"] == 0
+        assert "warm-up" in WarmupReport.from_dict(s["warmup"]).describe()
         assert s["warmup"]["load_errors"] == [] and s["warmup"]["load_compiles"] == [], s["warmup"]
         assert s["warmup"]["eager_shapes"] > 0
         assert s["jit_kernels"] == 0, s["jit_s"]

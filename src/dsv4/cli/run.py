@@ -210,7 +210,7 @@ def _run(args: argparse.Namespace, parallel: Any, device: torch.device | None) -
     if s["warmup"]:
         from ..engine.warmup import WarmupReport
 
-        say(WarmupReport(**s["warmup"]).describe())
+        say(WarmupReport.from_dict(s["warmup"]).describe())
     s["cli_to_first_step_s"] = first_step
     say(f"first step {first_step:.1f} s after the command started (weights {build_s:.1f} s, then warm-up, cache and "
         f"graph capture {s['prepare_s']:.1f} s)")

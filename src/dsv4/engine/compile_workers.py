@@ -38,46 +38,65 @@ from .jit_clock import JitClock
 from .shape_run import run_shape
 from .shape_store import StepShape
 
-__all__ = ["WorkerPass", "census_task", "compile_in_workers", "compile_task", "shape_task", "start_worker"]
+__all__ = ["WorkerPass", "WorkerStats", "census_task", "compile_in_workers", "compile_task", "shape_task", "start_worker"]
+
+
+@dataclass
+class WorkerStats:
+    """What the compile workers did, in figures (``WarmupReport.compile``; all zero where none ran).
+
+    Attributes:
+        workers: worker processes.
+        tasks: census tasks (one per shape, every layer kind), or the fallback's (shape, layer kind) runs.
+        concurrent_tasks: how many of them ran at once in the end (the workers, or fewer after a task ran out of
+            device memory beside the engine's weights).
+        task_gib: the most device memory one task held (GiB, torch's allocator, besides its CUDA context).
+        specialisations: the distinct kernel specialisations the census found, each compiled by one worker.
+        seconds: wall time of the workers' whole pass (their start, the census, the compiles).
+        census_s: wall time of the census, the workers' start included.
+        census_cpu_s: the census tasks' seconds summed over the workers (the rest of ``census_s`` is their start).
+        census_slowest_s: the longest census task (a worker's first builds its layers).
+        census_query_s: the longest time a census task spent compiling for device queries (``census.device_query``:
+            the attention kernel's occupancy probe, which the engine's process compiles meanwhile).
+        compile_cpu_s: the compile tasks' seconds summed over the workers; ``launcher_cpu_s`` the part of them spent
+            building the kernels' launchers (C modules) and loading them.
+        slowest_compile_s: the longest single compile (after the fallback: the longest (shape, kind) run) — a lower
+            bound of the compile phase however many workers.
+        slowest_kernel: the kernel of that compile (empty after the fallback).
+        census_error: why the census or a compile task failed, if one did (the workers then ran every (shape, kind)
+            for real).
+    """
+
+    workers: int = 0
+    tasks: int = 0
+    concurrent_tasks: int = 0
+    task_gib: float = 0.0
+    specialisations: int = 0
+    seconds: float = 0.0
+    census_s: float = 0.0
+    census_cpu_s: float = 0.0
+    census_slowest_s: float = 0.0
+    census_query_s: float = 0.0
+    compile_cpu_s: float = 0.0
+    launcher_cpu_s: float = 0.0
+    slowest_compile_s: float = 0.0
+    slowest_kernel: str = ""
+    census_error: str = ""
 
 
 @dataclass
 class WorkerPass:
-    """What the workers did.
+    """What ``compile_in_workers`` returns.
 
     Attributes:
+        stats: its figures.
         specs: the distinct specialisations the census found (empty after the fallback).
         launched: every specialisation the workers compiled or loaded, as ``JitClock.specs`` names them.
-        tasks: census tasks (one per shape, every layer kind), or the fallback's (shape, layer kind) runs.
-        concurrent: how many of them ran at once in the end (the workers, or fewer after a task ran out of device
-            memory).
-        task_bytes: the most device memory one task held (torch's allocator, besides its CUDA context).
-        census_s: wall time of the census, the pool's start included.
-        census_cpu_s: the census tasks' seconds, summed (``census_s`` less this over ``n``: the pool's start).
-        census_slowest_s: the longest census task (a worker's first builds its layers and asks the device).
-        query_s: the longest time a census task spent compiling for device queries (``census.device_query``).
-        compile_cpu_s: the compile tasks' seconds, summed (over ``n`` workers: the compile phase's floor).
-        launcher_cpu_s: the part of those spent building the kernels' launchers and loading them.
-        slowest_s: the longest single compile task (the fallback: the longest (shape, kind) task).
-        slowest_kernel: the kernel of that compile task (empty after the fallback).
-        census_error: why the census or a compile task failed, if one did (the workers then ran every task for
-            real).
     """
 
+    stats: WorkerStats
     specs: list[KernelSpec] = field(default_factory=list)
     launched: set[str] = field(default_factory=set)
-    tasks: int = 0
-    concurrent: int = 0
-    task_bytes: int = 0
-    census_s: float = 0.0
-    census_cpu_s: float = 0.0
-    census_slowest_s: float = 0.0
-    query_s: float = 0.0
-    compile_cpu_s: float = 0.0
-    launcher_cpu_s: float = 0.0
-    slowest_s: float = 0.0
-    slowest_kernel: str = ""
-    census_error: str = ""
 
 
 def start_worker(device: str, environ: dict[str, str] | None = None) -> None:
@@ -198,40 +217,44 @@ def compile_in_workers(n: int, run_args: Callable[[StepShape, list[int]], tuple]
         meanwhile: work for this process while the workers start and take the census.
     """
     order = sorted(shapes, key=lambda s: -sum(s.num_new))  # largest first: the longest tasks start first
-    out = WorkerPass()
+    st = WorkerStats(workers=n)
+    out = WorkerPass(st)
     t0 = time.perf_counter()
     try:
         with _pool(n, device) as pool:
             tasks = [run_args(shape, layers) for shape in order]  # no compiles: one task per shape, every kind
-            out.tasks = len(tasks)
+            st.tasks = len(tasks)
             seen: dict[tuple[str, str], KernelSpec] = {}
-            for _, (peak, seconds, query_s, specs), out.concurrent in _run_all(pool, census_task, tasks, n, bar,
-                                                                                "census", meanwhile):
-                out.task_bytes = max(out.task_bytes, peak)
-                out.census_slowest_s = max(out.census_slowest_s, seconds)
-                out.census_cpu_s += seconds
-                out.query_s = max(out.query_s, query_s)
+            for _, (peak, seconds, query_s, specs), st.concurrent_tasks in _run_all(pool, census_task, tasks, n, bar,
+                                                                                     "census", meanwhile):
+                st.task_gib = max(st.task_gib, round(peak / 2**30, 2))
+                st.census_slowest_s = max(st.census_slowest_s, seconds)
+                st.census_cpu_s += seconds
+                st.census_query_s = max(st.census_query_s, query_s)
                 for spec in specs:
                     seen.setdefault((spec.name, spec.key), spec)
-            out.census_s = time.perf_counter() - t0
+            st.census_s = time.perf_counter() - t0
             cost = {name: compile_cost(name) for name, _ in seen}
             out.specs = sorted(seen.values(), key=lambda s: (-cost[s.name], s.name, s.key))
+            st.specialisations = len(out.specs)
             for (spec,), (seconds, kernel_s, launched), _ in _run_all(pool, compile_task, [(s,) for s in out.specs],
                                                                       n, bar, "compile"):
-                out.compile_cpu_s += seconds
-                out.launcher_cpu_s += seconds - kernel_s
+                st.compile_cpu_s += seconds
+                st.launcher_cpu_s += seconds - kernel_s
                 out.launched.update(launched)
-                if seconds > out.slowest_s:
-                    out.slowest_s, out.slowest_kernel = seconds, spec.name.rsplit(".", 1)[-1]
+                if seconds > st.slowest_compile_s:
+                    st.slowest_compile_s, st.slowest_kernel = seconds, spec.name.rsplit(".", 1)[-1]
+        st.seconds = time.perf_counter() - t0
         return out
     except Exception as e:  # noqa: BLE001 - the census only saves time: the fallback compiles the same kernels
-        out.census_error = f"{type(e).__name__}: {e}"[:300]
-    out.specs, out.slowest_s = [], 0.0
+        st.census_error = f"{type(e).__name__}: {e}"[:300]
+    out.specs, st.specialisations, st.slowest_compile_s, st.slowest_kernel = [], 0, 0.0, ""
     tasks = [run_args(shape, [li]) for shape in order for li in layers]  # each kind's compiles in its own task
-    out.tasks = len(tasks)
+    st.tasks = len(tasks)
     with _pool(n, device) as pool:
-        for _, (peak, seconds, launched), out.concurrent in _run_all(pool, shape_task, tasks, n, bar, "compile"):
-            out.task_bytes = max(out.task_bytes, peak)
-            out.slowest_s = max(out.slowest_s, seconds)
+        for _, (peak, seconds, launched), st.concurrent_tasks in _run_all(pool, shape_task, tasks, n, bar, "compile"):
+            st.task_gib = max(st.task_gib, round(peak / 2**30, 2))
+            st.slowest_compile_s = max(st.slowest_compile_s, seconds)
             out.launched.update(launched)
+    st.seconds = time.perf_counter() - t0
     return out

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.census import KernelSpec
-from .compile_workers import compile_in_workers
+from .compile_workers import WorkerStats, compile_in_workers
 from .load_misses import explain_load_compiles
 from .shape_run import kind_layers, run_shape
 from .shape_store import StepShape, entry_path, load_step_shapes, step_shapes_key, store_step_shapes
@@ -58,26 +58,8 @@ class WarmupReport:
         shapes_stored: whether the step shapes came from a stored replay (``dsv4.engine.shape_store``) rather than
             a replay of the run's scheduling.
         shapes_s: seconds to get the step shapes (the replay, or reading its stored result).
-        workers: worker processes that compiled (0: the manifest said all was compiled already).
-        tasks: the workers' census runs (one per shape, every layer kind), or the fallback's (shape, layer kind)
-            runs.
-        concurrent_tasks: how many of those ran at once in the end (the workers, or fewer after one ran out of
-            device memory beside the engine's weights).
-        task_gib: the most device memory one task held (GiB, torch's allocator).
-        specialisations: distinct kernel specialisations the census found, each compiled by one worker.
-        census_s: wall time of the census, the workers' start included.
-        census_cpu_s: the census tasks' seconds summed over the workers (the rest of ``census_s`` is the workers'
-            start).
-        census_slowest_s: the longest census task (a worker's first builds its layers and asks the device).
-        census_query_s: the longest time a census task spent compiling for device queries (the attention kernel's
-            occupancy probe; this process compiles it meanwhile).
-        compile_s: wall time of the workers' whole pass, census included (0 on a warm start).
-        compile_cpu_s: the compiles' seconds summed over the workers; ``launcher_cpu_s`` the part of them spent
-            building the kernels' launchers (C modules) and loading them.
-        slowest_task_s: the longest single compile (the fallback: the longest (shape, kind) run) — a lower bound
-            of ``compile_s - census_s`` however many workers.
-        slowest_kernel: the kernel of that compile.
-        census_error: why the census failed, if it did (the workers then ran every (shape, kind) for real).
+        compile: what the compile workers did (``compile_workers.WorkerStats``: workers, tasks, specialisations,
+            census and compile times; all zero on a warm start or where nothing compiles).
         load_s: wall time of loading every kernel into this process.
         seconds: the whole warm-up, host replay of the schedule included.
         kernels_loaded: kernels this process loaded (or compiled, if a worker missed one) while warming.
@@ -96,21 +78,7 @@ class WarmupReport:
     graph_buckets: list[int] = field(default_factory=list)
     shapes_stored: bool = False
     shapes_s: float = 0.0
-    workers: int = 0
-    tasks: int = 0
-    concurrent_tasks: int = 0
-    task_gib: float = 0.0
-    specialisations: int = 0
-    census_s: float = 0.0
-    census_cpu_s: float = 0.0
-    census_slowest_s: float = 0.0
-    census_query_s: float = 0.0
-    compile_s: float = 0.0
-    compile_cpu_s: float = 0.0
-    launcher_cpu_s: float = 0.0
-    slowest_task_s: float = 0.0
-    slowest_kernel: str = ""
-    census_error: str = ""
+    compile: WorkerStats = field(default_factory=WorkerStats)
     load_s: float = 0.0
     seconds: float = 0.0
     kernels_loaded: int = 0
@@ -124,23 +92,28 @@ class WarmupReport:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "WarmupReport":
+        """The report ``as_dict`` gave (e.g. from a run's JSON)."""
+        return cls(**{**d, "compile": WorkerStats(**d.get("compile", {}))})
+
     def describe(self) -> str:
         """One line for the CLI (more lines where the load pass compiled)."""
+        c = self.compile
         if self.warm_start:
             done = "all compiled already (manifest)"
-        elif not self.workers:
+        elif not c.workers:
             done = "nothing to compile (no Triton kernels on this device and backend)"
         elif self.error:
             done = f"the compile workers failed ({self.error}): compiled serially while loading"
-        elif self.census_error:
-            done = (f"the census failed ({self.census_error}): {self.workers} workers ran {self.tasks} shape x "
-                    f"layer-kind tasks in {self.compile_s:.1f} s, the slowest {self.slowest_task_s:.1f} s")
+        elif c.census_error:
+            done = (f"the census failed ({c.census_error}): {c.workers} workers ran {c.tasks} shape x layer-kind "
+                    f"tasks in {c.seconds:.1f} s, the slowest {c.slowest_compile_s:.1f} s")
         else:
-            memory = (f", {self.concurrent_tasks} at once for device memory" if 0 < self.concurrent_tasks < self.workers
-                      else "")
-            done = (f"{self.specialisations} specialisations compiled by {self.workers} workers in "
-                    f"{self.compile_s:.1f} s (census of {self.tasks} shapes {self.census_s:.1f} s{memory}; "
-                    f"the slowest compile {self.slowest_task_s:.1f} s, {self.slowest_kernel})")
+            memory = f", {c.concurrent_tasks} at once for device memory" if 0 < c.concurrent_tasks < c.workers else ""
+            done = (f"{c.specialisations} specialisations compiled by {c.workers} workers in {c.seconds:.1f} s "
+                    f"(census of {c.tasks} shapes {c.census_s:.1f} s{memory}; the slowest compile "
+                    f"{c.slowest_compile_s:.1f} s, {c.slowest_kernel})")
         shapes = "stored" if self.shapes_stored else "replayed"
         return (f"warm-up {self.seconds:.1f} s: {self.eager_shapes} eager step shapes + graph buckets "
                 f"{self.graph_buckets} ({shapes} in {self.shapes_s:.2f} s); {done}; {self.kernels_loaded} kernels "
@@ -340,24 +313,16 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
         try:
             done = compile_in_workers(n, lambda shape, kind: (args[0], kind, *args[2:], shape, device), shapes,
                                       layers, device, bar, meanwhile=lambda: _ask_device(engine.device))
-            specs, launched = done.specs, done.launched
-            report.tasks, report.specialisations, report.census_s = done.tasks, len(done.specs), done.census_s
-            report.concurrent_tasks, report.task_gib = done.concurrent, round(done.task_bytes / 2**30, 2)
-            report.census_slowest_s, report.census_query_s = done.census_slowest_s, done.query_s
-            report.census_cpu_s = done.census_cpu_s
-            report.compile_cpu_s, report.launcher_cpu_s = done.compile_cpu_s, done.launcher_cpu_s
-            report.slowest_task_s, report.slowest_kernel = done.slowest_s, done.slowest_kernel
-            report.census_error = done.census_error
+            specs, launched, report.compile = done.specs, done.launched, done.stats
         except Exception as e:  # noqa: BLE001 - a failed worker costs time, never correctness: step 3 compiles
             report.error = f"{type(e).__name__}: {e}"[:300]
-        report.workers = n
-        report.compile_s = time.perf_counter() - t0
+            report.compile = WorkerStats(workers=n, seconds=time.perf_counter() - t0)
     t0 = time.perf_counter()
     clock = _load(report, specs, shapes, args, device, bar)
     report.load_s = time.perf_counter() - t0
     report.kernels_loaded = clock.kernels
     report.slowest_loads = sorted(((n, round(s, 2)) for n, s in clock.records if s >= 0.5), key=lambda r: -r[1])[:5]
-    if report.workers and not report.error:
+    if report.compile.workers and not report.error:
         report.load_compiles = explain_load_compiles(clock.records, clock.specs, launched)
     if bar is not None:
         bar.close()
