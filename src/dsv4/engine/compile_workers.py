@@ -12,8 +12,8 @@ machine's cores, each by exactly one worker.
 Each task builds a layer of each kind and a cache of its shape beside the engine's process, which already holds the
 model's weights: a task that runs out of device memory is run again later with half as many at once (``_run_all``).
 
-If the census or a compile task fails (e.g. a worker process dies), ``compile_in_workers`` falls back to running every (shape, kind)
-task for real in a fresh pool, which compiles each task's kernels as it launches them.
+If the census or a compile task fails (e.g. a worker process dies), ``compile_in_workers`` falls back to running
+every (shape, kind) task for real in a fresh pool, which compiles each task's kernels as it launches them.
 
 Workers are forked from a ``forkserver`` that imported the kernels once; each makes its own CUDA context
 (``start_worker``).
@@ -38,7 +38,8 @@ from .jit_clock import JitClock
 from .shape_run import run_shape
 from .shape_store import StepShape
 
-__all__ = ["WorkerPass", "WorkerStats", "census_task", "compile_in_workers", "compile_task", "shape_task", "start_worker"]
+__all__ = ["WorkerPass", "WorkerStats", "census_task", "compile_in_workers", "compile_task", "shape_task",
+           "start_worker"]
 
 
 @dataclass
@@ -172,9 +173,11 @@ def _pool(n: int, device: str) -> concurrent.futures.ProcessPoolExecutor:
 def _run_all(pool: concurrent.futures.Executor, fn: Callable, tasks: list[tuple], limit: int, bar: Any,
              what: str, meanwhile: Callable[[], None] | None = None) -> Iterator[tuple[tuple, Any, int]]:
     """``(arguments, fn(*arguments), tasks at once)`` of every task as it completes, at most ``limit`` in flight,
-    advancing ``bar`` (a tqdm bar or ``None``); ``meanwhile`` runs here once the first tasks are out. A task that ran out of device memory goes back in the queue and
-    halves the tasks at once (the engine's process already holds the model's weights: V4-Pro's 30 GiB leave room
-    for about ten workers' largest shapes, not sixteen); out of memory with one task at once, it raises."""
+    advancing ``bar`` (a tqdm bar or ``None``); ``meanwhile`` runs here once the first tasks are out.
+
+    A task that ran out of device memory goes back in the queue and halves the tasks at once (the engine's process
+    already holds the model's weights: V4-Pro's 30 GiB leave room for about ten of its largest shapes' tasks, not
+    sixteen); out of memory with one task at once, it raises."""
     if bar is not None:
         bar.reset(total=len(tasks))
         bar.set_description(f"warm-up: {what}")

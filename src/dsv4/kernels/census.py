@@ -80,9 +80,9 @@ def device_query() -> Iterator[None]:
 
 class LaunchCensus:
     """A context manager recording, in ``specs`` (first launch order, one per key and kernel), every kernel
-    specialisation launched inside it that this process has not compiled yet — and skipping its compile and launch
-    (see the module docstring). Specialisations already compiled in this process launch as usual: start a census
-    in a process that has launched nothing, or it misses them. Not re-entrant; restores the hook it replaced."""
+    specialisation of the package launched inside it — and skipping its compile and launch (see the module
+    docstring). The package's kernels already in this process's memory are set aside while it runs (they would
+    launch without asking the hook) and restored after. Not re-entrant; restores the hook it replaced."""
 
     def __init__(self) -> None:
         self.specs: list[KernelSpec] = []
