@@ -58,6 +58,7 @@ def test_census_records_each_specialisation_once_and_skips_it() -> None:
             assert _hook_call(c, GEMM, "b") is True
             assert _hook_call(c, GEMM, "a") is True
             assert _hook_call(c, ATTENTION, "a") is True
+            assert _hook_call(c, "triton.language.standard.some_kernel", "x") is True  # skipped, not recorded
             with device_query():  # compiled for real: passed on to the hook installed before, not recorded
                 assert _hook_call(c, ATTENTION, "probe") is None
         assert knobs.jit_cache_hook is not c._hook  # restored
