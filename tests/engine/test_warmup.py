@@ -107,3 +107,58 @@ def test_each_planned_shape_runs_on_a_synthetic_cache() -> None:
     assert {TINY.layer_kind(li) for li in layers} == {TINY.layer_kind(li) for li in eng.layer_ids}
     for s in shapes:
         assert run_shape(TINY, layers, "official", "torch", 64, s, "cpu") > 0
+
+
+def test_warm_up_s_cuda_path_records_and_reloads_its_specialisations(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path) -> None:
+    """``warm_up``'s CUDA path on the CPU, its GPU parts stood in: the workers' specialisations are loaded into the
+    process and written to the manifest; a second warm-up finds the manifest, runs no workers and loads the same
+    specialisations from it; a manifest entry that fails to load is named and skipped (the GPU test above runs the
+    real thing)."""
+    import json
+    import types
+
+    from dsv4.engine import warmup
+    from dsv4.engine.compile_workers import WorkerPass, WorkerStats
+    from dsv4.kernels import census
+    from dsv4.kernels.census import KernelSpec
+
+    specs = [KernelSpec.from_data(json.dumps({"name": f"dsv4.kernels.k{i}", "key": f"key{i}"})) for i in range(3)]
+    shapes = [StepShape((5, 1), 2), StepShape((1,), 1)]
+    loaded, workers_runs = [], []
+
+    def fake_workers(n, run_args, shapes_, layers, device, bar=None, meanwhile=None):
+        workers_runs.append((n, [run_args(s, layers) for s in shapes_]))
+        return WorkerPass(WorkerStats(workers=n, tasks=len(shapes_), specialisations=len(specs)), list(specs),
+                          {"launched"})
+
+    gone: set[str] = set()
+
+    def fake_compile_spec(spec):
+        if spec.key in gone:
+            raise RuntimeError("gone from the disk cache")
+        loaded.append(spec.key)
+
+    monkeypatch.setattr(warmup, "stored_step_shapes", lambda engine, requests: (shapes, [], False))
+    monkeypatch.setattr(warmup, "_manifest_path", lambda engine, s: str(tmp_path / "dsv4-warmup" / "m.json"))
+    monkeypatch.setattr(warmup, "compile_in_workers", fake_workers)
+    monkeypatch.setattr(census, "compile_spec", fake_compile_spec)
+    engine = types.SimpleNamespace(device=torch.device("cuda"), backend="triton", parallel=None, cfg=TINY,
+                                   layer_ids=list(range(TINY.num_layers)), numerics=dsv4.Numerics.official(),
+                                   config=EngineConfig(block_size=64))
+
+    requests = make_requests(2, 16, 2, seed=0)
+    cold = warm_up(engine, requests, workers=2)
+    assert not cold.warm_start and cold.error == "" and cold.compile.workers == 2 and cold.compile.tasks == 2
+    assert loaded == ["key0", "key1", "key2"] and cold.kernels_loaded == 0  # loaded here, nothing compiled
+    assert workers_runs[0][0] == 2 and [a[-2] for a in workers_runs[0][1]] == shapes
+    manifest = json.loads((tmp_path / "dsv4-warmup" / "m.json").read_text())
+    assert [KernelSpec.from_data(d) for d in manifest["specs"]] == specs
+    assert WarmupReport.from_dict(manifest["report"]) == cold
+
+    gone.add("key2")
+    warm = warm_up(engine, requests, workers=2)
+    assert warm.warm_start and warm.compile.workers == 0 and len(workers_runs) == 1
+    assert loaded == ["key0", "key1", "key2", "key0", "key1"]  # the manifest's list; key2 failed to load
+    assert len(warm.load_errors) == 1 and "gone from the disk cache" in warm.load_errors[0]
+    assert "failed to load" in warm.describe()
