@@ -242,28 +242,29 @@ def _manifest_specs(path: str) -> list[KernelSpec]:
         return []
 
 
-def _load(report: WarmupReport, specs: Sequence[KernelSpec], shapes: Sequence[StepShape], args: tuple, device: str,
-          bar) -> "JitClock":
+def _load(report: WarmupReport, specs: Sequence[KernelSpec], shape_runs: Sequence[tuple], bar) -> "JitClock":
     """Step 3: every specialisation of ``specs`` loaded into this process (compiled if the disk cache lacks it; one
-    that fails is named in ``report.load_errors`` and skipped); without specs, every shape of ``shapes`` run once
-    (what it launches compiles or loads). Returns the pass's ``JitClock``."""
+    that fails is named in ``report.load_errors`` and skipped); without specs, every one of ``shape_runs``
+    (``run_shape``'s arguments) run once: what it launches compiles or loads. Returns the pass's ``JitClock``."""
     from ..kernels.census import compile_spec
     from .jit_clock import JitClock
 
     if bar is not None:
-        bar.reset(total=len(specs) or len(shapes))
+        bar.reset(total=len(specs) or len(shape_runs))
         bar.set_description("warm-up: load")
     with JitClock() as clock:
-        for item in specs or shapes:
-            if not specs:
-                run_shape(*args, item, device)
-            else:
-                try:
-                    compile_spec(item)
-                except Exception as e:  # noqa: BLE001 - a bad entry costs a compile in a step, never a wrong kernel
-                    report.load_errors.append(f"{item.name}: {type(e).__name__}: {e}"[:300])
+        for spec in specs:
+            try:
+                compile_spec(spec)
+            except Exception as e:  # noqa: BLE001 - a bad entry costs a compile in a step, never a wrong kernel
+                report.load_errors.append(f"{spec.name}: {type(e).__name__}: {e}"[:300])
             if bar is not None:
                 bar.update()
+        if not specs:
+            for args in shape_runs:
+                run_shape(*args)
+                if bar is not None:
+                    bar.update()
     return clock
 
 
@@ -296,8 +297,11 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
     shapes = eager + graph_shapes(engine, requests, buckets)
     layers = kind_layers(engine.cfg, engine.layer_ids)
     numerics = engine.numerics.name if engine.numerics.name in ("official", "exact") else "official"
-    args = (engine.cfg, layers, numerics, engine.backend, engine.config.block_size)
     device = str(engine.device)
+
+    def run_args(shape: StepShape, kinds: list[int]) -> tuple:  # run_shape's arguments
+        return engine.cfg, kinds, numerics, engine.backend, engine.config.block_size, shape, device
+
     manifest = _manifest_path(engine, shapes)
     report.warm_start = os.path.exists(manifest)
     bar = None
@@ -311,14 +315,14 @@ def warm_up(engine, requests: Sequence, workers: int | None = None, progress: bo
         n = max(1, min(workers or os.cpu_count() or 1, len(shapes) * len(layers)))
         t0 = time.perf_counter()
         try:
-            done = compile_in_workers(n, lambda shape, kind: (args[0], kind, *args[2:], shape, device), shapes,
-                                      layers, device, bar, meanwhile=lambda: _ask_device(engine.device))
+            done = compile_in_workers(n, run_args, shapes, layers, device, bar,
+                                      meanwhile=lambda: _ask_device(engine.device))
             specs, launched, report.compile = done.specs, done.launched, done.stats
         except Exception as e:  # noqa: BLE001 - a failed worker costs time, never correctness: step 3 compiles
             report.error = f"{type(e).__name__}: {e}"[:300]
             report.compile = WorkerStats(workers=n, seconds=time.perf_counter() - t0)
     t0 = time.perf_counter()
-    clock = _load(report, specs, shapes, args, device, bar)
+    clock = _load(report, specs, [run_args(s, layers) for s in shapes], bar)
     report.load_s = time.perf_counter() - t0
     report.kernels_loaded = clock.kernels
     report.slowest_loads = sorted(((n, round(s, 2)) for n, s in clock.records if s >= 0.5), key=lambda r: -r[1])[:5]

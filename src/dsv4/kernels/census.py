@@ -75,7 +75,7 @@ def device_query() -> Iterator[None]:
     finally:
         _QUERYING.reset(token)
         if _ACTIVE.get() is not None:
-            _in_memory_kernels(clear=True)
+            _set_aside_in_memory_kernels()
 
 
 class LaunchCensus:
@@ -107,7 +107,7 @@ class LaunchCensus:
         self._rt = knobs.runtime
         self._prev = self._rt.jit_cache_hook
         self._rt.jit_cache_hook = self._hook
-        self._aside = _in_memory_kernels(clear=True)
+        self._aside = _set_aside_in_memory_kernels()
         self._token = _ACTIVE.set(self)
         return self
 
@@ -120,9 +120,9 @@ class LaunchCensus:
         self._aside = []
 
 
-def _in_memory_kernels(clear: bool) -> list[tuple[dict, dict]]:
-    """Every in-memory kernel cache of the package's JIT functions (one per function and device), each with a copy
-    of its entries; ``clear``: emptied after copying."""
+def _set_aside_in_memory_kernels() -> list[tuple[dict, dict]]:
+    """Empty every in-memory kernel cache of the package's JIT functions (one per function and device): each cache
+    with a copy of the entries it held, to restore."""
     from .cache_keys import package_jit_functions
 
     out = []
@@ -130,8 +130,7 @@ def _in_memory_kernels(clear: bool) -> list[tuple[dict, dict]]:
         for caches in getattr(fn, "device_caches", {}).values():
             cache = caches[0]
             out.append((cache, dict(cache)))
-            if clear:
-                cache.clear()
+            cache.clear()
     return out
 
 
