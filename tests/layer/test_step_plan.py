@@ -150,6 +150,27 @@ def test_projection_plan_h200() -> None:
     assert plan.layer(LayerKind.CSA).projection is None
 
 
+def test_projection_ways_where_scaled_mm_works() -> None:
+    """With ``torch._scaled_mm`` as the device's FP8 GEMM, a prefill chunk runs ``wq_b`` and ``wo_b`` on it and the
+    projections whose outputs the layer quantizes again (the stacks, ``wq_a``, ``wkv``, the indexer's ``wq_b``)
+    on the exact BF16 way; a decode step's Triton launches are unchanged."""
+    from dsv4.kernels.project.plan import EXACT_SUMS, fp8_projection_shapes
+
+    facts = DeviceFacts(kernels=True, sm_count=132, sm90=True, resident_clusters=lambda n: 132 // n,
+                        fp8_gemm="scaled_mm")
+    shapes = fp8_projection_shapes(dsv4.ModelConfig.preset("v4-flash"))
+    _, prefill = _plan(_flash_cache(1, 1024), 2048, facts)
+    _, decode = _plan(_flash_cache(64, 1024), 1, facts)
+    for kind in (LayerKind.CSA, LayerKind.HCA, LayerKind.SWA):
+        proj = prefill.layer(kind).projection
+        assert not proj.launches
+        for name, shape in shapes.items():
+            assert proj.way(*shape) == ("bf16" if name in EXACT_SUMS else "scaled_mm"), name
+        assert decode.layer(kind).projection.launches.keys() == {
+            shapes[n] for n in ("wq_b", "wo_b", "wq_a+wkv", "wq_b+indexer.wq_b")}
+    assert "scaled_mm, bf16 for" in prefill.describe()
+
+
 def test_projection_shapes_of_a_tensor_parallel_rank() -> None:
     """A rank of 2 holds half the query heads and half the output groups: its ``wq_b`` rows and ``wo_b`` columns
     are the sharded weights' (``AttentionWeights.shard``), and so are its query stack's rows (its ``wq_b`` and the

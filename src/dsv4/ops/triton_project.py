@@ -1,7 +1,6 @@
 """The Triton backend's projections: the FP8-GEMM projections of SPEC §1.3 as the step's plan says
 (``LayerPlan.projection``: a ``kernels.project.plan.ProjectionPlan`` — the Triton block GEMM's launch per weight
-shape, else the device's fallback way of ``kernels.project.fp8_gemm``), handed to ``ops.projections`` as its
-``Project``."""
+shape, else its way of ``kernels.project.fp8_gemm``), handed to ``ops.projections`` as its ``Project``."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def _project_fp8(x: Tensor, weight: Projection, numerics: Numerics, plan: Projec
         return reference_project(x, weight, numerics)
     launch = plan.launch(*weight.shape)
     if launch is None:
-        return fp8_gemm.fp8_linear(x, weight, numerics.act_dtype, plan.fallback)
+        return fp8_gemm.fp8_linear(x, weight, numerics.act_dtype, plan.way(*weight.shape))
     x2 = x.reshape(-1, x.shape[-1])
     out = block_gemm.block_fp8_linear(x2, weight, numerics.act_dtype, launch, workspace)
     return out.reshape(*x.shape[:-1], -1)

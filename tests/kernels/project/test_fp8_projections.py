@@ -25,6 +25,9 @@ for M, K in ((3, 128), (5, 200), (2, 640)):
     assert torch.equal(s, torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps.int() - 127)), (M, K)
     v, s2 = quantize_activations(x, values=True)
     assert torch.equal(s2, s) and v.dtype == torch.bfloat16
+    qp, sp = quantize_activations(x, pad_rows=3)  # the rows torch._scaled_mm needs: zero codes, zero scales
+    assert torch.equal(qp[:M], q) and torch.equal(sp[:M], s) and sp.stride() == (1, M + 3), (M, K)
+    assert not qp[M:].view(torch.uint8).any() and not sp[M:].any()
 
 # the Triton block GEMM: FP32 sums of the same exact products (codes bit-cast, never float-cast to FP8, so the
 # interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K
@@ -79,3 +82,38 @@ def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     want = reference_fp8_linear(x, w, torch.float32)  # FP32 sums of the same products
     rel = ((got - want).norm() / want.norm()).item()
     assert torch.isfinite(got).all() and rel < 4e-3, rel  # BF16 output rounding and summation order only
+
+
+def test_scaled_mm_fits_every_v4_projection() -> None:
+    """Every FP8 projection of both presets (and of a tensor-parallel rank's share) has the shape
+    ``torch._scaled_mm``'s blockwise recipe computes right, so prefill steps take it where the device does."""
+    from dsv4.config import ModelConfig
+    from dsv4.kernels.project.fp8_gemm import scaled_mm_fits
+    from dsv4.kernels.project.plan import fp8_projection_shapes
+
+    for preset in ("v4-flash", "v4-pro"):
+        cfg = ModelConfig.preset(preset)
+        for heads in (cfg.num_heads, cfg.num_heads // 2, cfg.num_heads // 8):
+            for name, (n, k) in fp8_projection_shapes(cfg, heads).items():
+                assert scaled_mm_fits(n, k), (preset, heads, name, n, k)
+    assert not scaled_mm_fits(256, 256) and not scaled_mm_fits(384, 640) and not scaled_mm_fits(200, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 6, 130])
+def test_gpu_scaled_mm_way_is_right_where_cublas_would_not_be(M: int) -> None:
+    """K/128 = 5 (cuBLASLt's blockwise recipe returned wrong values for it): the "scaled_mm" way takes the BF16
+    GEMM there and matches the reference; K/128 = 4 with rows that are no multiple of 4 (padded)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_fp8_linear
+    from dsv4.kernels.project import fp8_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    for N, K in ((384, 640), (256, 512)):
+        w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g, device="cuda") * K**-0.5)
+        x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+        got = fp8_gemm.fp8_linear(x, w, torch.bfloat16, "scaled_mm").float()
+        want = reference_fp8_linear(x, w, torch.float32)
+        assert got.shape == (M, N)
+        assert ((got - want).norm() / want.norm()).item() < 4e-3, (N, K)

@@ -6,12 +6,14 @@ FP32) summed in FP32, so results differ only in summation order:
 
 * ``"scaled_mm"`` — ``torch._scaled_mm`` with blockwise scales (FP8 tensor cores; the activation scales as a
   column-major ``[M, K/128]``, the weight scales as the transpose of their ``[N/128, K/128]``), where the device
-  and torch take that recipe (``scaled_mm_works``: one probe per device);
+  and torch take that recipe (``scaled_mm_works``: one probe per device). cuBLASLt takes it only for a row count
+  that is a multiple of 4 (others: ``CUBLAS_STATUS_NOT_SUPPORTED``), so the rows are padded to one, and returns
+  wrong values unless K/128 is a multiple of 4 (``scaled_mm_fits``; every V4 projection's K is);
 * ``"bf16"`` — a BF16 tensor-core GEMM over the quantized activations' values and the weight's values (both exact
   in BF16); the weight's BF16 copy is made once per weight.
 
 The device's way is the step plan's fallback (``kernels.project.plan.ProjectionPlan``; decode rows over the large
-weights take ``block_gemm`` instead); a projection whose K or N is not a multiple of 128 (the tiny preset's) takes
+weights take ``block_gemm`` instead); a projection whose shape ``scaled_mm_fits`` refuses (the tiny preset's) takes
 ``"bf16"``.
 """
 
@@ -25,20 +27,24 @@ import triton.language as tl
 from torch import Tensor
 
 from ...formats.block_fp8 import ACT_BLOCK, BlockFp8Weight
+from .. import census
 from ..quant import exp2i, fp8_block_qdq
 
-__all__ = ["GEMMS", "fp8_linear", "quantize_activations", "scaled_mm_works"]
+__all__ = ["GEMMS", "fp8_linear", "quantize_activations", "scaled_mm_fits", "scaled_mm_works"]
 
 GEMMS = ("scaled_mm", "bf16")
 #: 128-value blocks per program of the quantization launch
 BLOCKS_PER_PROGRAM = 4
+#: ``torch._scaled_mm``'s blockwise recipe wants rows and K blocks in multiples of this (cuBLASLt's alignment)
+SCALED_MM_ALIGN = 4
 
 
 @triton.jit
-def _quantize_activations_kernel(x_ptr, stride_x, out_ptr, scale_ptr, M, K, NB, VALUES: tl.constexpr,
-                                 BLOCKS: tl.constexpr):
+def _quantize_activations_kernel(x_ptr, stride_x, out_ptr, scale_ptr, SCALE_ROWS, K, NB,
+                                 VALUES: tl.constexpr, BLOCKS: tl.constexpr):
     """Row ``pid0``, blocks ``pid1·BLOCKS …`` of ``x`` ``[M, K]``: E4M3 codes (uint8 ``[M, K]``) or, ``VALUES``, their
-    values (bf16 ``[M, K]``); the block scales (fp32, column-major ``[NB, M]``: ``scale_ptr + b·M + row``)."""
+    values (bf16 ``[M, K]``); the block scales (fp32, column-major ``[NB, SCALE_ROWS]``:
+    ``scale_ptr + b·SCALE_ROWS + row``)."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -49,23 +55,31 @@ def _quantize_activations_kernel(x_ptr, stride_x, out_ptr, scale_ptr, M, K, NB, 
         tl.store(out_ptr + row * K + cols, val.to(tl.bfloat16), mask=ok)
     else:
         tl.store(out_ptr + row * K + cols, code.to(tl.uint8), mask=ok)
-    tl.store(scale_ptr + blk.to(tl.int64) * M + row, exp2i(ebyte - 127), mask=blk < NB)
+    tl.store(scale_ptr + blk.to(tl.int64) * SCALE_ROWS + row, exp2i(ebyte - 127), mask=blk < NB)
 
 
-def quantize_activations(x: Tensor, values: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_activations(x: Tensor, values: bool = False, pad_rows: int = 0) -> tuple[Tensor, Tensor]:
     """The official ``act_quant`` of ``x`` ``[M, K]`` (bit for bit ``formats.block_fp8.quantize_activations``).
 
+    ``pad_rows``: that many rows of zero codes and zero scales after x's (what ``torch._scaled_mm`` needs to reach
+    a row count it takes).
+
     Returns:
-        ``(q, scales)``: ``q`` float8_e4m3fn ``[M, K]`` codes — or, ``values``, bf16 ``[M, K]`` their values (exact) —
-        and float32 scales ``[M, ⌈K/128⌉]``, column-major (a transposed view of a contiguous ``[⌈K/128⌉, M]``).
+        ``(q, scales)``: ``q`` float8_e4m3fn ``[M + pad_rows, K]`` codes — or, ``values``, bf16 ``[M, K]`` their
+        values (exact) — and float32 scales ``[M + pad_rows, ⌈K/128⌉]``, column-major (a transposed view of a
+        contiguous ``[⌈K/128⌉, M + pad_rows]``).
     """
     M, K = x.shape
     nb = -(-K // ACT_BLOCK)
-    out = torch.empty((M, K), dtype=torch.bfloat16 if values else torch.uint8, device=x.device)
-    scales = torch.empty((nb, M), dtype=torch.float32, device=x.device)
+    rows = M + pad_rows
+    out = torch.empty((rows, K), dtype=torch.bfloat16 if values else torch.uint8, device=x.device)
+    scales = torch.empty((nb, rows), dtype=torch.float32, device=x.device)
+    if pad_rows:
+        out[M:].zero_()
+        scales[:, M:].zero_()
     if M:
         _quantize_activations_kernel[(M, triton.cdiv(nb, BLOCKS_PER_PROGRAM))](
-            x, x.stride(0), out, scales, M, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
+            x, x.stride(0), out, scales, rows, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
             enable_fp_fusion=False)
     return (out if values else out.view(torch.float8_e4m3fn)), scales.t()
 
@@ -90,30 +104,42 @@ def fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, gemm: str) 
     """
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    N = w.shape[0]
-    if gemm == "scaled_mm" and K % ACT_BLOCK == 0 and N % ACT_BLOCK == 0:
-        q, s = quantize_activations(x2)
-        y = torch._scaled_mm(q, w.data.t(), scale_a=s, scale_b=w.scale.t(), out_dtype=out_dtype)
+    M, N = x2.shape[0], w.shape[0]
+    if gemm == "scaled_mm" and scaled_mm_fits(N, K) and M:
+        q, s = quantize_activations(x2, pad_rows=-M % SCALED_MM_ALIGN)
+        y = torch._scaled_mm(q, w.data.t(), scale_a=s, scale_b=w.scale.t(), out_dtype=out_dtype)[:M]
     else:
         xq, _ = quantize_activations(x2, values=True)
         y = torch.nn.functional.linear(xq, _bf16_weight(w)).to(out_dtype)
     return y.reshape(*lead, N)
 
 
+def scaled_mm_fits(n: int, k: int) -> bool:
+    """Whether ``torch._scaled_mm``'s blockwise recipe computes an ``[n, k]`` weight right: N a multiple of 128 and
+    K of 4 · 128 (cuBLASLt reads the weight scales' K blocks in fours; with K/128 = 2, 3 or 5 it returned wrong
+    values on the H200, torch 2.11)."""
+    return n % ACT_BLOCK == 0 and k % (SCALED_MM_ALIGN * ACT_BLOCK) == 0
+
+
 @functools.lru_cache(maxsize=None)
 def scaled_mm_works(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` takes the blockwise recipe on ``device`` and matches the BF16 way on a probe
-    (M = 1 and 32, K = N = 256): checked once per device."""
+    (K = 512, N = 256; M = 1, 6 and 32: rows padded and not): checked once per device."""
     if device.type != "cuda":
         return False
+    with census.device_query():  # a census worker asks too: its plan must pick the way the run's will
+        return _scaled_mm_matches_bf16(device)
+
+
+def _scaled_mm_matches_bf16(device: torch.device) -> bool:
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        w = BlockFp8Weight.quantize(torch.randn(256, 256, generator=g, device=device) * 0.05)
-        for m in (1, 32):
-            x = torch.randn(m, 256, generator=g, device=device).bfloat16()
+        w = BlockFp8Weight.quantize(torch.randn(256, 512, generator=g, device=device) * 0.05)
+        for m in (1, 6, 32):
+            x = torch.randn(m, 512, generator=g, device=device).bfloat16()
             a = fp8_linear(x, w, torch.bfloat16, "scaled_mm").float()
             b = fp8_linear(x, w, torch.bfloat16, "bf16").float()
-            if not torch.allclose(a, b, rtol=2e-2, atol=1e-2):
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=2e-2, atol=1e-2):
                 return False
     except (RuntimeError, TypeError, ValueError):
         return False

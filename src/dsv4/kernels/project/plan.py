@@ -3,10 +3,17 @@
 The five FP8 projections of a layer (``weights.FP8_PROJECTIONS``) have fixed shapes, and so have the stack of the
 two that read the layer's input (``wq_a+wkv``, ``dsv4.input_stack``) and, CSA, of the two that read the query
 latent (``wq_b+indexer.wq_b``, ``dsv4.query_stack``); a step multiplies each by ``rows`` activation rows (its
-tokens). Per weight shape the plan holds the Triton block GEMM's launch
-(``block_gemm.gemm_config``) where that kernel was measured faster than the device's fallback way (``fallback``:
-cuBLAS over the quantized values, ``"bf16"``, or ``torch._scaled_mm``, ``"scaled_mm"``), and ``None`` elsewhere.
-The rule's figures: ``benchmarks/RESULTS.md``, "FP8 projections".
+tokens). Per weight shape the plan holds the Triton block GEMM's launch (``block_gemm.gemm_config``) where that
+kernel was measured faster, else the way ``fp8_gemm.fp8_linear`` runs it: the device's FP8 tensor-core GEMM
+(``fallback``: ``torch._scaled_mm``, ``"scaled_mm"``, where it works) or cuBLAS's BF16 GEMM over the quantized
+values (``"bf16"``: the same products summed exactly in FP32).
+
+FP8 tensor cores sum each 128-wide K block with about 1.3e-4 relative error (the Triton block GEMM and cuBLAS's
+blockwise GEMM alike; the official model's FP8 kernels too). Projections whose outputs the layer quantizes again
+— ``wq_a+wkv`` (the FP8 KV cache, ``c^Q``'s FP8 activations) and ``wq_b+indexer.wq_b`` (the MXFP4 index
+queries) — take the exact BF16 way on prefill rows: on every projection of a prefill chunk those sums moved a CSA
+top-k row beyond the spot check's tie slack. ``wq_b`` and ``wo_b``, the two largest, take the fallback. The rule's
+figures: ``benchmarks/RESULTS.md``, "FP8 projections".
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from dataclasses import dataclass, field
 from ...config import ModelConfig
 from .block_gemm import GemmConfig, gemm_config
 
-__all__ = ["ProjectionPlan", "fp8_projection_shapes", "plan_projections", "triton_gemm_wins"]
+__all__ = ["EXACT_SUMS", "ProjectionPlan", "fp8_projection_shapes", "plan_projections", "triton_gemm_wins"]
 
 #: steps of at most this many rows (decode) take the Triton GEMM ...
 TRITON_ROWS = 64
@@ -26,6 +33,9 @@ TRITON_MIN_VALUES = 1 << 24
 #: ... and for the stacks whatever their size: one launch instead of a cuBLAS chain (activation quantization,
 #: split-K GEMM, its reduce) per stacked weight below that size (``wq_a`` and ``wkv``; the indexer's ``wq_b``)
 TRITON_STACKS = ("wq_a+wkv", "wq_b+indexer.wq_b")
+#: projections whose outputs the layer quantizes again (FP8 KV cache and activations, MXFP4 index queries): on
+#: prefill rows their products are summed exactly (the ``"bf16"`` way), never on FP8 tensor cores
+EXACT_SUMS = ("wq_a", "wkv", "wq_a+wkv", "indexer.wq_b", "wq_b+indexer.wq_b")
 
 
 def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[str, tuple[int, int]]:
@@ -56,32 +66,41 @@ class ProjectionPlan:
 
     Attributes:
         rows: activation rows per projection (the step's tokens).
-        fallback: the way shapes without a Triton launch run (``fp8_gemm.GEMMS``).
+        fallback: the device's way for shapes without a Triton launch (``fp8_gemm.GEMMS``).
         launches: ``{(N, K): GemmConfig}`` — the Triton block GEMM's launch per weight shape that takes it.
+        exact: the shapes without a launch that take the ``"bf16"`` way whatever the fallback (``EXACT_SUMS``).
     """
 
     rows: int
     fallback: str
     launches: dict[tuple[int, int], GemmConfig] = field(default_factory=dict)
+    exact: frozenset[tuple[int, int]] = frozenset()
 
     def launch(self, n: int, k: int) -> GemmConfig | None:
-        """The Triton launch of an ``[n, k]`` weight, or ``None`` (the fallback way)."""
+        """The Triton launch of an ``[n, k]`` weight, or ``None`` (``way``)."""
         return self.launches.get((n, k))
 
+    def way(self, n: int, k: int) -> str:
+        """How an ``[n, k]`` weight without a Triton launch runs (``fp8_gemm.fp8_linear``'s ``gemm``)."""
+        return "bf16" if (n, k) in self.exact else self.fallback
+
     def describe(self) -> str:
+        ways = self.fallback if not self.exact or self.fallback == "bf16" else \
+            f"{self.fallback}, bf16 for {', '.join(f'{n}x{k}' for n, k in sorted(self.exact))}"
         if not self.launches:
-            return f"{self.fallback} GEMMs over the quantized values ({self.rows} rows)"
+            return f"{ways} GEMMs over the quantized values ({self.rows} rows)"
         shapes = ", ".join(f"{n}x{k} ({c.describe()})" for (n, k), c in self.launches.items())
-        return f"Triton block GEMM for {shapes}; else {self.fallback} ({self.rows} rows)"
+        return f"Triton block GEMM for {shapes}; else {ways} ({self.rows} rows)"
 
 
 def plan_projections(rows: int, shapes: dict[str, tuple[int, int]], fallback: str, sms: int,
                      triton_gemm: bool) -> ProjectionPlan:
-    """The plan for a step of ``rows`` rows over these weight shapes; ``triton_gemm``: the device runs the
-    Triton block GEMM (FP8 tensor cores: Hopper)."""
+    """The plan for a step of ``rows`` rows over these weight shapes (``{name: (N, K)}``); ``triton_gemm``: the
+    device runs the Triton block GEMM (FP8 tensor cores: Hopper)."""
     launches = {}
     if triton_gemm and rows > 0:
         for name, (n, k) in shapes.items():
             if triton_gemm_wins(rows, n, k, name):
                 launches[(n, k)] = gemm_config(rows, n, k, sms)
-    return ProjectionPlan(rows=rows, fallback=fallback, launches=launches)
+    exact = frozenset(shape for name, shape in shapes.items() if name in EXACT_SUMS and shape not in launches)
+    return ProjectionPlan(rows=rows, fallback=fallback, launches=launches, exact=exact)

@@ -3,8 +3,8 @@
 ``q = RoPE(RMSNorm(q_proj))`` per head — the unweighted RMSNorm over the head's 512 dims in fp32, rounded to BF16,
 then the last 64 dims rotated at the token's position in fp32 and rounded once more (``torch_ops.queries``, i.e.
 ``reference.primitives.rms_norm`` + ``reference.rope.apply_rope``). The torch backend runs that as about twenty
-elementwise and reduction kernels, each a full pass over ``q``; here one program reads ``ROWS`` (token, head) rows
-once and writes them once.
+elementwise and reduction kernels, each a full pass over ``q``; here one program reads one token's block of heads
+(``heads_per_program``) once, writes it once, and computes the token's rotation angles once for all of them.
 
 Numerics: the same operations as the torch backend in the same precision (libdevice ``rsqrtf`` / ``cosf`` /
 ``sinf``, no FMA contraction), except the order of the 512-term sum of squares, which is Triton's tree instead of
@@ -27,32 +27,37 @@ __all__ = ["queries"]
 
 HEAD_DIM = 512
 ROPE_DIM = 64
-#: (token, head) rows per program: 2,048 elements over 4 warps, two 16-byte loads per thread
-ROWS = 4
+
+
+def heads_per_program(tokens: int, heads: int) -> int:
+    """Heads each program normalizes and rotates (one token's): 16 where the step has many tokens (a prefill
+    chunk: each token's 32 angles and their cosines and sines computed once for 16 heads, few programs per
+    token), 4 for a decode step's few tokens (more programs to spread over the SMs)."""
+    return min(triton.next_power_of_2(heads), 16 if tokens > 256 else 4)
 
 
 @triton.jit
-def _queries_kernel(q_ptr, stride_t, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, ROWS: tl.constexpr):
-    """Rows ``pid·ROWS …`` of ``q`` (row ``r`` = token ``r // H``, head ``r % H``).
+def _queries_kernel(q_ptr, stride_t, pos_ptr, inv_freq_ptr, out_ptr, H, eps, HEADS: tl.constexpr):
+    """Token ``pid0``, heads ``pid1·HEADS …`` of ``q``.
 
     Args:
         q_ptr: bf16 ``[T, H, 512]``, the query projection: heads 512 apart, tokens ``stride_t`` apart (even: the
-            rope dims are read as int32 words); ``R = T·H`` rows.
+            rope dims are read as int32 words).
         pos_ptr: int64 ``[T]`` positions. inv_freq_ptr: fp32 ``[32]``.
-        out_ptr: bf16 ``[R, 512]`` contiguous: the queries.
-        H: heads per token; R: rows; eps: the RMSNorm epsilon.
+        out_ptr: bf16 ``[T, H, 512]`` contiguous: the queries.
+        H: heads per token; eps: the RMSNorm epsilon.
     """
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok = row < R
-    row64 = row.to(tl.int64)
-    tok = row64 // H
-    src = tok * stride_t + (row64 - tok * H) * 512  # the row's first element in q
-    # Every load first. The rope dims again as [ROWS, 32] int32 words, one (re, im) BF16 pair each
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    ok = head < H
+    src = t * stride_t + head.to(tl.int64) * 512  # each head's first element in q
+    dst = (t * H + head) * 512
+    # Every load first. The rope dims again as [HEADS, 32] int32 words, one (re, im) BF16 pair each
     # (quant.bf16_pairs): the pair stays in one thread for the rotation.
     pair = tl.arange(0, 32)
     words = 224 + pair[None, :]
     rope = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + src[:, None] // 2 + words, mask=ok[:, None], other=0)
-    pos_f = tl.load(pos_ptr + tok, mask=ok, other=0).to(tl.float32)[:, None]
+    pos_f = tl.load(pos_ptr + t).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + pair)[None, :]
     blk = tl.arange(0, 8)
     col = tl.arange(0, 64)
@@ -61,11 +66,10 @@ def _queries_kernel(q_ptr, stride_t, pos_ptr, inv_freq_ptr, out_ptr, H, R, eps, 
     # RMSNorm: mean of squares (× 1/512: exact), rsqrt, scale, round to BF16 (torch: y.to(x.dtype))
     r = rsqrtf(tl.sum(tl.sum(x * x, axis=2), axis=1) * (1.0 / 512.0) + eps)
     y = bf16_round(x * r[:, None, None])
-    tl.store(out_ptr + row64[:, None, None] * 512 + cols, y.to(tl.bfloat16),
-             mask=ok[:, None, None] & (blk[None, :, None] < 7))
+    tl.store(out_ptr + dst[:, None, None] + cols, y.to(tl.bfloat16), mask=ok[:, None, None] & (blk[None, :, None] < 7))
     re, im = bf16_pairs(rope)
     re2, im2 = rope_pairs(bf16_round(re * r[:, None]), bf16_round(im * r[:, None]), pos_f, inv_freq)
-    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + row64[:, None] * 256 + words,
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + dst[:, None] // 2 + words,
              bf16_pair_words(bf16_round(re2), bf16_round(im2)), mask=ok[:, None])
 
 
@@ -94,8 +98,9 @@ def queries(q: Tensor, positions: Tensor, inv_freq: Tensor, eps: float, out: Ten
                          f"{list(out.shape)}")
     T, H, _ = q.shape
     if T * H:
-        _queries_kernel[(triton.cdiv(T * H, ROWS),)](
-            q, q.stride(0), positions, inv_freq, out, H, T * H, float(eps), ROWS=ROWS, num_warps=4,
+        heads = heads_per_program(T, H)
+        _queries_kernel[(T, triton.cdiv(H, heads))](
+            q, q.stride(0), positions, inv_freq, out, H, float(eps), HEADS=heads, num_warps=4 if heads <= 4 else 8,
             enable_fp_fusion=False,
         )
     return out
