@@ -5,8 +5,9 @@
 range of 128-wide K blocks. Per K block it quantizes its rows' activations as the official ``act_quant`` does
 (1 × 128 blocks, UE8M0 scales: ``quant.fp8_block_qdq``, the same bits as ``fp8_gemm.quantize_activations``; with few
 rows, each program redoing it costs less than a launch), multiplies the E4M3 codes on FP8 tensor cores (a fresh
-FP32 sum per K block) and adds the block's sum times both scales into an FP32 accumulator. Every product is exact,
-so the result differs from the reference's FP32 sums only in summation order.
+sum per K block) and adds the block's sum times both scales into an FP32 accumulator. Every product is exact; the
+tensor cores sum a block's 128 products to about 14 bits (1.3e-4 relative against FP64 sums, measured:
+``benchmarks/probe_scaled_mm.py``), as the official model's FP8 kernels do, where the reference sums in FP32.
 
 Weight-bound shapes with few output tiles (``wkv``: N = 512) split K over several programs; their FP32 partial
 tiles go to a workspace and the last program of a tile to arrive (a counter per tile, which that program resets)

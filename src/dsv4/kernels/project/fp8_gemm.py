@@ -1,16 +1,18 @@
 """The official FP8 projections on the GPU (SPEC §1.3; ``formats.block_fp8`` defines them): activations quantized
 per 1 × 128 block with UE8M0 scales in one launch (``quantize_activations``), then a block-scaled FP8 GEMM.
 
-Two ways to run the GEMM, the same products (every product of two E4M3 values and two powers of two is exact in
-FP32) summed in FP32, so results differ only in summation order:
+Two ways to run the GEMM over the same products (every product of two E4M3 values and two powers of two is exact
+in FP32):
 
 * ``"scaled_mm"`` — ``torch._scaled_mm`` with blockwise scales (FP8 tensor cores; the activation scales as a
   column-major ``[M, K/128]``, the weight scales as the transpose of their ``[N/128, K/128]``), where the device
   and torch take that recipe (``scaled_mm_works``: one probe per device). cuBLASLt takes it only for a row count
   that is a multiple of 4 (others: ``CUBLAS_STATUS_NOT_SUPPORTED``), so the rows are padded to one, and returns
-  wrong values unless K/128 is a multiple of 4 (``scaled_mm_fits``; every V4 projection's K is);
+  wrong values unless K/128 is a multiple of 4 (``scaled_mm_fits``; every V4 projection's K is). The tensor cores
+  sum each 128-wide K block to about 14 bits (1.3–1.5e-4 relative, measured: ``benchmarks/probe_scaled_mm.py``),
+  as the Triton block GEMM and the official model's FP8 kernels do, then add the blocks in FP32;
 * ``"bf16"`` — a BF16 tensor-core GEMM over the quantized activations' values and the weight's values (both exact
-  in BF16); the weight's BF16 copy is made once per weight.
+  in BF16), summed in FP32: the reference's sums up to their order. The weight's BF16 copy is made once per weight.
 
 The device's way is the step plan's fallback (``kernels.project.plan.ProjectionPlan``; decode rows over the large
 weights take ``block_gemm`` instead); a projection whose shape ``scaled_mm_fits`` refuses (the tiny preset's) takes
@@ -42,8 +44,8 @@ SCALED_MM_ALIGN = 4
 @triton.jit
 def _quantize_activations_kernel(x_ptr, stride_x, out_ptr, scale_ptr, SCALE_ROWS, K, NB,
                                  VALUES: tl.constexpr, BLOCKS: tl.constexpr):
-    """Row ``pid0``, blocks ``pid1·BLOCKS …`` of ``x`` ``[M, K]``: E4M3 codes (uint8 ``[M, K]``) or, ``VALUES``, their
-    values (bf16 ``[M, K]``); the block scales (fp32, column-major ``[NB, SCALE_ROWS]``:
+    """Row ``pid0``, blocks ``pid1·BLOCKS …`` of ``x`` ``[M, K]``: E4M3 codes (uint8 ``[M, K]``) or, ``VALUES``,
+    their values (bf16 ``[M, K]``); the block scales (fp32, column-major ``[NB, SCALE_ROWS]``:
     ``scale_ptr + b·SCALE_ROWS + row``)."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
