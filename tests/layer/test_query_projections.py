@@ -317,3 +317,46 @@ def test_gpu_csa_layer_step_runs_one_fewer_gemm(monkeypatch: pytest.MonkeyPatch)
             assert torch.equal(caches[0].state.tensors[li][name], caches[1].state.tensors[li][name]), name
         for name in caches[0].pool.tensors[li]:
             assert torch.equal(caches[0].pool.tensors[li][name], caches[1].pool.tensors[li][name]), name
+
+
+@pytest.mark.gpu
+def test_gpu_csa_prefill_runs_the_query_stack_as_its_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device runs ``torch._scaled_mm``, a CSA prefill chunk's plan runs the query stack as its parts —
+    ``wq_b`` on FP8 tensor cores, the indexer's ``wq_b`` exactly (``ProjectionPlan.unstacked``) —: the same GEMMs,
+    ways and bits as a layer whose weights were never stacked."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import dsv4.layer
+    from dsv4.kernels.project import fp8_gemm
+
+    if not fp8_gemm.scaled_mm_works(torch.device("cuda")):
+        pytest.skip("torch._scaled_mm does not take the blockwise recipe here (every prefill GEMM is exact)")
+    li = FLASH_CSA
+    w = dsv4.AttentionWeights.random(FLASH, li, seed=4, device="cuda")
+    stacked = dsv4.Attention(w, FLASH, li, backend="triton")
+    with monkeypatch.context() as m:  # every stack but the queries'
+        m.setattr(dsv4.layer, "stack_layer_weights", lambda v: stack_input_projections(stack_compressor_weights(v)))
+        alone = dsv4.Attention(w, FLASH, li, backend="triton")
+        caches = [dsv4.HybridCache(FLASH, layers=[li], max_requests=1, num_blocks=8, block_size=256, device="cuda")
+                  for _ in range(2)]
+        for cache in caches:
+            cache.add_request("a")
+        batches = [cache.prepare_forward({"a": 300}) for cache in caches]
+        plans = [layer.plan_step(b, c) for layer, b, c in zip((stacked, alone), batches, caches)]
+        assert query_stack(alone.layer_step(batches[1], caches[1], plans[1]).weights) is None
+    assert query_stack(stacked.layer_step(batches[0], caches[0], plans[0]).weights) is not None
+    gemms: list[tuple[tuple[int, int], str]] = []
+    real = fp8_gemm.fp8_linear
+    monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda x, weight, dtype, way: gemms.append((tuple(weight.shape), way))
+                        or real(x, weight, dtype, way))
+    x = torch.randn(300, FLASH.hidden_size, generator=torch.Generator(device="cuda").manual_seed(4),
+                    device="cuda").bfloat16()
+    ys, ways = [], []
+    for layer, batch, cache, plan in zip((stacked, alone), batches, caches, plans):
+        gemms.clear()
+        ys.append(layer(x, batch, cache, plan))
+        ways.append(sorted(gemms))
+    H, D, hi = FLASH.num_heads, FLASH.head_dim, FLASH.index_n_heads * FLASH.index_head_dim
+    assert ((H * D, FLASH.q_lora_rank), "scaled_mm") in ways[0] and ((hi, FLASH.q_lora_rank), "bf16") in ways[0]
+    assert ways[0] == ways[1]
+    assert torch.equal(ys[0], ys[1])

@@ -138,7 +138,7 @@ def test_projection_plan_h200() -> None:
         _, plan = _plan(_flash_cache(requests, 1024), new, facts)
         for kind in (LayerKind.CSA, LayerKind.HCA, LayerKind.SWA):
             proj = plan.layer(kind).projection
-            assert proj.rows == requests * new and proj.fallback == "bf16"
+            assert proj.rows == requests * new and proj.fallback == "bf16" and not proj.unstacked
             assert set(proj.launches) == triton_shapes, (requests, new)
             for (n, k), launch in proj.launches.items():
                 kblocks = -(-k // 128)
@@ -153,7 +153,8 @@ def test_projection_plan_h200() -> None:
 def test_projection_ways_where_scaled_mm_works() -> None:
     """With ``torch._scaled_mm`` as the device's FP8 GEMM, a prefill chunk runs ``wq_b`` and ``wo_b`` on it and the
     projections whose outputs the layer quantizes again (the stacks, ``wq_a``, ``wkv``, the indexer's ``wq_b``)
-    on the exact BF16 way; a decode step's Triton launches are unchanged."""
+    on the exact BF16 way — so the query stack runs as its parts, the input stack whole; a decode step's Triton
+    launches are unchanged, every stack whole."""
     from dsv4.kernels.project.plan import EXACT_SUMS, fp8_projection_shapes
 
     facts = DeviceFacts(kernels=True, sm_count=132, sm90=True, resident_clusters=lambda n: 132 // n,
@@ -166,9 +167,11 @@ def test_projection_ways_where_scaled_mm_works() -> None:
         assert not proj.launches
         for name, shape in shapes.items():
             assert proj.way(*shape) == ("bf16" if name in EXACT_SUMS else "scaled_mm"), name
+        assert not proj.stacked(*shapes["wq_b+indexer.wq_b"]) and proj.stacked(*shapes["wq_a+wkv"])
         assert decode.layer(kind).projection.launches.keys() == {
             shapes[n] for n in ("wq_b", "wo_b", "wq_a+wkv", "wq_b+indexer.wq_b")}
-    assert "scaled_mm, bf16 for" in prefill.describe()
+        assert not decode.layer(kind).projection.unstacked
+    assert "(bf16 for " in prefill.describe() and "as their parts" in prefill.describe()
 
 
 def test_projection_shapes_of_a_tensor_parallel_rank() -> None:

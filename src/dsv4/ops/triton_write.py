@@ -80,10 +80,12 @@ def queries(step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
 def query_projections(step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
     """``W_qb c^Q`` per head ``[T, H, D]`` and, where the layer's ``[W_qb; W_Iq]`` are stacked
     (``dsv4.query_stack``: CSA), the indexer's ``W_Iq c^Q`` ``[T, H_I·c_I]``: column views of one FP8 GEMM's
-    ``[T, H·D + H_I·c_I]`` output (rows that far apart), as the step's plan says; else ``W_qb c^Q`` alone (its own
-    GEMM, contiguous) and ``None``. Act dtype."""
+    ``[T, H·D + H_I·c_I]`` output (rows that far apart), as the step's plan says; else (no stack, or the plan runs
+    it as its parts: ``ProjectionPlan.stacked``) ``W_qb c^Q`` alone (its own GEMM, contiguous) and ``None``.
+    Act dtype."""
     stack = query_stack(step.weights)
-    if stack is None or step.plan.projection is None or not runs_here(q_latent):
+    plan = step.plan.projection
+    if stack is None or plan is None or not plan.stacked(*stack.shape) or not runs_here(q_latent):
         return projections.query_projection(step, q_latent, projector(step)), None
     y = projector(step)(q_latent, stack, step.numerics)
     cfg = step.cfg

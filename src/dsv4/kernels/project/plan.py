@@ -12,18 +12,20 @@ FP8 tensor cores sum each 128-wide K block with about 1.3e-4 relative error (the
 blockwise GEMM alike; the official model's FP8 kernels too). Projections whose outputs the layer quantizes again
 — ``wq_a+wkv`` (the FP8 KV cache, ``c^Q``'s FP8 activations) and ``wq_b+indexer.wq_b`` (the MXFP4 index
 queries) — take the exact BF16 way on prefill rows: on every projection of a prefill chunk those sums moved a CSA
-top-k row beyond the spot check's tie slack. ``wq_b`` and ``wo_b``, the two largest, take the fallback. The rule's
-figures: ``benchmarks/RESULTS.md``, "FP8 projections".
+top-k row beyond the spot check's tie slack. ``wq_b`` and ``wo_b``, the two largest, take the fallback; so the
+query stack, whose parts then take different ways, runs as its parts (``unstacked``). The rule's figures:
+``benchmarks/RESULTS.md``, "FP8 projections".
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ...config import ModelConfig
 from .block_gemm import GemmConfig, gemm_config
 
-__all__ = ["EXACT_SUMS", "ProjectionPlan", "fp8_projection_shapes", "plan_projections", "triton_gemm_wins"]
+__all__ = ["EXACT_SUMS", "STACK_PARTS", "ProjectionPlan", "fp8_projection_shapes", "plan_projections", "triton_gemm_wins"]
 
 #: steps of at most this many rows (decode) take the Triton GEMM ...
 TRITON_ROWS = 64
@@ -36,6 +38,8 @@ TRITON_STACKS = ("wq_a+wkv", "wq_b+indexer.wq_b")
 #: projections whose outputs the layer quantizes again (FP8 KV cache and activations, MXFP4 index queries): on
 #: prefill rows their products are summed exactly (the ``"bf16"`` way), never on FP8 tensor cores
 EXACT_SUMS = ("wq_a", "wkv", "wq_a+wkv", "indexer.wq_b", "wq_b+indexer.wq_b")
+#: each stack's parts: a stack without a Triton launch whose parts run different ways runs as its parts
+STACK_PARTS = {"wq_a+wkv": ("wq_a", "wkv"), "wq_b+indexer.wq_b": ("wq_b", "indexer.wq_b")}
 
 
 def fp8_projection_shapes(cfg: ModelConfig, heads: int | None = None) -> dict[str, tuple[int, int]]:
@@ -69,12 +73,15 @@ class ProjectionPlan:
         fallback: the device's way for shapes without a Triton launch (``fp8_gemm.GEMMS``).
         launches: ``{(N, K): GemmConfig}`` — the Triton block GEMM's launch per weight shape that takes it.
         exact: the shapes without a launch that take the ``"bf16"`` way whatever the fallback (``EXACT_SUMS``).
+        unstacked: the stacks' shapes that run as their parts (``STACK_PARTS``: the parts take different ways —
+            a prefill chunk's ``wq_b`` on FP8 tensor cores, the indexer's ``wq_b`` exactly).
     """
 
     rows: int
     fallback: str
     launches: dict[tuple[int, int], GemmConfig] = field(default_factory=dict)
     exact: frozenset[tuple[int, int]] = frozenset()
+    unstacked: frozenset[tuple[int, int]] = frozenset()
 
     def launch(self, n: int, k: int) -> GemmConfig | None:
         """The Triton launch of an ``[n, k]`` weight, or ``None`` (``way``)."""
@@ -84,11 +91,21 @@ class ProjectionPlan:
         """How an ``[n, k]`` weight without a Triton launch runs (``fp8_gemm.fp8_linear``'s ``gemm``)."""
         return "bf16" if (n, k) in self.exact else self.fallback
 
+    def stacked(self, n: int, k: int) -> bool:
+        """Whether the stacked ``[n, k]`` weight runs as one GEMM (else as its parts, each its own way)."""
+        return (n, k) not in self.unstacked
+
     def describe(self) -> str:
-        ways = self.fallback if not self.exact or self.fallback == "bf16" else \
-            f"{self.fallback}, bf16 for {', '.join(f'{n}x{k}' for n, k in sorted(self.exact))}"
+        def listed(shapes: frozenset[tuple[int, int]]) -> str:
+            return ", ".join(f"{n}x{k}" for n, k in sorted(shapes))
+
+        ways = f"{self.fallback} GEMMs over the quantized values"
+        if self.exact and self.fallback != "bf16":
+            ways += f" (bf16 for {listed(self.exact)})"
+        if self.unstacked:
+            ways += f", the stacks {listed(self.unstacked)} as their parts"
         if not self.launches:
-            return f"{ways} GEMMs over the quantized values ({self.rows} rows)"
+            return f"{ways} ({self.rows} rows)"
         shapes = ", ".join(f"{n}x{k} ({c.describe()})" for (n, k), c in self.launches.items())
         return f"Triton block GEMM for {shapes}; else {ways} ({self.rows} rows)"
 
@@ -103,4 +120,12 @@ def plan_projections(rows: int, shapes: dict[str, tuple[int, int]], fallback: st
             if triton_gemm_wins(rows, n, k, name):
                 launches[(n, k)] = gemm_config(rows, n, k, sms)
     exact = frozenset(shape for name, shape in shapes.items() if name in EXACT_SUMS and shape not in launches)
-    return ProjectionPlan(rows=rows, fallback=fallback, launches=launches, exact=exact)
+    plan = ProjectionPlan(rows=rows, fallback=fallback, launches=launches, exact=exact)
+
+    def way(name: str) -> str:
+        return "triton" if shapes[name] in launches else plan.way(*shapes[name])
+
+    unstacked = frozenset(shapes[stack] for stack, parts in STACK_PARTS.items()
+                          if stack in shapes and all(p in shapes for p in parts)
+                          and shapes[stack] not in launches and len({way(p) for p in parts}) > 1)
+    return dataclasses.replace(plan, unstacked=unstacked)
