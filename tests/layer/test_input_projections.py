@@ -22,19 +22,11 @@ from dsv4.compressor_stack import compressor_stack, stack_compressor_weights
 from dsv4.input_stack import input_stack, stack_input_projections
 from dsv4.numerics import resolve_numerics
 from dsv4.weight_stack import replace_keeping_stacks
-from support.stacks import assert_stack_of
-
-TINY = dsv4.ModelConfig.preset("tiny")
-#: the tiny model with a query latent of one 128-row scale block, so that ``wq_a`` and ``wkv`` can stack
-TINY_128 = dataclasses.replace(TINY, q_lora_rank=128)
-
-
-def _fp8_weights(cfg: dsv4.ModelConfig, li: int = 0) -> dsv4.AttentionWeights:
-    return dsv4.AttentionWeights.random(cfg, li, seed=3).for_numerics(resolve_numerics("official"))
+from support.stacks import TINY, TINY_128, assert_stack_of, fp8_weights
 
 
 def test_stack_holds_both_weights_and_they_are_its_views() -> None:
-    w = _fp8_weights(TINY_128)
+    w = fp8_weights(TINY_128, 0)
     assert isinstance(w.wq_a, BlockFp8Weight) and input_stack(w) is None
     s = stack_input_projections(w)
     stack = input_stack(s)
@@ -46,7 +38,7 @@ def test_stack_holds_both_weights_and_they_are_its_views() -> None:
 
 
 def test_stack_is_never_stale() -> None:
-    s = stack_input_projections(_fp8_weights(TINY_128))
+    s = stack_input_projections(fp8_weights(TINY_128, 0))
     other = BlockFp8Weight(s.wkv.data.clone(), s.wkv.scale.clone())
     assert input_stack(dataclasses.replace(s, wkv=other)) is None  # a replaced weight: one GEMM per projection
     assert input_stack(s.to("cpu")) is None  # a copy drops the record (``to`` makes new weight objects)
@@ -55,7 +47,7 @@ def test_stack_is_never_stale() -> None:
 
 
 def test_weights_that_cannot_stack_are_left_alone() -> None:
-    off_blocks = _fp8_weights(TINY)  # q_lora_rank 64: a scale block would straddle wq_a and wkv
+    off_blocks = fp8_weights(TINY, 0)  # q_lora_rank 64: a scale block would straddle wq_a and wkv
     assert TINY.q_lora_rank % 128 and stack_input_projections(off_blocks) is off_blocks
     bf16 = dsv4.AttentionWeights.random(TINY_128, 0, seed=3).for_numerics(resolve_numerics("exact"))
     assert not isinstance(bf16.wq_a, BlockFp8Weight) and stack_input_projections(bf16) is bf16
@@ -65,7 +57,7 @@ def test_weights_that_cannot_stack_are_left_alone() -> None:
 def test_layer_device_weights_hold_both_stacks(li: int) -> None:
     """The input projections' stack and the compressors' stack survive each other, in either order (each
     stacking copies the weights: the other's record must come along), and a layer's device weights hold both."""
-    w = _fp8_weights(TINY_128, li)
+    w = fp8_weights(TINY_128, li)
     for both in (stack_input_projections(stack_compressor_weights(w)),
                  stack_compressor_weights(stack_input_projections(w))):
         assert input_stack(both) is not None and compressor_stack(both) is not None

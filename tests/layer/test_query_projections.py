@@ -31,20 +31,13 @@ from dsv4.numerics import resolve_numerics
 from dsv4.query_stack import query_stack, stack_query_projections
 from dsv4.weight_stack import replace_keeping_stacks, stack_fp8_rows
 from support.interpreter import run_interpreted
-from support.stacks import assert_stack_of
+from support.stacks import TINY, TINY_128, assert_stack_of, fp8_weights
 
-TINY = dsv4.ModelConfig.preset("tiny")
-#: the tiny model with a query latent of one 128-row scale block, so that ``wq_a`` and ``wkv`` stack too
-TINY_128 = dataclasses.replace(TINY, q_lora_rank=128)
 CSA, HCA, SWA = 1, 2, 0  # the tiny preset's layers
 
 
-def _fp8_weights(cfg: dsv4.ModelConfig, li: int = CSA) -> dsv4.AttentionWeights:
-    return dsv4.AttentionWeights.random(cfg, li, seed=3).for_numerics(resolve_numerics("official"))
-
-
 def test_stack_holds_both_weights_and_they_are_its_views() -> None:
-    w = _fp8_weights(TINY)
+    w = fp8_weights(TINY, CSA)
     assert isinstance(w.wq_b, BlockFp8Weight) and query_stack(w) is None
     s = stack_query_projections(w)
     stack = query_stack(s)
@@ -58,7 +51,7 @@ def test_stack_holds_both_weights_and_they_are_its_views() -> None:
 
 
 def test_stack_is_never_stale() -> None:
-    s = stack_query_projections(_fp8_weights(TINY))
+    s = stack_query_projections(fp8_weights(TINY, CSA))
     other = BlockFp8Weight(s.indexer.wq_b.data.clone(), s.indexer.wq_b.scale.clone())
     assert query_stack(dataclasses.replace(s, indexer=dataclasses.replace(s.indexer, wq_b=other))) is None
     assert query_stack(dataclasses.replace(s, wq_b=BlockFp8Weight(s.wq_b.data.clone(), s.wq_b.scale.clone()))) is None
@@ -70,7 +63,7 @@ def test_stack_is_never_stale() -> None:
 
 def test_weights_that_cannot_stack_are_left_alone() -> None:
     for li in (SWA, HCA):  # no indexer
-        w = _fp8_weights(TINY, li)
+        w = fp8_weights(TINY, li)
         assert w.indexer is None and stack_query_projections(w) is w and query_stack(w) is None
     bf16 = dsv4.AttentionWeights.random(TINY, CSA, seed=3).for_numerics(resolve_numerics("exact"))
     assert not isinstance(bf16.wq_b, BlockFp8Weight) and stack_query_projections(bf16) is bf16
@@ -98,7 +91,7 @@ def test_stack_fp8_rows_keeps_every_scale_block_whole() -> None:
 def test_every_stacking_order_keeps_every_stack(li: int) -> None:
     """Each stacking copies the weights, keeping the others' records: in every order the weights end with all of a
     layer's stacks (HCA: no query stack); a layer's device weights and an engine's weights hold them all."""
-    w = _fp8_weights(TINY_128, li)
+    w = fp8_weights(TINY_128, li)
     stackers = (stack_compressor_weights, stack_input_projections, stack_query_projections)
     for order in itertools.permutations(stackers):
         s = w

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+import dsv4
 from dsv4.formats.block_fp8 import WEIGHT_BLOCK, BlockFp8Weight
+from dsv4.numerics import resolve_numerics
+
+TINY = dsv4.ModelConfig.preset("tiny")
+#: the tiny model with a query latent of one 128-row scale block, so that ``wq_a`` and ``wkv`` can stack
+TINY_128 = dataclasses.replace(TINY, q_lora_rank=128)
+
+
+def fp8_weights(cfg: dsv4.ModelConfig, li: int) -> dsv4.AttentionWeights:
+    """Layer ``li``'s random weights (seed 3) as the official numerics hold them: block-scaled FP8 projections."""
+    return dsv4.AttentionWeights.random(cfg, li, seed=3).for_numerics(resolve_numerics("official"))
 
 
 def assert_stack_of(stack: BlockFp8Weight, originals: list[BlockFp8Weight], views: list[BlockFp8Weight]) -> None:
