@@ -8,6 +8,8 @@
 #   ... layer-ab                                       one layer of each kind, the tree in .ab/pre vs this one
 #                                                      (PRESET=v4-pro for V4-Pro)
 #   ... run-pro                                        the acceptance workload on V4-Pro, once (cold)
+#   ... run-ab | step                                  the acceptance run, .ab/pre vs this tree | one prefill step's
+#                                                      kernels, idle gaps and host synchronisations
 # Each part writes one log (and JSON) under $OUT (at most 8 files come back from a device call).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
 O=${OUT:-out}; mkdir -p "$O"
@@ -28,6 +30,17 @@ for part in "$@"; do
     done
     grep -E "^== |warm-up|JIT|decode |prefill |total |decode-only|with prefill|first token|first step|CUDA graphs|check|PASS|FAIL" \
       "$O/run.log" ;;
+  run-ab)  # the acceptance run on the tree in .ab/pre and on this one, alternating, on one warm Triton cache
+    for tree in $(for _ in $(seq ${AB_ROUNDS:-1}); do echo pre new; done); do
+      P=src; [ $tree = pre ] && P=.ab/pre/src
+      PYTHONPATH=$P timeout ${RUN_S:-230} python3 -m dsv4.cli run $ACCEPT --check-requests 0 \
+        --triton-cache /tmp/tc-release --json "$O/run_ab_$tree.json" > "$O/run_ab_$tree.log" 2>&1
+      echo "== run $tree rc=$?"; grep -E "^decode |^prefill |decode-only|with prefill" "$O/run_ab_$tree.log"
+    done ;;
+  step)  # issue 38: where a whole prefill step's time goes (kernels, GPU idle gaps, host synchronisations)
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${STEP_S:-200} python3 benchmarks/profile_step.py --top 16 \
+      --json "$O/step.json" 2>&1 | grep -v "warn(" > "$O/step.log"
+    echo "== step rc=$?"; cat "$O/step.log" ;;
   run-pro)  # issue 38: the acceptance workload on V4-Pro, once, on a fresh Triton cache
     rm -rf /tmp/tc-pro
     timeout ${RUN_S:-300} python3 -m dsv4.cli run ${ACCEPT/v4-flash/v4-pro} --triton-cache /tmp/tc-pro \

@@ -322,6 +322,32 @@ def test_engine_on_cuda_default_backend_and_graphs() -> None:
     assert all(r.passed for r in rows), [r for r in rows if not r.passed]
 
 
+@pytest.mark.gpu
+def test_engine_steps_never_synchronise_with_the_gpu() -> None:
+    """Every step of a CUDA run — admissions, prefill chunks beside decode rows, graph-replayed decode steps,
+    releases — runs under ``torch.cuda.set_sync_debug_mode("error")``: the host never waits for the GPU inside a
+    step, so it prepares the next step while the GPU runs this one."""
+    eng = Engine(TINY, config=EngineConfig(device="cuda", max_running=4, max_batched_tokens=96, block_size=64))
+    eng.run(make_requests(3, "uniform:40:150", 6, seed=2))  # compiles, captures and allocates outside the check
+    step = eng.step
+    steps = []
+
+    def checked_step(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rec = step(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        steps.append(rec)
+        return rec
+
+    eng.step = checked_step
+    stats = eng.run(make_requests(7, "uniform:40:150", 12, seed=3))
+    kinds = {s.kind for s in stats.steps}
+    assert {"mixed", "decode"} <= kinds and any(s.graph for s in stats.steps), kinds  # admissions while decoding
+    assert len([s for s in steps if s is not None]) == len(stats.steps)
+
+
 def test_run_stats_take_jit_compile_time_out() -> None:
     """Steps that compiled Triton kernels: ``jit_s`` sums their compile seconds and the ``*_without_jit`` throughputs
     divide by the remaining time."""

@@ -163,7 +163,7 @@ class HybridCache:
             )
         self.prefix.apply_pending()
         slot = self.state.allocate_slot()  # resets the slot
-        self.nonfinite[slot] = 0
+        self.nonfinite[slot].zero_()  # a kernel: assigning a Python number would copy it synchronously
         rec = self._requests[request_id] = RequestRecord(slot=slot)
         pr = self.prefix.register(request_id, ids)
         if pr is not None:
@@ -187,7 +187,7 @@ class HybridCache:
         self.allocator.decref(rec.blocks)
         self.prefix.forget(request_id)
         self.state.free_slot(rec.slot)
-        self.nonfinite[rec.slot] = 0
+        self.nonfinite[rec.slot].zero_()
         del self._requests[request_id]
         self.steps.commit_mutation(action, self._requests)
 

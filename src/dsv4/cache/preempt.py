@@ -250,7 +250,7 @@ def restore_request(cache: HybridCache, request_id: str, snapshot: RequestSnapsh
         )
 
     slot = cache.state.allocate_slot()
-    cache.nonfinite[slot] = 0
+    cache.nonfinite[slot].zero_()
     cache.prefix.attach_restored(request_id, token_ids, shared)  # now used: publication and eviction keep them
     kept = [n.block for n in shared]
     cache.allocator.incref(kept)
