@@ -19,8 +19,10 @@ it eagerly before capturing). ``TokenHidden`` and ``HashHidden`` are; any other 
 replay and its output is copied into the graph's static input.
 
 ``TokenHidden`` (the default) is counter-based: a 32-bit integer hash of ``(seed, token id, channel)`` turned into
-a standard normal by Box–Muller. It runs on any device with identical results, needs no table, and costs a few
-elementwise ops per value. ``HashHidden`` is the same keyed by ``(request number, position)`` (every token of
+a standard normal by Box–Muller. It needs no table; the integer part is exact everywhere, the floating-point part
+(``log``, ``cos``) is the device's math library. On CUDA it is one Triton launch (``kernels.project.hashed_normal``,
+equal bit for bit to the torch ops on the same GPU) that writes each value once, as a real embedding lookup
+would cost; elsewhere a few torch ops per value. ``HashHidden`` is the same keyed by ``(request number, position)`` (every token of
 every request distinct; kept for callers that want that).
 
 Generated tokens need ids too (there is no LM head to sample them): ``generated_token_ids`` draws them from
@@ -29,6 +31,7 @@ Generated tokens need ids too (there is no LM head to sample them): ``generated_
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -39,6 +42,7 @@ from torch import Tensor
 __all__ = ["HashHidden", "HiddenSource", "TokenHidden", "generated_token_ids", "hash32", "is_graph_safe"]
 
 _M32 = 0xFFFFFFFF
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class HiddenSource(Protocol):
@@ -82,8 +86,14 @@ class _HashedNormal:
         self._chan: dict[torch.device, Tensor] = {}
 
     def _normal(self, keys: Tensor) -> Tensor:
-        """float32 ``[T, hidden]`` standard normals of ``keys`` int64 ``[T]`` (on their device)."""
-        return _standard_normal(keys, _channel_keys(self._chan, self.hidden_size, keys.device), self.hidden_size)
+        """float32 ``[T, hidden]`` standard normals of ``keys`` int64 ``[T]`` (on their device): one Triton launch
+        on CUDA (``kernels.project.hashed_normal``, the torch ops' values bit for bit), the torch ops elsewhere."""
+        chan = _channel_keys(self._chan, self.hidden_size, keys.device)
+        if keys.is_cuda and _HAVE_TRITON:
+            from ..kernels.project.hashed_normal import hashed_normal
+
+            return hashed_normal(keys, chan, self.hidden_size)
+        return _standard_normal(keys, chan, self.hidden_size)
 
 
 class TokenHidden(_HashedNormal):

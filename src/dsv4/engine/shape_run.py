@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from ..config import LayerKind, ModelConfig
+from .hidden import TokenHidden
 from .residual import residual_step
 from .shape_store import StepShape
 
@@ -33,8 +34,9 @@ _LAYERS: dict[tuple, dict] = {}  # per process: (cfg, layers, backend, device) -
 def run_shape(cfg: ModelConfig, layers: list[int], numerics: str, backend: str, block_size: int,
               shape: StepShape, device: str) -> float:
     """Run ``shape`` once, eagerly, through ``layers`` (one of each kind) with random weights on a small synthetic
-    cache of the shape's geometry, the engine's glue between layers included (``engine.residual``): every kernel
-    the shape launches compiles, or loads from the disk cache. Returns its seconds."""
+    cache of the shape's geometry, the engine's default hidden states (``engine.hidden.TokenHidden``) and glue
+    between layers (``engine.residual``) included: every kernel the shape launches compiles, or loads from the
+    disk cache. Returns its seconds."""
     import dsv4
     from dsv4.cache import HybridCache
 
@@ -58,7 +60,8 @@ def run_shape(cfg: ModelConfig, layers: list[int], numerics: str, backend: str, 
     with torch.no_grad():
         batch = cache.prepare_forward({f"r{b}": n for b, n in enumerate(shape.num_new)}, max_blocks=shape.width)
         glue = residual_step(backend, dev, cache.numerics.act_dtype, cfg.norm_eps)
-        h, x = glue(torch.randn(batch.num_tokens, cfg.hidden_size, device=dev), None)
+        ids = torch.arange(batch.num_tokens, device=dev)
+        h, x = glue(TokenHidden(cfg.hidden_size)(ids), None)
         plan = attn[layers[0]].plan_step(batch, cache)
         for li in layers:
             y = attn[li](x, batch, cache, plan)

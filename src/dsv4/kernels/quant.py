@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = [
-    "expf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round", "bf16_pairs",
+    "expf", "logf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round", "bf16_pairs",
     "bf16_pair_words",
     "with_sign_of",
     "ue8m0_exponent", "exp2i", "e4m3_round", "e4m3_round_bits", "e4m3_round_cvt", "fp8_block_qdq", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
@@ -44,7 +44,7 @@ def _fp32(v: float) -> float:
     return struct.unpack("<f", struct.pack("<f", v))[0]
 
 
-# The CUDA math library's expf / cosf / sinf / rsqrtf (libdevice), which torch's CUDA kernels call; Triton's own
+# The CUDA math library's expf / logf / cosf / sinf / rsqrtf (libdevice), which torch's CUDA kernels call; Triton's own
 # tl.exp / tl.cos lower to faster approximations that round differently. The interpreter has no libdevice, so
 # there the numpy-backed tl functions stand in (CPU tests check logic, the GPU tests check bits).
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -52,6 +52,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     @triton.jit
     def expf(x):
         return tl.exp(x)
+
+    @triton.jit
+    def logf(x):
+        return tl.log(x)
 
     @triton.jit
     def cosf(x):
@@ -66,7 +70,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return tl.rsqrt(x)
 
 else:
-    expf, cosf, sinf, rsqrtf = libdevice.exp, libdevice.cos, libdevice.sin, libdevice.rsqrt
+    expf, logf, cosf, sinf, rsqrtf = libdevice.exp, libdevice.log, libdevice.cos, libdevice.sin, libdevice.rsqrt
 
 # ------------------------------------------------------------------------------------------- IEEE division
 #: Below this a dividend leaves ``divide_rn``'s fast path (a subset of the range where the hardware's ``FCHK``

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..quant import cosf, sinf
 from .fp8_operands import e4m3_from_e2m1, pow2_from_byte
 
 __all__ = ["mxfp4_queries"]
@@ -25,7 +26,7 @@ def _butterfly(y, R: tl.constexpr, h: tl.constexpr):
 @triton.jit
 def _mxfp4_queries_kernel(
     q_ptr, q_stride,            # bf16 [T, H * 128]: W_Iq c^Q, head-major, rows q_stride apart
-    cos_ptr, sin_ptr,           # fp32 [T, 32]: cos / sin of p · ω_i
+    pos_ptr, inv_freq_ptr,      # int64 [T] positions p; fp32 [32] ω_i (rotation angles p · ω_i)
     q8_ptr,                     # uint8 [T, 2, HP, 64] out: E4M3 operand bytes (channel order of unpack_keys_asm)
     qs_ptr,                     # fp32 [T, HP] out: 2**(e_max − 133) per head (0 for padded heads)
     H, HP,
@@ -39,12 +40,14 @@ def _mxfp4_queries_kernel(
     x = tl.load(q_ptr + t * q_stride + heads[:, None] * 128 + ch[None, :], mask=live[:, None], other=0.0)
     x = x.to(tl.float32)
 
-    # RoPE on pairs 32…63 (channels 64…127), FP32, then one rounding to BF16.
+    # RoPE on pairs 32…63 (channels 64…127), FP32, then one rounding to BF16: the angles as the torch ops make
+    # them (fp32 position × ω, libdevice cosf / sinf), once per token for all its heads.
     re, im = tl.split(tl.reshape(x, (HB, 64, 2)))
     pair = tl.arange(0, 64)
     rot = pair >= 32
-    c = tl.load(cos_ptr + t * 32 + (pair - 32), mask=rot, other=1.0)[None, :]
-    s = tl.load(sin_ptr + t * 32 + (pair - 32), mask=rot, other=0.0)[None, :]
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + (pair - 32), mask=rot, other=0.0)
+    c = cosf(angle)[None, :]
+    s = sinf(angle)[None, :]
     re2 = tl.where(rot[None, :], re * c - im * s, re)
     im2 = tl.where(rot[None, :], re * s + im * c, im)
     y = tl.reshape(tl.join(re2, im2), (HB, 128))
@@ -109,15 +112,15 @@ def mxfp4_queries(q: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int
     T = q.shape[0]
     if q.stride(1) != 1:
         q = q.contiguous()
-    angle = positions.to(torch.float32)[:, None] * inv_freq.to(device=q.device, dtype=torch.float32)[None, :]
-    cos, sin = angle.cos().contiguous(), angle.sin().contiguous()
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    positions = positions.contiguous()
     q8 = torch.empty((T, 2, head_pad, 64), dtype=torch.uint8, device=q.device)
     qscale = torch.empty((T, head_pad), dtype=torch.float32, device=q.device)
     if T == 0:
         return q8, qscale
     HB = 16
     grid = (T, triton.cdiv(head_pad, HB))
-    _mxfp4_queries_kernel[grid](q, q.stride(0), cos, sin, q8, qscale, num_heads, head_pad, HB=HB,
+    _mxfp4_queries_kernel[grid](q, q.stride(0), positions, inv_freq, q8, qscale, num_heads, head_pad, HB=HB,
                                 ROUND_BF16=q.dtype == torch.bfloat16,
                                 num_warps=4, enable_fp_fusion=False)
     return q8, qscale
