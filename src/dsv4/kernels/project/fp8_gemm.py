@@ -35,8 +35,11 @@ from ..quant import exp2i, fp8_block_qdq
 __all__ = ["GEMMS", "fp8_linear", "quantize_activations", "scaled_mm_fits", "scaled_mm_works"]
 
 GEMMS = ("scaled_mm", "bf16")
-#: 128-value blocks per program of the quantization launch
-BLOCKS_PER_PROGRAM = 4
+#: 128-value blocks per program of the quantization launch, and its warps (measured on the H200 over 4–16 blocks
+#: and 2–8 warps: 16 × 4 is the fastest or within 0.6 µs of it at 8,192 rows, K = 1,024 / 4,096 / 8,192, and at
+#: 64 rows; benchmarks/RESULTS.md, "FP8 projections")
+BLOCKS_PER_PROGRAM = 16
+QUANTIZE_WARPS = 4
 #: ``torch._scaled_mm``'s blockwise recipe wants rows and K blocks in multiples of this (cuBLASLt's alignment)
 SCALED_MM_ALIGN = 4
 
@@ -81,8 +84,8 @@ def quantize_activations(x: Tensor, values: bool = False, pad_rows: int = 0) -> 
         scales[:, M:].zero_()
     if M:
         _quantize_activations_kernel[(M, triton.cdiv(nb, BLOCKS_PER_PROGRAM))](
-            x, x.stride(0), out, scales, rows, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
-            enable_fp_fusion=False)
+            x, x.stride(0), out, scales, rows, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM,
+            num_warps=QUANTIZE_WARPS, enable_fp_fusion=False)
     return (out if values else out.view(torch.float8_e4m3fn)), scales.t()
 
 
