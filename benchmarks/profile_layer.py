@@ -22,14 +22,13 @@ import cProfile
 import io
 import json
 import pstats
-import re
 import time
-import warnings
 
 import torch
 import triton
 
 import dsv4
+from dsv4.bench.kernel_profile import device_events, short_kernel_name, torch_sync_sites
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
 from dsv4.cache import HybridCache
 from dsv4.config import LayerKind
@@ -38,13 +37,6 @@ from dsv4.formats.layouts import KV_ENTRY_BYTES, MXFP4_KEY_BYTES
 from dsv4.kernels.project import plan as projection_plan
 
 REQUIRES_CUDA = True
-
-
-def _short(name: str) -> str:
-    """A kernel's name without template arguments and launch-config noise."""
-    name = re.sub(r"<.*", "", name)
-    name = re.sub(r"\(.*", "", name)
-    return name.split("::")[-1][:60]
 
 
 def weight_bytes(w: dsv4.AttentionWeights) -> int:
@@ -71,7 +63,8 @@ def cache_bytes(cfg: dsv4.ModelConfig, kind: LayerKind, batch: int, context: int
 
 def host_profile(run, calls: int = 20, top: int = 15) -> dict:
     """Where an eager call spends its host time: cProfile of ``calls`` calls (the ``top`` functions by own time) and
-    every host-device synchronisation it makes (``torch.cuda.set_sync_debug_mode``), with the line that made it."""
+    every host-device synchronisation it makes (``dsv4.bench.kernel_profile.torch_sync_sites``: the lines that made
+    it)."""
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
@@ -82,18 +75,7 @@ def host_profile(run, calls: int = 20, top: int = 15) -> dict:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
-    syncs: collections.Counter[str] = collections.Counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            syncs[f"{w.filename}:{w.lineno}"] += 1
-    return {"cprofile": buf.getvalue(), "syncs_per_call": dict(syncs)}
+    return {"cprofile": buf.getvalue(), "syncs_per_call": dict(torch_sync_sites(run))}
 
 
 @triton.jit
@@ -151,12 +133,11 @@ def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefi
         torch.cuda.synchronize()
     total: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     launches = 0
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and e.device_time_total > 0:
-            t = total[_short(e.name)]
-            t[0] += 1
-            t[1] += e.device_time_total
-            launches += 1
+    for e in device_events(prof):
+        t = total[short_kernel_name(e.name)]
+        t[0] += 1
+        t[1] += e.device_time_total
+        launches += 1
     nbytes = weight_bytes(layer._weights_on(cache.device, cache.numerics)[0]) + cache_bytes(cfg, kind, batch,
                                                                                           context, new)
     floor = nbytes / copy_bw

@@ -11,8 +11,6 @@ eager runs of the same padded batches, bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -25,10 +23,9 @@ from dsv4.engine.hidden import TokenHidden, is_graph_safe
 from dsv4.engine.residual import TorchResidualStep, TritonResidualStep
 from dsv4.reference.primitives import rms_norm
 from support.bf16 import bf16_step
-from support.interpreter import run_pytest_interpreted
+from support.interpreter import interpreted, module_in_the_interpreter
 
 TINY = dsv4.ModelConfig.preset("tiny")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 WEIGHTS = {li: dsv4.AttentionWeights.random(TINY, li, seed=10 + li) for li in range(TINY.num_layers)}
 
 
@@ -92,13 +89,10 @@ def test_the_default_hidden_source_is_graph_safe_and_a_callback_is_not() -> None
     assert not is_graph_safe(lambda ids: torch.zeros(ids.shape[0], 8))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-@pytest.mark.skipif(INTERPRETED, reason="this process interprets: the module's tests run directly")
-def test_triton_glue_in_the_interpreter() -> None:
-    run_pytest_interpreted(Path(__file__), "-k", "interpreted")
+test_triton_glue_in_the_interpreter = module_in_the_interpreter(Path(__file__), "-k", "interpreted")
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="runs under TRITON_INTERPRET=1 (see the module docstring)")
+@interpreted
 def test_triton_glue_in_a_cpu_engine_interpreted() -> None:
     """The Triton glue wired into a CPU engine (torch layers): a prefill step, then decode steps. (Its fp32
     activations are ``test_residual_norm``'s.)"""

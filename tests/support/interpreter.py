@@ -8,12 +8,21 @@ this tree's ``dsv4`` (``src``) and the ``support`` package (``tests``) ahead of 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from support import REPO_ROOT
+
+#: this process runs under the Triton interpreter (the subprocess of ``run_pytest_interpreted``)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: a test that runs only in that subprocess (``module_in_the_interpreter`` starts it)
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs under TRITON_INTERPRET=1 (see the module docstring)")
 
 
 def run_python(argv: list[str], *, interpret: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -47,3 +56,16 @@ def run_pytest_interpreted(module: Path, *pytest_args: str, timeout: float = 900
     tail = res.stdout[-3000:] + res.stderr[-2000:]
     assert res.returncode == 0, tail
     assert " passed" in res.stdout and " failed" not in res.stdout, tail
+
+
+def module_in_the_interpreter(module: Path, *pytest_args: str) -> Callable[[], None]:
+    """A test that runs pytest on ``module`` under the Triton interpreter (``run_pytest_interpreted``): its
+    ``interpreted`` tests run there. Skipped without triton, and in a process that already interprets (there the
+    module's tests run directly)."""
+
+    @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+    @pytest.mark.skipif(INTERPRETED, reason="this process interprets: the module's tests run directly")
+    def test() -> None:
+        run_pytest_interpreted(module, *pytest_args)
+
+    return test

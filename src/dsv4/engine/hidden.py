@@ -22,8 +22,8 @@ replay and its output is copied into the graph's static input.
 a standard normal by Box–Muller. It needs no table; the integer part is exact everywhere, the floating-point part
 (``log``, ``cos``) is the device's math library. On CUDA it is one Triton launch (``kernels.project.hashed_normal``,
 equal bit for bit to the torch ops on the same GPU) that writes each value once, as a real embedding lookup
-would cost; elsewhere a few torch ops per value. ``HashHidden`` is the same keyed by ``(request number, position)`` (every token of
-every request distinct; kept for callers that want that).
+would cost; elsewhere a few torch ops per value. ``HashHidden`` is the same keyed by ``(request number,
+position)`` (every token of every request distinct; kept for callers that want that).
 
 Generated tokens need ids too (there is no LM head to sample them): ``generated_token_ids`` draws them from
 ``(seed, request number, position)``, so they differ between requests and never depend on chunking.

@@ -1,6 +1,7 @@
 """Triton / Gluon kernels for Hopper GPUs, by stage of a layer step (``docs/architecture.md``):
 
-* ``project``   — the layer's RMSNorms and the queries' per-head RMSNorm + RoPE;
+* ``project``   — the FP8 projections, the layer's RMSNorms, the queries' per-head RMSNorm + RoPE, and the
+  engine's glue around the layers (the residual add + norm, the hashed hidden states);
 * ``write``     — window entries, the compressors' pooling into the paged pool, the SWA ring commit;
 * ``indexer``   — the lightning indexer: MXFP4 queries, paged scores, top-k;
 * ``attention`` — sparse attention with sink over window ∪ compressed entries.

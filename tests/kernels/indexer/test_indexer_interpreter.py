@@ -6,16 +6,9 @@ Skipped when triton is not installed, and in a process that already interprets (
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
-import pytest
-
-from support.interpreter import run_pytest_interpreted
+from support.interpreter import module_in_the_interpreter
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this process interprets: run the module itself")
-def test_indexer_kernels_in_the_interpreter() -> None:
-    run_pytest_interpreted(Path(__file__).with_name("test_indexer_kernels.py"))
+test_indexer_kernels_in_the_interpreter = module_in_the_interpreter(Path(__file__).with_name("test_indexer_kernels.py"))

@@ -10,18 +10,13 @@ exactly (through the uniforms recovered from ``cos``-free channels) and the valu
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.interpreter import run_pytest_interpreted
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from support.interpreter import interpreted, module_in_the_interpreter
 #: (rows, hidden size): a decode bucket, a prefill chunk's rows, widths that are and are not powers of two
 SHAPES_CPU = ((1, 8), (5, 96), (9, 300), (4, 1024))
 SHAPES_GPU = ((1, 4096), (65, 4096), (2000, 7168), (37, 300), (8192, 4096))
@@ -74,13 +69,7 @@ def _check(T: int, d: int, device: str, seed: int, exact: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------- CPU: the interpreter
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-@pytest.mark.skipif(INTERPRETED, reason="this process interprets: the module's tests run directly")
-def test_hashed_normal_in_the_interpreter() -> None:
-    run_pytest_interpreted(Path(__file__))
-
-
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs under TRITON_INTERPRET=1 (see the module docstring)")
+test_hashed_normal_in_the_interpreter = module_in_the_interpreter(Path(__file__))
 
 
 @interpreted

@@ -11,18 +11,14 @@ at the models' widths, and inside a CUDA graph.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from support.bf16 import bf16_step
-from support.interpreter import run_pytest_interpreted
+from support.interpreter import interpreted, module_in_the_interpreter
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 EPS = 1e-6
 VARIANTS = ("add_norm", "norm", "add")
 ACTS = (torch.bfloat16, torch.float32)
@@ -93,13 +89,7 @@ def _check_case(T: int, d: int, act: torch.dtype, variant: str, in_place: bool, 
 
 
 # ----------------------------------------------------------------------------------------- CPU: the interpreter
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-@pytest.mark.skipif(INTERPRETED, reason="this process interprets: the module's tests run directly")
-def test_residual_norm_in_the_interpreter() -> None:
-    run_pytest_interpreted(Path(__file__))
-
-
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs under TRITON_INTERPRET=1 (see the module docstring)")
+test_residual_norm_in_the_interpreter = module_in_the_interpreter(Path(__file__))
 
 
 @interpreted
