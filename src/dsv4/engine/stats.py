@@ -26,7 +26,8 @@ class StepRecord:
 
     ``seconds``: the step's wall time — host start to device completion, or, with ``EngineConfig.overlap_host``,
     from the previous step's completion to this one's (the period of the pipelined loop). ``host_seconds``: the
-    host's work for the step (scheduling, ``prepare_forward``, launches); ``prepare_seconds`` the part of it before
+    host's time in the step (scheduling, ``prepare_forward``, launches; a launch waits while the device's queue is
+    full, so with the host a step or more ahead this approaches the GPU's time); ``prepare_seconds`` the part before
     the layers' first launch (scheduling and admissions, ``prepare_forward``, the token ids). ``gpu_seconds``: its
     GPU time (CUDA events around its launches; ``nan`` on the CPU)."""
 

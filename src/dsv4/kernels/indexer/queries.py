@@ -41,7 +41,7 @@ def _mxfp4_queries_kernel(
     x = x.to(tl.float32)
 
     # RoPE on pairs 32…63 (channels 64…127), FP32, then one rounding to BF16: the angles as the torch ops make
-    # them (fp32 position × ω, libdevice cosf / sinf), once per token for all its heads.
+    # them (fp32 position × ω, libdevice cosf / sinf), once per program for its block of heads.
     re, im = tl.split(tl.reshape(x, (HB, 64, 2)))
     pair = tl.arange(0, 64)
     rot = pair >= 32
