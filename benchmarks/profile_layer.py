@@ -7,9 +7,14 @@ garbage, which does not change the kernels' work), then one decode step (``--pre
 per request). The step is timed as the user runs it — ``Attention.forward`` with the step's plan — replayed from a
 CUDA graph and called eagerly (the host's work included), and profiled once for its kernels.
 
-Roofline of a layer step: the bytes it must move — its weights once (as stored: FP8 projections, BF16 matrices)
-plus the cache bytes the step reads (each token's window, its CSA top-k entries and every indexer key it scores,
-HCA's visible entries) — at the device copy bandwidth measured in the same run.
+Roofline of a layer step: the longer of two times, each with its device rate measured in the same run —
+
+* the bytes it must move (its weights once, as stored: FP8 projections, BF16 matrices; plus the cache bytes the
+  step reads: each token's window, its CSA top-k entries and every indexer key it scores, HCA's visible entries)
+  at the copy bandwidth: what bounds a decode step;
+* its FLOPs (``dsv4.bench.e2e.layer_step_flops``) at the rates the official inference runs them: the FP8
+  projections and CSA's index scores at the FP8 GEMM rate, the BF16 matrices and attention at the BF16 GEMM rate
+  (``measure_matmul_rate``): what bounds a prefill chunk.
 
     python benchmarks/profile_layer.py [--preset v4-flash] [--batch 64 4] [--context 8192] [--json out.json]
 """
@@ -29,7 +34,8 @@ import triton
 
 import dsv4
 from dsv4.bench.kernel_profile import device_events, short_kernel_name, torch_sync_sites
-from dsv4.bench.roofline import environment, measure_copy_bandwidth, time_cuda
+from dsv4.bench.e2e import layer_step_flops
+from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, time_cuda
 from dsv4.cache import HybridCache
 from dsv4.config import LayerKind
 from dsv4.formats.block_fp8 import BlockFp8Weight
@@ -104,7 +110,7 @@ def host_launch_costs(calls: int = 2000) -> dict[str, float]:
     return out
 
 
-def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefill: int, copy_bw: float,
+def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefill: int, rates: dict[str, float],
                  host: int = 0) -> dict:
     """Time, launches and roofline of one step of layer ``li``."""
     kind = cfg.layer_kind(li)
@@ -140,12 +146,16 @@ def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefi
         launches += 1
     nbytes = weight_bytes(layer._weights_on(cache.device, cache.numerics)[0]) + cache_bytes(cfg, kind, batch,
                                                                                           context, new)
-    floor = nbytes / copy_bw
+    fp8, bf16 = layer_step_flops(cfg, li, batch, context, new)
+    t_bytes = nbytes / rates["copy"]
+    t_flops = fp8 / rates["fp8"] + bf16 / rates["bf16"]
+    floor = max(t_bytes, t_flops)
     kernels = sorted(((k, n, us) for k, (n, us) in total.items()), key=lambda r: -r[2])
     extra = host_profile(run, top=host) if host else {}
     return {**extra, "layer": li, "kind": kind.name, "batch": batch, "context": context, "new_tokens": new,
             "graph_us": t_graph * 1e6, "eager_us": t_eager * 1e6, "eager_over_graph": t_eager / t_graph,
-            "launches": launches, "bytes": nbytes, "roofline_us": floor * 1e6, "roofline_frac": floor / t_graph,
+            "launches": launches, "bytes": nbytes, "fp8_flops": fp8, "bf16_flops": bf16, "bytes_us": t_bytes * 1e6,
+            "flops_us": t_flops * 1e6, "roofline_us": floor * 1e6, "roofline_frac": floor / t_graph,
             "plan": plan.describe(), "kernels": [{"name": k, "calls": n, "us": us} for k, n, us in kernels]}
 
 
@@ -170,20 +180,26 @@ def main() -> None:
     kinds: dict[LayerKind, int] = {}
     for li in range(cfg.num_layers):
         kinds.setdefault(cfg.layer_kind(li), li)
-    bw = measure_copy_bandwidth("cuda")
+    rates = {"copy": measure_copy_bandwidth("cuda"), "bf16": measure_matmul_rate("cuda", torch.bfloat16),
+             "fp8": measure_matmul_rate("cuda", torch.float8_e4m3fn)}
+    if not rates["fp8"] > 0:  # no FP8 GEMM here: count those FLOPs at the BF16 rate
+        rates["fp8"] = rates["bf16"]
     what = f"prefill chunk of {a.prefill} tokens" if a.prefill else "decode step"
-    print(f"{torch.cuda.get_device_name()}  {a.preset} {what}, context {a.context}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{torch.cuda.get_device_name()}  {a.preset} {what}, context {a.context}; copy bandwidth "
+          f"{rates['copy'] / 1e12:.2f} TB/s, GEMM BF16 {rates['bf16'] / 1e12:.0f} / FP8 "
+          f"{rates['fp8'] / 1e12:.0f} TFLOP/s")
     costs = host_launch_costs()
     print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     print(f"{'layer':<10}{'B':>5}{'graph us':>10}{'eager us':>10}{'eager/gr':>9}{'launches':>9}{'MB':>8}"
-          f"{'roof us':>9}{'roof %':>8}")
+          f"{'GFLOP':>8}{'bytes us':>9}{'flops us':>9}{'roof %':>8}")
     rows = []
     for b in a.batch:
         for kind, li in kinds.items():
-            r = profile_kind(cfg, li, b, a.context, a.prefill, bw, a.host_profile)
+            r = profile_kind(cfg, li, b, a.context, a.prefill, rates, a.host_profile)
             rows.append(r)
             print(f"{kind.name + ' ' + str(li):<10}{b:>5}{r['graph_us']:>10.1f}{r['eager_us']:>10.1f}"
-                  f"{r['eager_over_graph']:>9.2f}{r['launches']:>9}{r['bytes'] / 1e6:>8.1f}{r['roofline_us']:>9.1f}"
+                  f"{r['eager_over_graph']:>9.2f}{r['launches']:>9}{r['bytes'] / 1e6:>8.1f}"
+                  f"{(r['fp8_flops'] + r['bf16_flops']) / 1e9:>8.1f}{r['bytes_us']:>9.1f}{r['flops_us']:>9.1f}"
                   f"{100 * r['roofline_frac']:>7.1f}%", flush=True)
             for k in r["kernels"][: a.top]:
                 print(f"      {k['us']:8.1f} us {k['calls']:3d}x  {k['name']}")
@@ -192,7 +208,8 @@ def main() -> None:
                 print(r["cprofile"])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"environment": environment("cuda"), "copy_bw": bw, "host_us_per_call": costs, "rows": rows},
+            json.dump({"environment": environment("cuda"), "copy_bw": rates["copy"], "gemm_rates": rates,
+                       "host_us_per_call": costs, "rows": rows},
                       f, indent=1, default=str)
 
 

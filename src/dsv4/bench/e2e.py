@@ -25,20 +25,55 @@ from ..cache import layer_schemas
 from ..config import LayerKind, ModelConfig
 from .roofline import roofline_row
 
-__all__ = ["decode_step_cost", "prefill_cost", "run_e2e"]
+__all__ = ["bf16_matrix_params", "decode_step_cost", "fp8_projection_params", "layer_step_flops", "prefill_cost",
+           "run_e2e"]
 
 
-def _matrix_params(cfg: ModelConfig, li: int) -> int:
+def fp8_projection_params(cfg: ModelConfig, li: int) -> int:
+    """Parameters of layer ``li``'s projections that the official inference runs as FP8 GEMMs (SPEC §1.3:
+    ``wq_a``, ``wkv``, ``wq_b``, ``wo_b``; CSA also the indexer's ``wq_b``)."""
     d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    n = cfg.q_lora_rank * d + H * D * cfg.q_lora_rank + D * d + cfg.o_groups * cfg.o_lora_rank * (H * D // cfg.o_groups)
-    n += d * cfg.o_groups * cfg.o_lora_rank
+    n = cfg.q_lora_rank * d + D * d + H * D * cfg.q_lora_rank + d * cfg.o_groups * cfg.o_lora_rank
+    if cfg.layer_kind(li) is LayerKind.CSA:
+        n += cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank
+    return n
+
+
+def bf16_matrix_params(cfg: ModelConfig, li: int) -> int:
+    """Parameters of layer ``li``'s BF16 matrices: the grouped ``wo_a``, the compressors' ``wkv`` / ``wgate``
+    (CSA's main and indexer compressors overlap two windows: twice the width), CSA's indexer ``weights_proj``."""
+    d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    n = cfg.o_groups * cfg.o_lora_rank * (H * D // cfg.o_groups)
     kind = cfg.layer_kind(li)
     if kind is LayerKind.CSA:
-        n += 2 * (2 * D * d) + cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank + cfg.index_n_heads * d
-        n += 2 * (2 * cfg.index_head_dim * d)
+        n += 2 * (2 * D * d) + cfg.index_n_heads * d + 2 * (2 * cfg.index_head_dim * d)
     elif kind is LayerKind.HCA:
         n += 2 * D * d
     return n
+
+
+def _matrix_params(cfg: ModelConfig, li: int) -> int:
+    return fp8_projection_params(cfg, li) + bf16_matrix_params(cfg, li)
+
+
+def layer_step_flops(cfg: ModelConfig, li: int, batch: int, context: int, new: int) -> tuple[int, int]:
+    """``(fp8, bf16)`` FLOPs of one step of layer ``li`` in which each of ``batch`` requests holding ``context``
+    tokens adds ``new``, by the tensor-core rate they run at in the official inference:
+
+    * FP8: ``2 · params`` per token of the FP8 projections, and CSA's index scores ``2 · H_I · c_I`` per token and
+      compressed key it scores (MXFP4 values on FP8 tensor cores);
+    * BF16: ``2 · params`` per token of the BF16 matrices, and attention ``4 · H · D`` per token and key it attends
+      (its causal window, CSA its top-k of the visible compressed entries, HCA every visible one).
+
+    Each new token at position ``p`` counts the keys visible at ``p`` (``_keys(cfg, li, p + 1)``)."""
+    fp8 = 2 * fp8_projection_params(cfg, li) * batch * new
+    bf16 = 2 * bf16_matrix_params(cfg, li) * batch * new
+    keys = sum(_keys(cfg, li, p + 1) for p in range(context, context + new))
+    bf16 += 4 * cfg.num_heads * cfg.head_dim * keys * batch
+    if cfg.layer_kind(li) is LayerKind.CSA:
+        scored = sum((p + 1) // cfg.csa_ratio for p in range(context, context + new))
+        fp8 += 2 * cfg.index_n_heads * cfg.index_head_dim * scored * batch
+    return fp8, bf16
 
 
 def _keys(cfg: ModelConfig, li: int, context: int) -> int:
