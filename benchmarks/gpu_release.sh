@@ -10,6 +10,7 @@
 #   ... run-pro                                        the acceptance workload on V4-Pro, once (cold)
 #   ... run-ab | step                                  the acceptance run, .ab/pre vs this tree | one prefill step's
 #                                                      kernels, idle gaps and host synchronisations
+#   ... smoke                                          the profiling tools on small shapes (and their GPU test)
 # Each part writes one log (and JSON) under $OUT (at most 8 files come back from a device call).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
 O=${OUT:-out}; mkdir -p "$O"
@@ -41,6 +42,12 @@ for part in "$@"; do
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${STEP_S:-200} python3 benchmarks/profile_step.py --top 16 \
       --json "$O/step.json" 2>&1 | grep -v "warn(" > "$O/step.log"
     echo "== step rc=$?"; cat "$O/step.log" ;;
+  smoke)  # the profiling tools themselves, small: their GPU test, one layer of each kind, a short prefill profile
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${SMOKE_S:-240} sh -c "python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/bench; python3 benchmarks/profile_layer.py --batch 4 --top 2; python3 benchmarks/profile_layer.py \
+      --batch 1 --context 0 --prefill 2048 --top 2; python3 benchmarks/profile_step.py --requests 3 \
+      --prompt-len 4096 --top 8 --host-top 8" 2>&1 | grep -v "warn(" > "$O/smoke.log"
+    echo "== smoke rc=$?"; grep -E "passed|failed|^(SWA|CSA|HCA)|run, unprofiled|profiled \(|Error" "$O/smoke.log" ;;
   run-pro)  # issue 38: the acceptance workload on V4-Pro, once, on a fresh Triton cache
     rm -rf /tmp/tc-pro
     timeout ${RUN_S:-300} python3 -m dsv4.cli run ${ACCEPT/v4-flash/v4-pro} --triton-cache /tmp/tc-pro \
