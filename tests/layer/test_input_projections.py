@@ -22,7 +22,7 @@ from dsv4.compressor_stack import compressor_stack, stack_compressor_weights
 from dsv4.input_stack import input_stack, stack_input_projections
 from dsv4.numerics import resolve_numerics
 from dsv4.weight_stack import replace_keeping_stacks
-from support.stacks import TINY, TINY_128, assert_stack_of, fp8_weights
+from support.stacks import TINY, TINY_128, assert_stack_of, cuda_decode_step, fp8_weights
 
 
 def test_stack_holds_both_weights_and_they_are_its_views() -> None:
@@ -83,14 +83,7 @@ def test_gpu_stacked_input_projections_match_torch_backend(rows: int) -> None:
     from dsv4.reference.primitives import rms_norm
 
     cfg = dsv4.ModelConfig.preset("v4-flash")
-    li = 2  # a CSA layer
-    layer = dsv4.Attention(dsv4.AttentionWeights.random(cfg, li, seed=1), cfg, li, backend="triton",
-                           check_inputs=False, nan_policy="off")
-    cache = dsv4.HybridCache(cfg, layers=[li], max_requests=rows, num_blocks=rows * 2 + 1, device="cuda")
-    for r in range(rows):
-        cache.add_request(f"r{r}")
-    batch = cache.prepare_forward({f"r{r}": 1 for r in range(rows)})
-    step = layer.layer_step(batch, cache, triton_ops.plan_step(batch, cache))
+    step = cuda_decode_step(cfg, 2, rows)  # a CSA layer
     stack = input_stack(step.weights)
     assert stack is not None and compressor_stack(step.weights) is not None
     # decode rows take the Triton block GEMM, more rows cuBLAS over the quantized values (the plan's rule)

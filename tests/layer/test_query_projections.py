@@ -31,7 +31,7 @@ from dsv4.numerics import resolve_numerics
 from dsv4.query_stack import query_stack, stack_query_projections
 from dsv4.weight_stack import replace_keeping_stacks, stack_fp8_rows
 from support.interpreter import run_interpreted
-from support.stacks import TINY, TINY_128, assert_stack_of, fp8_weights
+from support.stacks import TINY, TINY_128, assert_stack_of, cuda_decode_step, fp8_weights
 
 CSA, HCA, SWA = 1, 2, 0  # the tiny preset's layers
 
@@ -201,19 +201,12 @@ def test_gpu_stacked_query_projections_match_separate(rows: int) -> None:
 
     from dsv4.formats.block_fp8 import fp8_linear, qdq_activations
     from dsv4.kernels.project import queries as query_kernels
-    from dsv4.ops import triton_indexer, triton_ops, triton_write
+    from dsv4.ops import triton_indexer, triton_write
     from dsv4.ops.triton_project import projector
     from dsv4.reference.primitives import rms_norm
     from dsv4.reference.rope import apply_rope
 
-    li = FLASH_CSA
-    layer = dsv4.Attention(dsv4.AttentionWeights.random(FLASH, li, seed=1), FLASH, li, backend="triton",
-                           check_inputs=False, nan_policy="off")
-    cache = dsv4.HybridCache(FLASH, layers=[li], max_requests=rows, num_blocks=rows * 2 + 1, device="cuda")
-    for r in range(rows):
-        cache.add_request(f"r{r}")
-    batch = cache.prepare_forward({f"r{r}": 1 for r in range(rows)})
-    step = layer.layer_step(batch, cache, triton_ops.plan_step(batch, cache))
+    step = cuda_decode_step(FLASH, FLASH_CSA, rows)
     w = step.weights
     stack = query_stack(w)
     assert stack is not None and input_stack(w) is not None and compressor_stack(w) is not None

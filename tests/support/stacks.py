@@ -1,4 +1,5 @@
-"""Checks shared by the tests of the block-scaled FP8 stacks (``dsv4.input_stack``, ``dsv4.query_stack``)."""
+"""Checks and setups shared by the tests of the block-scaled FP8 stacks (``dsv4.input_stack``,
+``dsv4.query_stack``)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,17 @@ def assert_stack_of(stack: BlockFp8Weight, originals: list[BlockFp8Weight], view
         assert view.data.data_ptr() == stack.data[row:].data_ptr()
         assert view.scale.data_ptr() == stack.scale[row // WEIGHT_BLOCK :].data_ptr()
         row += w.shape[0]
+
+
+def cuda_decode_step(cfg: dsv4.ModelConfig, li: int, rows: int):
+    """The Triton backend's ``LayerStep`` of layer ``li`` (random weights, seed 1, on CUDA) for a decode step of
+    ``rows`` fresh requests, one token each, planned as the engine plans a step."""
+    from dsv4.ops import triton_ops
+
+    layer = dsv4.Attention(dsv4.AttentionWeights.random(cfg, li, seed=1), cfg, li, backend="triton",
+                           check_inputs=False, nan_policy="off")
+    cache = dsv4.HybridCache(cfg, layers=[li], max_requests=rows, num_blocks=rows * 2 + 1, device="cuda")
+    for r in range(rows):
+        cache.add_request(f"r{r}")
+    batch = cache.prepare_forward({f"r{r}": 1 for r in range(rows)})
+    return layer.layer_step(batch, cache, triton_ops.plan_step(batch, cache))
