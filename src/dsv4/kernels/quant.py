@@ -11,7 +11,7 @@ GPU is the hardware's E4M3 conversion, checked equal to the bit arithmetic on ev
   E4M3 codes of ``clamp(v / s, ±448)`` (RNE, subnormals), their values times ``s``, the UE8M0 byte;
 * ``e4m3_round``                         — E4M3 code + value of an fp32 clamped to ``[-448, 448]``: the hardware
   conversion on the GPU (``e4m3_round_cvt``), integer arithmetic in the interpreter (``e4m3_round_bits``);
-* ``mxfp4_block_qdq`` / ``e2m1_round``   — official MXFP4 (block 32, ``s = 2**ceil(log2(max(amax, 6·2⁻¹²⁶)·fp32(1/6)))``);
+* ``mxfp4_block_qdq`` / ``e2m1_round`` / ``e2m1_magnitude`` — official MXFP4 (block 32, ``s = 2**ceil(log2(max(amax, 6·2⁻¹²⁶)·fp32(1/6)))``);
 * ``hadamard128``                        — the normalized 128-point Sylvester Walsh–Hadamard transform as the same
   7 add/subtract butterfly stages as ``formats.hadamard_transform`` (so the fp32 rounding is identical);
 * ``pack_nibbles``                       — two E2M1 codes per byte (even element in the low nibble).
@@ -35,7 +35,8 @@ __all__ = [
     "expf", "logf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round", "bf16_pairs",
     "bf16_pair_words",
     "with_sign_of",
-    "ue8m0_exponent", "exp2i", "e4m3_round", "e4m3_round_bits", "e4m3_round_cvt", "fp8_block_qdq", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
+    "ue8m0_exponent", "exp2i", "e4m3_round", "e4m3_round_bits", "e4m3_round_cvt", "fp8_block_qdq", "e2m1_magnitude", "e2m1_round", "mxfp4_block_qdq",
+    "hadamard128",
     "pack_nibbles", "split_halves", "seq_sum4_last", "shuffle_down_sum",
 ]
 
@@ -259,14 +260,30 @@ def fp8_block_qdq(v, AXIS: tl.constexpr, BITS: tl.constexpr = False):
 
 # ------------------------------------------------------------------------------------------- E2M1 / MXFP4
 @triton.jit
+def e2m1_magnitude(m):
+    """The E2M1 magnitude code (int32 0…7) of fp32 ``m`` in ``[0, 6]``, rounded to nearest, ties to even — the
+    7 thresholds of ``formats.fp4.e2m1_encode`` (0.25 <, 0.75 ≤, 1.25 <, 1.75 ≤, 2.5 <, 3.5 ≤, 5 <) from the fp32
+    bits in a few integer operations instead of seven comparisons:
+
+    * below 1 the codes 0, 1, 2 are the multiples of 0.5: ``2m`` rounded to an integer (adding ``1.5·2²³`` rounds
+      it, RNE, into the low significand bits);
+    * from 1 up a code is the exponent and one significand bit: the fp32 bits rounded to their top 10 bits (RNE),
+      less the bits of 1.0's code (``127·2 − 2``).
+
+    Equal to the thresholds on every fp32 in ``[0, 6]`` (checked exhaustively, ``tests/kernels/test_quant.py``)."""
+    b = m.to(tl.int32, bitcast=True)
+    below_one = (m * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    from_one = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
+    return tl.where(m < 1.0, below_one, from_one)
+
+
+@triton.jit
 def e2m1_round(y):
     """Round fp32 ``y`` (``|y| <= 6``) to E2M1 as ``formats.fp4.e2m1_encode`` (7 RNE thresholds, sign bit kept).
 
     Returns ``(code int32 in [0, 16), value fp32)``, same shape as ``y``.
     """
-    m = tl.abs(y)
-    c = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
-    c = c + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
+    c = e2m1_magnitude(tl.abs(y))
     ex = c >> 1
     frac = (c & 1).to(tl.float32)
     mag = tl.where(ex == 0, 0.5 * frac, (1.0 + 0.5 * frac) * exp2i(ex - 1))
