@@ -79,9 +79,10 @@ for part in "$@"; do
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${LAYER_S:-120} python3 benchmarks/profile_layer.py --batch 64 4 \
       --top 8 --triton-gemm-min-values 0 --json "$O/layer_rule.json" > "$O/layer_rule.log" 2>&1
     echo "== layer-rule rc=$?"; grep -E "^(SWA|CSA|HCA)|block_fp8|nvjet|quantize|splitK" "$O/layer_rule.log" | head -40 ;;
-  benches)  # the new kernels' own benchmarks: the residual glue, the stacked compressor GEMM
-    TRITON_CACHE_DIR=/tmp/tc-release timeout ${BENCH_S:-150} sh -c "python3 benchmarks/bench_residual_norm.py; \
-      python3 benchmarks/bench_compressor_projections.py" > "$O/benches.log" 2>&1
+  benches)  # the new kernels' own benchmarks: the residual glue, the stacked compressor GEMM, the MXFP4 queries
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${BENCH_S:-180} sh -c "python3 benchmarks/bench_residual_norm.py; \
+      python3 benchmarks/bench_compressor_projections.py; python3 benchmarks/bench_mxfp4_queries.py" \
+      > "$O/benches.log" 2>&1
     echo "== benches rc=$?"; cat "$O/benches.log" | head -60 ;;
   tests)
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -27,7 +27,7 @@ def _butterfly(y, R: tl.constexpr, h: tl.constexpr):
     """One Walsh–Hadamard stage on fp32 ``[R, 128]``: pairs ``(a, b)`` at distance ``h`` become ``(a + b, a − b)``.
 
     Written as two sums over the pair's axis — ``a + b`` and ``a + (−b)``, the same IEEE results — put back in
-    place by a select, rather than split / join / permute: the same bits, 20% faster over the whole kernel on the
+    place by a select, rather than split / join / permute: the same bits, 14–21% faster over the whole kernel on the
     H200 (``docs/perf/2026-11-29-mxfp4-queries.md``)."""
     pairs = tl.reshape(y, (R, 64 // h, 2, h))
     first = tl.arange(0, 2)[None, None, :, None] == 0
