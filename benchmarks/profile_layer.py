@@ -22,7 +22,6 @@ Roofline of a layer step: the longer of two times, each with its device rate mea
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import json
@@ -33,7 +32,7 @@ import torch
 import triton
 
 import dsv4
-from dsv4.bench.kernel_profile import device_events, short_kernel_name, torch_sync_sites
+from dsv4.bench.kernel_profile import device_events, kernel_totals, torch_sync_sites
 from dsv4.bench.e2e import layer_step_flops
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, time_cuda
 from dsv4.cache import HybridCache
@@ -137,20 +136,14 @@ def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefi
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    total: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    launches = 0
-    for e in device_events(prof):
-        t = total[short_kernel_name(e.name)]
-        t[0] += 1
-        t[1] += e.device_time_total
-        launches += 1
+    kernels = kernel_totals(device_events(prof))
+    launches = sum(n for _, n, _ in kernels)
     nbytes = weight_bytes(layer._weights_on(cache.device, cache.numerics)[0]) + cache_bytes(cfg, kind, batch,
                                                                                           context, new)
     fp8, bf16 = layer_step_flops(cfg, li, batch, context, new)
     t_bytes = nbytes / rates["copy"]
     t_flops = fp8 / rates["fp8"] + bf16 / rates["bf16"]
     floor = max(t_bytes, t_flops)
-    kernels = sorted(((k, n, us) for k, (n, us) in total.items()), key=lambda r: -r[2])
     extra = host_profile(run, top=host) if host else {}
     return {**extra, "layer": li, "kind": kind.name, "batch": batch, "context": context, "new_tokens": new,
             "graph_us": t_graph * 1e6, "eager_us": t_eager * 1e6, "eager_over_graph": t_eager / t_graph,

@@ -37,7 +37,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dsv4
-from dsv4.bench.kernel_profile import device_events, short_kernel_name, torch_sync_sites, union_us
+from dsv4.bench.kernel_profile import (device_events, kernel_totals, short_kernel_name, torch_sync_sites,
+                                      union_us)
 from dsv4.bench.roofline import environment
 from dsv4.engine import Engine, EngineConfig, make_requests
 
@@ -78,14 +79,9 @@ def profiled_run(engine: Engine, requests: Callable[[], list], window: tuple[int
 
 def kernel_table(prof: profile, steps: int) -> dict:
     """Per kernel name: calls and ms per step; the kernels' sum, union and span per step; launches per step."""
-    per_name: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    spans = []
-    for e in device_events(prof):
-        row = per_name[short_kernel_name(e.name, 70)]
-        row[0] += 1
-        row[1] += e.device_time_total
-        spans.append((e.time_range.start, e.time_range.end))
-    rows = sorted(((k, n / steps, us / steps / 1e3) for k, (n, us) in per_name.items()), key=lambda r: -r[2])
+    events = device_events(prof)
+    spans = [(e.time_range.start, e.time_range.end) for e in events]
+    rows = [(k, n / steps, us / steps / 1e3) for k, n, us in kernel_totals(events, 70)]
     return {"kernels": [{"name": k, "calls": n, "ms": ms} for k, n, ms in rows],
             "kernel_sum_ms": sum(ms for _, _, ms in rows), "kernel_union_ms": union_us(spans) / steps / 1e3,
             "span_ms": (max(e for _, e in spans) - min(s for s, _ in spans)) / steps / 1e3,

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from dsv4.bench.kernel_profile import device_events, short_kernel_name, torch_sync_sites, union_us
+from dsv4.bench.kernel_profile import device_events, kernel_totals, short_kernel_name, torch_sync_sites, union_us
 
 
 def test_union_of_intervals_equals_a_brute_force_count() -> None:
@@ -36,6 +36,15 @@ def test_device_events_keep_timed_device_work_only() -> None:
     events = [ev("CUDA", 3.0), ev("CPU", 5.0), ev("CUDA", 0.0), ev("CUDA", 2.0, note=True), ev("CUDA", 1.5)]
     prof = types.SimpleNamespace(events=lambda: events)
     assert [e.name for e in device_events(prof)] == ["CUDA3.0", "CUDA1.5"]
+
+
+def test_kernel_totals_count_and_sum_per_short_name_costliest_first() -> None:
+    def ev(name: str, us: float):
+        return types.SimpleNamespace(name=name, device_time_total=us)
+
+    events = [ev("void ns::gemm<1>(int)", 5.0), ev("_norm_kernel", 1.0), ev("gemm<2>", 4.0), ev("_norm_kernel", 2.5)]
+    assert kernel_totals(events) == [("gemm", 2, 9.0), ("_norm_kernel", 2, 3.5)]
+    assert kernel_totals([]) == []
 
 
 @pytest.mark.gpu

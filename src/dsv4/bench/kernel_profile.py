@@ -2,6 +2,7 @@
 
     kernels = device_events(prof)                 # kernels, copies, memsets (user annotations left out)
     name    = short_kernel_name(e.name)           # without template arguments and launch-config noise
+    totals  = kernel_totals(kernels)              # [(name, launches, device µs)], the costliest first
     busy_us = union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     sites   = torch_sync_sites(run)               # where run() made torch synchronise host and device
 """
@@ -16,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["device_events", "short_kernel_name", "torch_sync_sites", "union_us"]
+__all__ = ["device_events", "kernel_totals", "short_kernel_name", "torch_sync_sites", "union_us"]
 
 
 def short_kernel_name(name: str, width: int = 60) -> str:
@@ -30,6 +31,17 @@ def device_events(prof: Any) -> list:
     """The profiler's device events (kernels, copies, memsets) with a device time; user annotations left out."""
     return [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0
             and not getattr(e, "is_user_annotation", False)]
+
+
+def kernel_totals(events: list, width: int = 60) -> list[tuple[str, int, float]]:
+    """``(name, launches, device µs summed)`` per ``short_kernel_name`` of ``events`` (``device_events``), the
+    costliest first."""
+    totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        row = totals[short_kernel_name(e.name, width)]
+        row[0] += 1
+        row[1] += e.device_time_total
+    return sorted(((k, n, us) for k, (n, us) in totals.items()), key=lambda r: -r[2])
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:

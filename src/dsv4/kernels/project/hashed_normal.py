@@ -10,7 +10,8 @@ program writes a ``[BLOCK_T, BLOCK_D]`` tile once, computing per value
 
 with the CUDA math library's ``logf`` / ``cosf`` (libdevice, which torch's CUDA kernels call), an IEEE square
 root and no FMA contraction: the values equal the torch ops on the same GPU bit for bit
-(``tests/engine/test_hidden_kernel.py``). The row count is not specialised on, so one compile serves every step.
+(``tests/kernels/project/test_hashed_normal.py``). The row count is not specialised on, so one compile serves
+every step.
 """
 
 from __future__ import annotations
