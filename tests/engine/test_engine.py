@@ -259,7 +259,8 @@ def test_engine_rejects_bad_configs() -> None:
 def test_padded_decode_batch_matches_unpadded() -> None:
     """The CUDA-graph padding (pad rows in the pad slot, padded tables and emit lists) changes nothing for the
     real requests: same outputs, and the next (unpadded) step still agrees, so the cache state is the same too.
-    Runs eagerly on the CPU, through a static batch written by ``copy_step_batch`` as the graph path does.
+    The first step runs in a 6-row bucket (3 pad rows), the second in a full 3-row bucket (no pad row). Runs eagerly
+    on the CPU, through a static batch written by ``copy_step_batch`` as the graph path does.
 
     oneDNN is off here: on CPUs with AMX it picks BF16 GEMM kernels by row count, so 3 rows and the same 3 rows
     inside 6 differ in the last bit (seen on a Sapphire Rapids CI machine); ATen's own kernels are row-invariant,
@@ -282,24 +283,25 @@ def _padded_decode_batch_matches_unpadded() -> None:
         while any(r.in_prefill for r in eng.scheduler.requests.values()):
             eng.step()
     pad_slot, pad_block = pads[0]
-    static = None
-    for step in range(3):
+    statics: dict[int, object] = {}
+    for step, rows in enumerate((6, 3, None)):
         outs = []
         for k, eng in enumerate(engines):
             plan = eng.scheduler.schedule()
             assert plan.is_decode_only and len(plan.plan) == 3 and all(n == 4 for _, n in plan.plan)
             batch = eng.cache.prepare_forward(plan.plan)
             ids = eng.step_token_ids(plan.plan, [eng.scheduler.running[rid].num_computed for rid, _ in plan.plan])
-            if k == 1 and step < 2:  # padded: 3 requests in a 6-row bucket, wide tables
-                b = pad_step_batch(eng.cache, batch.request_ids, batch.num_new, 6, 4, 8, pad_slot, pad_block)
-                assert b.block_tables.shape == (6, 8) and b.num_tokens == 24
+            if k == 1 and rows is not None:  # padded: 3 requests in a bucket of `rows` rows, wide tables
+                b = pad_step_batch(eng.cache, batch.request_ids, batch.num_new, rows, 4, 8, pad_slot, pad_block)
+                assert b.block_tables.shape == (rows, 8) and b.num_tokens == 4 * rows
                 if hasattr(b, "emit_pad_request"):  # fixed-capacity emit metadata for graph-safe kernels
-                    assert all(b.emit_pad_request[m].shape[0] == 6 * -(-4 // m) for m in b.ratios)
+                    assert all(b.emit_pad_request[m].shape[0] == rows * -(-4 // m) for m in b.ratios)
                 # as the graph path does: copy into a static batch built once from pad rows only
-                if static is None:
-                    static = pad_step_batch(eng.cache, [], [], 6, 4, 8, pad_slot, pad_block)
-                copy_step_batch(static, b)
-                h, _ = eng.forward_layers(static, eng.hidden(torch.cat((ids, torch.zeros(12, dtype=torch.int64)))))
+                if rows not in statics:
+                    statics[rows] = pad_step_batch(eng.cache, [], [], rows, 4, 8, pad_slot, pad_block)
+                copy_step_batch(statics[rows], b)
+                pad_ids = torch.zeros(4 * rows - batch.num_tokens, dtype=torch.int64)
+                h, _ = eng.forward_layers(statics[rows], eng.hidden(torch.cat((ids, pad_ids))))
                 h = h[: batch.num_tokens]
             else:
                 h, _ = eng.forward_layers(batch, eng.hidden(ids))

@@ -156,7 +156,7 @@ def test_decode_graph_replay_is_the_eager_step_of_its_padded_batch() -> None:
             g = B.graphs
             if c not in statics:
                 statics[c] = g._static(c)
-            padded = pad_step_batch(B.cache, batches[1].request_ids, batches[1].num_new, c + 1, g.w, g.max_blocks,
+            padded = pad_step_batch(B.cache, batches[1].request_ids, batches[1].num_new, c, g.w, g.max_blocks,
                                     g.pad_slot, g.pad_block)
             copy_step_batch(statics[c], padded)
             ids_pad = torch.cat((ids, torch.zeros(statics[c].num_tokens - T, dtype=torch.int64, device="cuda")))

@@ -4,11 +4,12 @@ A decode step's ``StepBatch`` changes shape from step to step (number of request
 emitted per ratio). A graph needs fixed shapes and fixed addresses, so every decode step is *padded* to its
 bucket and copied into that bucket's static batch before the replay (``dsv4.cache.batch`` describes the recipe):
 
-* **rows**: a bucket of capacity ``c`` has ``c + 1`` request rows: the real requests first, then pad rows (at
-  least one). A pad row is a fake request of ``w`` (= ``decode_tokens``) tokens at positions ``0 … w−1`` in the
-  *pad slot* (a state slot the engine reserves for this, ``Engine.PAD_REQUEST``) with block table
-  ``[pad_block]`` (a pool block reserved likewise). Pad rows only ever read and write the pad slot and block.
-* **block tables**: ``[c + 1, max_blocks]``, −1 padded, ``max_blocks`` = blocks of the longest request of the run.
+* **rows**: a bucket of capacity ``c`` has ``c`` request rows: the real requests first, then pad rows (none when
+  the step fills the bucket, so that a full bucket's projections run the row count their launches are planned
+  and measured for, e.g. 64 rather than 65: ``kernels.project.plan``). A pad row is a fake request of ``w``
+  (= ``decode_tokens``) tokens at positions ``0 … w−1`` in the *pad slot* (a state slot the engine reserves for
+  this, ``Engine.PAD_REQUEST``) with block table ``[pad_block]`` (a pool block reserved likewise). Pad rows only ever read and write the pad slot and block.
+* **block tables**: ``[c, max_blocks]``, −1 padded, ``max_blocks`` = blocks of the longest request of the run.
 * **emitted entries**: the batch's fixed-capacity ``emit_pad_request`` / ``emit_pad_entry`` (−1 padded, length
   ``Σ_b ⌈w / m⌉``) and ``num_emit_device``; the variable-length ``emit_*`` lists are for eager ops only.
 
@@ -87,7 +88,7 @@ def pad_step_batch(
         cache: the cache; the real requests' slots, block tables and token counts are read from its host
             records, so call this *after* ``prepare_forward`` of the same plan.
         request_ids, num_new: the real requests of the step (each ``num_new == tokens_per_row``), plan order.
-        rows: request rows of the padded batch (> ``len(request_ids)``).
+        rows: request rows of the padded batch (≥ ``len(request_ids)``).
         tokens_per_row: w, tokens of every row.
         max_blocks: block-table width.
         pad_slot, pad_block: the reserved pad state slot and pool block.
@@ -100,8 +101,8 @@ def pad_step_batch(
         StaleBatchError: ``request_ids`` / ``num_new`` are not the cache's current step.
     """
     B, w = len(request_ids), tokens_per_row
-    if B >= rows:
-        raise ValueError(f"{B} requests do not fit a padded batch of {rows} rows (one row must be a pad row)")
+    if B > rows:
+        raise ValueError(f"{B} requests do not fit a padded batch of {rows} rows")
     if any(n != w for n in num_new):
         raise ValueError(f"every request of a padded decode step must have {w} tokens, got {list(num_new)}")
     npad = rows - B
@@ -188,7 +189,7 @@ class DecodeGraphs:
         )
 
     def _static(self, capacity: int) -> StepBatch:
-        return pad_step_batch(self.cache, [], [], capacity + 1, self.w, self.max_blocks, self.pad_slot, self.pad_block)
+        return pad_step_batch(self.cache, [], [], capacity, self.w, self.max_blocks, self.pad_slot, self.pad_block)
 
     @torch.no_grad()
     def capture(self, keep: Iterable[int] | None = None) -> None:
@@ -235,7 +236,7 @@ class DecodeGraphs:
         assert c is not None
         cap = self.captured[c]
         padded = pad_step_batch(
-            self.cache, batch.request_ids, batch.num_new, c + 1, self.w, self.max_blocks, self.pad_slot, self.pad_block
+            self.cache, batch.request_ids, batch.num_new, c, self.w, self.max_blocks, self.pad_slot, self.pad_block
         )
         self.cache.claim_step(batch)
         copy_step_batch(cap.batch, padded)

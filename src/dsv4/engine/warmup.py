@@ -199,13 +199,13 @@ def stored_step_shapes(engine, requests: Sequence, directory: str | None = None
 
 
 def graph_shapes(engine, requests: Sequence, buckets: Sequence[int]) -> list[StepShape]:
-    """The padded decode steps ``engine.graphs`` captures for ``buckets`` (``capacity + 1`` rows of
+    """The padded decode steps ``engine.graphs`` captures for ``buckets`` (``capacity`` rows of
     ``decode_tokens`` tokens, the run's block-table width; see ``engine.graphs``)."""
     from .graphs import decode_table_width
 
     ratios = [engine.cfg.ratio(li) for li in engine.layer_ids if engine.cfg.ratio(li)]
     width = decode_table_width(max(r.total_len for r in requests), min(ratios, default=0), engine.config.block_size)
-    return [StepShape((engine.config.decode_tokens,) * (c + 1), width) for c in buckets]
+    return [StepShape((engine.config.decode_tokens,) * c, width) for c in buckets]
 
 
 def _manifest_path(engine, shapes: Sequence[StepShape]) -> str:
