@@ -4,11 +4,13 @@ plan can pick, against the weight-read roofline.
 Ways: ``bf16`` (the activations' quantized values times the weight's BF16 copy on cuBLAS), ``scaled_mm``
 (``torch._scaled_mm`` with blockwise scales, where this torch takes it and gets it right; the probe's figures are
 printed either way), ``triton`` (``kernels.project.block_gemm``: the block-scaled FP8 GEMM on FP8 tensor cores) —
-``gemm_config``'s launch and, with ``--sweep``, other tile / split / warp / stage / quantization choices. Each timing includes the
+``gemm_config``'s launch and, with ``--sweep``, other kernel / tile / split / stage / grid choices. Each timing includes the
 activation quantization (the user's call). Errors are relative L2 against the reference's FP32 sums of the same
 products (``formats.block_fp8.fp8_linear``).
 
-Roofline: the FP8 weight (values + scales) read once at the copy bandwidth measured in the same run.
+Each timing is a CUDA graph of calls that each read another copy of the weight (none in L2 when its GEMM starts, as
+in a layer), per call. Roofline: the FP8 weight (values + scales) read once at the copy bandwidth measured in the
+same run.
 
     python benchmarks/bench_fp8_projections.py [--preset v4-flash] [--rows 1 4 16 64 128 8192] [--sweep] [--json out]
 """
@@ -32,9 +34,11 @@ from dsv4.kernels.project import block_gemm, fp8_gemm
 
 REQUIRES_CUDA = True
 #: row counts ``--sweep`` explores (each launch shape compiles once: a wider sweep costs minutes)
-SWEEP_ROWS = (4, 64)
+SWEEP_ROWS = (32, 64)
+#: bytes of weight copies each timing cycles through (3x the H200's 50 MB L2)
+L2_SPAN = 150 << 20
 #: weights ``--sweep`` explores: the large square-ish one, the long-K one and the narrow one
-SWEEP_WEIGHTS = ("wq_b", "wo_b", "wkv", "wq_a+wkv")
+SWEEP_WEIGHTS = ("wq_b", "wo_b", "wq_a+wkv", "wq_b+indexer.wq_b")
 
 
 def fp8_projections(cfg: dsv4.ModelConfig) -> dict[str, BlockFp8Weight]:
@@ -74,17 +78,20 @@ def run_way(x: torch.Tensor, w: BlockFp8Weight, way: str, config: block_gemm.Gem
     return lambda: fp8_gemm.fp8_linear(x, w, torch.bfloat16, way)
 
 
-def sweep_configs(plan: block_gemm.GemmConfig) -> list[block_gemm.GemmConfig]:
-    """The plan's launch and neighbours of it: the activations quantized in the GEMM or by a launch before, 64- or
-    128-column tiles, K split as planned, half or twice as much, 3 or 5 stages (4 warps)."""
+def sweep_configs(plan: block_gemm.GemmConfig, sms: int) -> list[block_gemm.GemmConfig]:
+    """The plan's launch and neighbours of it (4 warps, the plan's kernel): 64- or 128-column tiles, K split as
+    planned, half or twice as much; the TMA kernel with 6 stages, unsplit on a persistent grid or one program per
+    tile; the pointer kernel with 3 or 5 stages."""
     out = [plan]
     splits = sorted({plan.split, max(1, plan.split // 2), plan.split * 2})
-    for quantized in (False, True):
-        for bn in (64, 128):
-            for split in splits:
-                for stages in (3, 5):
-                    out.append(dataclasses.replace(plan, bn=bn, split=split, num_warps=4, num_stages=stages,
-                                                   quantized=quantized))
+    for bn in (64, 128):
+        for split in splits:
+            if not plan.tma:
+                out += [block_gemm.GemmConfig(bm=plan.bm, bn=bn, split=split, num_stages=st) for st in (3, 5)]
+                continue
+            for programs in ((0, sms) if split == 1 else (0,)):
+                out.append(block_gemm.GemmConfig(bm=plan.bm, bn=bn, split=split, num_stages=6, tma=True,
+                                                 programs=programs))
     return list(dict.fromkeys(out))
 
 
@@ -110,6 +117,10 @@ def main() -> None:
     for name, w in weights.items():
         N, K = w.shape
         floor = w.nbytes / bw
+        # every call of a timed graph reads another copy of the weight: none is in L2 when its GEMM starts, as in
+        # a layer (the copies together at least 3x the L2)
+        copies = [w] + [BlockFp8Weight(w.data.clone(), w.scale.clone())
+                        for _ in range(max(1, -(-L2_SPAN // w.nbytes)) - 1)]
         for M in a.rows:
             x = (torch.randn(M, K, generator=g, device="cuda") * torch.exp(torch.randn(M, 1, generator=g,
                                                                                         device="cuda"))).bfloat16()
@@ -118,19 +129,19 @@ def main() -> None:
             cases = [(way, plan if way == "triton" else None) for way in ways
                      if way != "triton" or M <= a.triton_rows]
             if a.sweep and M in SWEEP_ROWS and name in SWEEP_WEIGHTS:
-                cases += [("triton", c) for c in sweep_configs(plan)[1:]]
+                cases += [("triton", c) for c in sweep_configs(plan, sms)[1:]]
             for way, config in cases:
                 try:
-                    fn = run_way(x, w, way, config)
-                    got = fn().float()
+                    got = run_way(x, w, way, config)().float()
                     rel = ((got - want).norm() / want.norm()).item()
-                    t = time_cuda(fn, warmup=5, iters=50, graph=True)
+                    calls = [run_way(x, c, way, config) for c in copies]
+                    t = time_cuda(lambda: [f() for f in calls], warmup=5, iters=30, graph=True) / len(calls)
                 except Exception:  # noqa: BLE001 - one failing launch must not hide the others
                     print(f"{name:<18}{M:>6} {way} {config}: FAILED\n{traceback.format_exc(limit=2)}")
                     continue
                 launch = "" if config is None else (f"bm{config.bm} bn{config.bn} split{config.split} "
                                                     f"w{config.num_warps} s{config.num_stages}"
-                                                    + (" q" if config.quantized else "")
+                                                    + (f" tma p{config.programs}" if config.tma else "")
                                                     + (" (plan)" if config == plan else ""))
                 rows.append({"weight": name, "N": N, "K": K, "M": M, "way": way, "launch": launch,
                              "us": t * 1e6, "roofline_us": floor * 1e6, "rel_err": rel})

@@ -124,8 +124,8 @@ def test_plan_describes_itself() -> None:
 def test_projection_plan_h200() -> None:
     """FP8 projections on an H200 (cuBLAS over the quantized values as the fallback): decode steps of 4 and 64 rows
     run the two large projections (``wq_b``, ``wo_b``) and the stacks ``wq_a+wkv``, ``wq_b+indexer.wq_b`` on the
-    Triton block GEMM, a prefill chunk none; every launch's tiles divide the weight blocks and split K without empty splits; 64-row
-    tiles take activations quantized before."""
+    Triton block GEMM, a prefill chunk none; every launch's tiles divide the weight blocks and split K without
+    empty splits; 64 rows take the TMA kernel (activations quantized before), on a persistent grid only unsplit."""
     from dsv4.kernels.project.plan import fp8_projection_shapes
 
     facts = DeviceFacts(kernels=True, sm_count=132, sm90=True, resident_clusters=lambda n: 132 // n, fp8_gemm="bf16")
@@ -143,7 +143,8 @@ def test_projection_plan_h200() -> None:
             for (n, k), launch in proj.launches.items():
                 kblocks = -(-k // 128)
                 assert 128 % launch.bn == 0 and launch.bm >= min(requests * new, 16)
-                assert launch.quantized == (launch.bm == 64)
+                assert launch.tma == (requests * new > 16)
+                assert launch.programs in ((132,) if launch.tma and launch.split == 1 else (0,))
                 assert (launch.split - 1) * -(-kblocks // launch.split) < kblocks  # the last split has blocks
         assert "projections:" in plan.describe()
     _, plan = _plan(_flash_cache(4, 1024), 1, OFF_HOPPER)  # no FP8 GEMM fact: the torch reference's project

@@ -5,7 +5,6 @@ M = 1, 7, 64, 256, 8192)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import pytest
@@ -30,17 +29,19 @@ for M, K in ((3, 128), (5, 200), (2, 640)):
     assert not qp[M:].view(torch.uint8).any() and not sp[M:].any()
 
 # the Triton block GEMM: FP32 sums of the same exact products (codes bit-cast, never float-cast to FP8, so the
-# interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K
+# interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K; the TMA kernel
+# one program per tile, split, and on a persistent grid whose last round runs past the last tile
 from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_linear
 from dsv4.kernels.project.block_gemm import GemmConfig, block_fp8_linear
-for M, N, K, bn, split, quantized in ((3, 256, 512, 64, 1, False), (5, 192, 640, 64, 3, True),
-                                     (17, 128, 384, 32, 2, False), (1, 64, 200, 64, 2, True),
-                                     (21, 192, 640, 128, 1, True)):
+for M, N, K, bm, bn, split, tma, programs in (
+        (3, 256, 512, 16, 64, 1, False, 0), (17, 128, 384, 32, 32, 2, False, 0), (1, 64, 200, 16, 64, 2, False, 0),
+        (5, 192, 640, 16, 64, 3, True, 0), (21, 192, 640, 32, 128, 1, True, 0), (9, 320, 384, 16, 64, 1, True, 2)):
     w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g) * K**-0.5)
     x = (torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))).bfloat16()
-    got = block_fp8_linear(x, w, torch.float32, GemmConfig(bm=16, bn=bn, split=split, quantized=quantized))
+    config = GemmConfig(bm=bm, bn=bn, split=split, tma=tma, programs=programs)
+    got = block_fp8_linear(x, w, torch.float32, config)
     want = reference_linear(x, w, torch.float32)
-    assert ((got - want).norm() / want.norm()).item() < 1e-6, (M, N, K, split, quantized)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6, (M, N, K, config)
 print("ok")
 """
 
@@ -51,8 +52,8 @@ def test_activation_quantization_kernel_in_interpreter() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", ["scaled_mm", "bf16", "triton", "triton-quantized"])
-@pytest.mark.parametrize("M", [1, 7, 64, 256, 8192])
+@pytest.mark.parametrize("gemm", ["scaled_mm", "bf16", "triton", "triton-pointer", "triton-tma"])
+@pytest.mark.parametrize("M", [1, 7, 33, 64, 256, 8192])
 def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -72,7 +73,13 @@ def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     assert torch.equal(q.view(torch.uint8), codes)
     if gemm.startswith("triton"):
         config = block_gemm.gemm_config(M, N, K, sm_count("cuda"))
-        config = dataclasses.replace(config, quantized=gemm == "triton-quantized")
+        if gemm == "triton-pointer":
+            config = block_gemm.GemmConfig(bm=config.bm, bn=128, split=config.split)
+        elif gemm == "triton-tma":
+            if M > 64:
+                pytest.skip("the TMA kernel takes one row tile (at most 64 rows)")
+            config = block_gemm.GemmConfig(bm=config.bm, bn=config.bn, split=config.split, num_stages=6, tma=True,
+                                           programs=config.programs)
         got = block_gemm.block_fp8_linear(x, w, torch.bfloat16, config)
         again = block_gemm.block_fp8_linear(x, w, torch.bfloat16, config)
         assert torch.equal(got, again)  # split partials summed in split order, the tile counters back at zero

@@ -2,14 +2,23 @@
 
 ``y = x @ wᵀ`` for ``x`` BF16 ``[M, K]`` (few rows: a decode step's tokens) and ``w`` a ``BlockFp8Weight``
 ``[N, K]`` (E4M3, one power-of-two scale per 128 × 128 block). Each program owns a ``[BM, BN]`` tile of ``y`` and a
-range of 128-wide K blocks. Per K block it quantizes its rows' activations as the official ``act_quant`` does
-(1 × 128 blocks, UE8M0 scales: ``quant.fp8_block_qdq``, the same bits as ``fp8_gemm.quantize_activations``; with few
-rows, each program redoing it costs less than a launch), multiplies the E4M3 codes on FP8 tensor cores (a fresh
-sum per K block) and adds the block's sum times both scales into an FP32 accumulator. Every product is exact; the
-tensor cores sum a block's 128 products to about 14 bits (1.3e-4 relative against FP64 sums, measured:
-``benchmarks/probe_scaled_mm.py``), as the official model's FP8 kernels do, where the reference sums in FP32.
+range of 128-wide K blocks. The activations are quantized as the official ``act_quant`` does (1 × 128 blocks, UE8M0
+scales: ``quant.fp8_block_qdq``, the same bits as ``fp8_gemm.quantize_activations``); per K block the program
+multiplies the E4M3 codes on FP8 tensor cores (a fresh sum per K block) and adds the block's sum times both scales
+into an FP32 accumulator. Every product is exact; the tensor cores sum a block's 128 products to about 14 bits
+(1.3e-4 relative against FP64 sums, measured: ``benchmarks/probe_scaled_mm.py``), as the official model's FP8
+kernels do, where the reference sums in FP32.
 
-Weight-bound shapes with few output tiles (``wkv``: N = 512) split K over several programs; their FP32 partial
+Two kernels, one per way of feeding the tensor cores:
+
+* 17 … 64 rows (``_block_fp8_gemm_tma_kernel``): the activations quantized by one launch before, both operands'
+  tiles brought into shared memory by the copy engine (TMA) several stages ahead of the tensor cores; where the
+  output tiles outnumber the SMs, one program per SM walks its share of them with the K loops of its tiles
+  pipelined as one, so that the next tile's loads overlap this tile's end;
+* other row counts (``_block_fp8_gemm_kernel``): each program quantizes its rows' activations itself per K block
+  (with ≤ 16 rows, redoing it costs less than a launch) and loads both operands with ordinary loads.
+
+Weight-bound shapes with few output tiles (``wkv``, ``wo_b``) split K over several programs; their FP32 partial
 tiles go to a workspace and the last program of a tile to arrive (a counter per tile, which that program resets)
 sums them in split order: the result does not depend on arrival order, and the GEMM stays one launch.
 
@@ -27,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...cache.workspace import Workspace
 from ...formats.block_fp8 import ACT_BLOCK, WEIGHT_BLOCK, BlockFp8Weight
@@ -39,50 +49,81 @@ __all__ = ["COUNTERS", "GemmConfig", "block_fp8_linear", "gemm_config"]
 COUNTERS = 1 << 14
 
 
+#: row counts that take the TMA kernel (pre-quantized activations, one row tile); others the pointer kernel
+TMA_MIN_ROWS, TMA_MAX_ROWS = 17, 64
+#: a TMA launch that splits K keeps at least this many K blocks per split (fewer: the partials' sum costs more than
+#: the wider grid gains; measured on the H200 at 32 and 64 rows)
+TMA_SPLIT_BLOCKS = 6
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """One launch: ``[bm, bn]`` output tiles, K blocks split over ``split`` programs per tile; ``quantized``: the
-    activations quantized by a launch before (``fp8_gemm.quantize_activations``) rather than by every program."""
+    """One launch: ``[bm, bn]`` output tiles, K blocks split over ``split`` programs per tile.
+
+    ``tma``: the activations quantized by a launch before (``fp8_gemm.quantize_activations``) and both operands'
+    tiles loaded by the copy engine (``_block_fp8_gemm_tma_kernel``); else every program quantizes its rows itself.
+    ``programs``: TMA, ``split`` 1 only: that many programs each walk every ``programs``-th output tile (a
+    persistent grid; 0: one program per tile)."""
 
     bm: int
     bn: int
     split: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    quantized: bool = False
+    tma: bool = False
+    programs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.programs and (not self.tma or self.split != 1):
+            raise ValueError(f"GemmConfig: a persistent grid needs the TMA kernel and no K split, got {self}")
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
+        if self.tma:
+            units = triton.cdiv(N, self.bn) * self.split
+            return (min(units, self.programs) if self.programs else units), 1, 1
         return triton.cdiv(N, self.bn), triton.cdiv(M, self.bm), self.split
 
     def describe(self) -> str:
         split = f", split {self.split}" if self.split > 1 else ""
-        quantized = ", quantized before" if self.quantized else ""
-        return f"{self.bm}x{self.bn}{split}{quantized}"
+        tma = ", TMA" if self.tma else ""
+        persistent = f", {self.programs} programs" if self.programs else ""
+        return f"{self.bm}x{self.bn}{split}{tma}{persistent}"
 
 
 @functools.lru_cache(maxsize=None)
 def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
     """The launch for ``[M, K] @ [N, K]ᵀ`` on a device of ``sms`` SMs.
 
-    The smallest row tile that holds M (16 … 64), 4 warps, 3 stages, 128-column tiles; where those tiles do not
-    cover the SMs, K split until about two programs per SM stream the weight (each split keeping ≥ 2 K blocks).
-    Row tiles of 64 (where every program quantizing its rows costs more than a launch doing it once, and a split's
-    partials are 4× larger): the activations quantized before, K split half as much, and 64-column tiles where it
-    is split. The choices measured best on the H200 (``benchmarks/bench_fp8_projections.py --sweep``).
+    The smallest row tile that holds M (16 … 64).
+
+    * ``TMA_MIN_ROWS`` … ``TMA_MAX_ROWS`` rows, K a multiple of 16 (as TMA needs): the TMA kernel, 4 warps, 6
+      stages. 128-column tiles that fill the SMs run on a persistent grid of one program per SM; fewer tiles are
+      made 64 columns wide and split K while each split keeps ``TMA_SPLIT_BLOCKS`` K blocks and the programs
+      stay within two per SM (two resident per SM keep more of the weight in flight).
+    * Other row counts: the pointer kernel, 4 warps, 3 stages, 128-column tiles; where those tiles do not cover
+      the SMs, K split until about two programs per SM stream the weight (each split keeping ≥ 2 K blocks).
+
+    The choices measured best on the H200 (``benchmarks/bench_fp8_projections.py --sweep``).
     """
     if M <= 0:
         raise ValueError(f"gemm_config: M must be positive, got {M}")
     bm = min(64, max(16, triton.next_power_of_2(M)))
+    kblocks = triton.cdiv(K, ACT_BLOCK)
+    if TMA_MIN_ROWS <= M <= TMA_MAX_ROWS and K % 16 == 0:
+        if triton.cdiv(N, 128) >= sms:
+            return GemmConfig(bm=bm, bn=128, num_stages=6, tma=True, programs=sms)
+        tiles = triton.cdiv(N, 64)
+        split = max(1, min(kblocks // TMA_SPLIT_BLOCKS, 2 * sms // tiles))
+        split = _without_empty_split(kblocks, split)
+        if tiles * split > COUNTERS:
+            split = 1
+        return GemmConfig(bm=bm, bn=64, split=split, num_stages=6, tma=True)
     bn = 128
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    kblocks = triton.cdiv(K, ACT_BLOCK)
     split = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))
     split = _without_empty_split(kblocks, split)
     if tiles * split > COUNTERS:
         split = 1
-    if bm == 64:
-        split = _without_empty_split(kblocks, max(1, split // 2))
-        return GemmConfig(bm=bm, bn=64 if split > 1 else bn, split=split, quantized=True)
     return GemmConfig(bm=bm, bn=bn, split=split)
 
 
@@ -92,15 +133,34 @@ def _without_empty_split(kblocks: int, split: int) -> int:
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                           NKB, MN, KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           SPLIT: tl.constexpr, QUANTIZED: tl.constexpr):
-    """Tile ``(pid0, pid1)`` of ``out`` ``[M, N]``, K blocks ``pid2·KB_PER_SPLIT …`` (see the module docstring).
+def _store_tile(acc, rows, cols, row_ok, col_ok, N, out_ptr, part_ptr, count_ptr, tile, split, MN,
+                BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """Store FP32 ``acc`` ``[BM, BN]`` at ``out[rows, cols]`` — or, K split, as partial ``split`` of output tile
+    ``tile``; the tile's last partial to arrive sums them all in split order and resets the tile's counter."""
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + split * MN + offs, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # unrolled: the partials' loads overlap instead of queueing
+                total += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count_ptr + tile, 0)
 
-    x: bf16 ``[M, K]`` (row stride ``stride_x``) or, ``QUANTIZED``, its E4M3 codes (uint8 ``[M, K]``) with their scales
-    ``x_scale`` fp32 ``[NKB, M]`` (``fp8_gemm.quantize_activations``); w: e4m3 ``[N, K]`` contiguous; w_scale: fp32
-    ``[⌈N/128⌉, NKB]``; part: fp32 ``[SPLIT, M, N]`` workspace (MN = M·N); count: int32 per tile (0 before and
-    after)."""
+
+@triton.jit
+def _block_fp8_gemm_kernel(x_ptr, stride_x, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, K, NKB, MN,
+                           KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """Tile ``(pid0, pid1)`` of ``out`` ``[M, N]``, K blocks ``pid2·KB_PER_SPLIT …``, the activations quantized
+    here (see the module docstring).
+
+    x: bf16 ``[M, K]`` (row stride ``stride_x``); w: e4m3 ``[N, K]`` contiguous; w_scale: fp32 ``[⌈N/128⌉, NKB]``;
+    part: fp32 ``[SPLIT, M, N]`` workspace (MN = M·N); count: int32 per tile (0 before and after)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,36 +176,49 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, x_scale_ptr, w_ptr, w_scale_ptr, out
         kb = kb0 + i
         k = kb * 128 + kk
         k_ok = k < K
-        if QUANTIZED:
-            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-            x_scale = tl.load(x_scale_ptr + kb * M + rows, mask=row_ok & (kb < NKB), other=0.0)
-        else:
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            code, _, ebyte = fp8_block_qdq(x, 1)
-            a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-            x_scale = exp2i(ebyte - 127)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        code, _, ebyte = fp8_block_qdq(x, 1)
+        a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         block = tl.dot(a, tl.trans(w))
-        scale = x_scale[:, None] * tl.load(w_scale_row + kb, mask=kb < NKB, other=0.0)
+        scale = exp2i(ebyte - 127)[:, None] * tl.load(w_scale_row + kb, mask=kb < NKB, other=0.0)
         acc += block * scale
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT == 1:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.store(part_ptr + split * MN + offs, acc, mask=ok)
-        tl.debug_barrier()  # every thread's partial stored before the release below
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # unrolled: the partials' loads overlap instead of queueing
-                total += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(count_ptr + tile, 0)
+    _store_tile(acc, rows, cols, row_ok, col_ok, N, out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n,
+                split, MN, BM, BN, SPLIT)
+
+
+@triton.jit
+def _block_fp8_gemm_tma_kernel(x_desc, x_scale_ptr, w_desc, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, NKB,
+                               MN, PROGRAMS, ROUNDS: tl.constexpr, KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr,
+                               BN: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
+    """Output tiles ``pid + r·PROGRAMS`` (r < ``ROUNDS``; a persistent grid) — or, K split, tile ``pid // SPLIT``'s
+    K blocks ``(pid % SPLIT)·KB_PER_SPLIT …`` — of ``out`` ``[M, N]`` (M ≤ BM), the activations quantized before.
+
+    x_desc: E4M3 codes ``[M, K]`` in ``[BM, 128]`` boxes; x_scale: fp32 ``[NKB, M]``; w_desc: e4m3 ``[N, K]`` in
+    ``[BN, 128]`` boxes; w_scale: fp32 ``[⌈N/128⌉, NKB]``; part / count as ``_block_fp8_gemm_kernel``'s. A round
+    past the last tile loads only zeros (the copy engine fills boxes outside the tensor) and stores nothing.
+    ``FLATTEN`` (``SPLIT`` 1): the rounds' K loops pipelined as one (the compiler does not take it with a split's
+    epilogue)."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    row_ok = rows < M
+    for r in tl.range(0, ROUNDS, flatten=FLATTEN):
+        unit = pid + r * PROGRAMS
+        tile = unit // SPLIT
+        split = unit % SPLIT
+        n0 = tile * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for i in tl.range(0, KB_PER_SPLIT, num_stages=STAGES):
+            kb = split * KB_PER_SPLIT + i
+            block = tl.dot(x_desc.load([0, kb * 128]), w_desc.load([n0, kb * 128]).T)
+            x_scale = tl.load(x_scale_ptr + kb * M + rows, mask=row_ok & (kb < NKB), other=0.0)
+            w_scale = tl.load(w_scale_ptr + (n0 // 128) * NKB + kb, mask=(kb < NKB) & (n0 < N), other=0.0)
+            acc += block * (x_scale[:, None] * w_scale)
+        cols = n0 + tl.arange(0, BN)
+        _store_tile(acc, rows, cols, row_ok, cols < N, N, out_ptr, part_ptr, count_ptr, tile, split, MN, BM, BN,
+                    SPLIT)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,16 +246,13 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
     if w.shape[1] != K or x.stride(1) != 1:
         raise ValueError(f"block_fp8_linear: x {list(x.shape)} (inner stride {x.stride(1)}) and weight "
                          f"{list(w.shape)} do not fit")
-    if WEIGHT_BLOCK % config.bn or (config.split > 1 and config.split * M * N >= 2**31):
+    if (WEIGHT_BLOCK % config.bn or (config.split > 1 and config.split * M * N >= 2**31)
+            or (config.tma and (M > config.bm or K % 16))):
         raise ValueError(f"block_fp8_linear: {config} does not fit a [{M}, {K}] x [{N}, {K}] GEMM")
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return out
     nkb = triton.cdiv(K, ACT_BLOCK)
-    x_scale = out
-    if config.quantized:
-        codes, x_scale = quantize_activations(x)
-        x = codes.view(torch.uint8)
     part, counters = out, out
     if config.split > 1:
         if workspace is None:
@@ -191,9 +261,30 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
         else:
             part = workspace.get("gemm_partials", (config.split, M, N), torch.float32)
             counters = workspace.get("gemm_tile_counters", (COUNTERS,), torch.int32, zero=True)
-    _block_fp8_gemm_kernel[config.grid(M, N)](
-        x, x.stride(0), x_scale, w.data, w.scale, out, part, counters, M, N, K, nkb, M * N,
-        KB_PER_SPLIT=triton.cdiv(nkb, config.split), BM=config.bm, BN=config.bn, SPLIT=config.split,
-        QUANTIZED=config.quantized,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    grid = config.grid(M, N)
+    kb_per_split = triton.cdiv(nkb, config.split)
+    if config.tma:
+        codes, x_scale = quantize_activations(x)
+        units = triton.cdiv(N, config.bn) * config.split
+        _block_fp8_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(codes, [config.bm, ACT_BLOCK]), x_scale, _weight_descriptor(w, config.bn),
+            w.scale, out, part, counters, M, N, nkb, M * N, grid[0], ROUNDS=triton.cdiv(units, grid[0]),
+            KB_PER_SPLIT=kb_per_split, BM=config.bm, BN=config.bn, SPLIT=config.split, STAGES=config.num_stages,
+            FLATTEN=config.split == 1, num_warps=config.num_warps)
+    else:
+        _block_fp8_gemm_kernel[grid](
+            x, x.stride(0), w.data, w.scale, out, part, counters, M, N, K, nkb, M * N, KB_PER_SPLIT=kb_per_split,
+            BM=config.bm, BN=config.bn, SPLIT=config.split, num_warps=config.num_warps,
+            num_stages=config.num_stages)
     return out
+
+
+def _weight_descriptor(w: BlockFp8Weight, bn: int) -> TensorDescriptor:
+    """The weight's TMA descriptor for ``[bn, 128]`` boxes, made once per weight and box."""
+    cached = getattr(w, "_tma_descriptors", None)
+    if cached is None:
+        cached = {}
+        object.__setattr__(w, "_tma_descriptors", cached)
+    if bn not in cached:
+        cached[bn] = TensorDescriptor.from_tensor(w.data, [bn, WEIGHT_BLOCK])
+    return cached[bn]
