@@ -233,15 +233,18 @@ def test_gpu_stacked_query_projections_match_separate(rows: int) -> None:
         # the same launch over the heads' columns: each output tile the same arithmetic, the same bits
         assert torch.equal(y[:, :n], project(q_latent, w.wq_b, step.numerics))
     # the ops: the queries' kernel reads the heads' block in place, the indexer's kernel its block — or, where the
-    # plan runs the stack as its parts (a prefill chunk where torch._scaled_mm works), each part's own GEMM
+    # plan runs the stack as its parts (a prefill chunk where torch._scaled_mm works), each part its own GEMM: the
+    # heads' in the queries' op, the indexer's in indexer_queries
     stacked = plan.stacked(*stack.shape)
     y_heads, y_index = ((y[:, :n], y[:, n:]) if stacked else
                         (project(q_latent, w.wq_b, step.numerics), project(q_latent, w.indexer.wq_b, step.numerics)))
     heads, index = triton_write.query_projections(step, q_latent)
-    assert index is not None and (rows == 1 or not stacked or heads.stride(0) == index.stride(0) == stack.shape[0])
-    assert torch.equal(heads.flatten(1), y_heads) and torch.equal(index, y_index)
+    assert torch.equal(heads.flatten(1), y_heads)
+    if stacked:
+        assert index is not None and (rows == 1 or heads.stride(0) == index.stride(0) == stack.shape[0])
+        assert torch.equal(index, y_index)
     q, q_index = triton_write.queries(step, q_latent)
-    assert q_index is not None and (rows == 1 or not stacked or q_index.stride(0) == stack.shape[0])
+    assert (q_index is not None) == stacked and (rows == 1 or not stacked or q_index.stride(0) == stack.shape[0])
     pos, inv = step.positions, step.inv_freq.float().contiguous()
     contiguous = y_heads.contiguous().unflatten(-1, (FLASH.num_heads, FLASH.head_dim))
     assert torch.equal(q, query_kernels.queries(contiguous, pos, inv, FLASH.norm_eps))
