@@ -10,6 +10,7 @@
 #   ... run-pro                                        the acceptance workload on V4-Pro, once (cold)
 #   ... run-ab | step                                  the acceptance run, .ab/pre vs this tree | one prefill step's
 #                                                      kernels, idle gaps and host synchronisations
+#   ... decode-step                                    the kernels of the acceptance run's graph-replayed decode steps
 #   ... smoke                                          the profiling tools on small shapes (and their GPU test)
 # Each part writes one log (and JSON) under $OUT (at most 8 files come back from a device call).
 export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
@@ -42,6 +43,10 @@ for part in "$@"; do
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${STEP_S:-200} python3 benchmarks/profile_step.py --top 16 \
       --json "$O/step.json" 2>&1 | grep -v "warn(" > "$O/step.log"
     echo "== step rc=$?"; cat "$O/step.log" ;;
+  decode-step)  # issue 38: the kernels of the acceptance workload's own graph-replayed decode steps
+    TRITON_CACHE_DIR=/tmp/tc-release timeout ${STEP_S:-200} python3 benchmarks/profile_decode_step.py --top 24 \
+      --json "$O/decode_step.json" 2>&1 | grep -v "warn(\|UserWarning\|_warn_once" > "$O/decode_step.log"
+    echo "== decode-step rc=$?"; cat "$O/decode_step.log" ;;
   smoke)  # the profiling tools themselves, small: their GPU test, one layer of each kind, a short prefill profile
     TRITON_CACHE_DIR=/tmp/tc-release timeout ${SMOKE_S:-240} sh -c "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/bench; python3 benchmarks/profile_layer.py --batch 4 --top 2; python3 benchmarks/profile_layer.py \
