@@ -19,13 +19,11 @@ import argparse
 import json
 import statistics
 
-import torch
 from torch.profiler import ProfilerActivity
 
-import dsv4
 from dsv4.bench.roofline import environment
-from dsv4.engine import Engine, EngineConfig, make_requests
-from profile_step import kernel_table, profiled_run
+from dsv4.engine import make_requests
+from profile_step import cuda_engine, kernel_table, profiled_run
 
 REQUIRES_CUDA = True
 
@@ -41,12 +39,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30, help="kernel names to list")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_decode_step.py needs a CUDA device")
-
-    cfg = dsv4.ModelConfig.preset(args.preset)
-    engine = Engine(cfg, list(range(cfg.num_layers)), EngineConfig(
-        backend="triton", device="cuda", max_running=args.requests, max_batched_tokens=args.max_batched_tokens))
+    cfg, engine = cuda_engine("profile_decode_step.py", args.preset, args.requests, args.max_batched_tokens)
 
     def requests() -> list:
         return make_requests(args.requests, args.prompt_len, args.gen_len, seed=0)

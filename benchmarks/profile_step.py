@@ -46,6 +46,18 @@ REQUIRES_CUDA = True
 _ALLOCATOR_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
+def cuda_engine(script: str, preset: str, requests: int, max_batched_tokens: int, weights: str = "random"
+                ) -> tuple[dsv4.ModelConfig, Engine]:
+    """The engine of ``dsv4 run``'s Triton CUDA path over every layer of ``preset``, at most ``requests`` running
+    and ``max_batched_tokens`` per step (its warm-up done); ``script`` names the caller when there is no CUDA."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA device")
+    cfg = dsv4.ModelConfig.preset(preset)
+    return cfg, Engine(cfg, list(range(cfg.num_layers)), EngineConfig(
+        backend="triton", device="cuda", max_running=requests, max_batched_tokens=max_batched_tokens,
+        weights=weights))
+
+
 def timed_run(engine: Engine, requests: Callable[[], list]) -> dict:
     """One unprofiled run: means over its prefill steps after the first (whose wall includes the pipeline's fill)
     of tokens, wall, GPU and host ms, and the caching allocator's device allocations during the whole run."""
@@ -153,13 +165,7 @@ def main() -> None:
     ap.add_argument("--host-top", type=int, default=25, help="host functions to list (cProfile, per prefill step)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_step.py needs a CUDA device")
-
-    cfg = dsv4.ModelConfig.preset(args.preset)
-    engine = Engine(cfg, list(range(cfg.num_layers)), EngineConfig(
-        backend="triton", device="cuda", max_running=args.requests, max_batched_tokens=args.max_batched_tokens,
-        weights=args.weights))
+    cfg, engine = cuda_engine("profile_step.py", args.preset, args.requests, args.max_batched_tokens, args.weights)
 
     def requests() -> list:
         return make_requests(args.requests, args.prompt_len, args.gen_len, seed=0)

@@ -113,23 +113,18 @@ def gemm_config(M: int, N: int, K: int, sms: int) -> GemmConfig:
         if triton.cdiv(N, 128) >= sms:
             return GemmConfig(bm=bm, bn=128, num_stages=6, tma=True, programs=sms)
         tiles = triton.cdiv(N, 64)
-        split = max(1, min(kblocks // TMA_SPLIT_BLOCKS, 2 * sms // tiles))
-        split = _without_empty_split(kblocks, split)
-        if tiles * split > COUNTERS:
-            split = 1
+        split = _k_split(kblocks, min(kblocks // TMA_SPLIT_BLOCKS, 2 * sms // tiles), tiles)
         return GemmConfig(bm=bm, bn=64, split=split, num_stages=6, tma=True)
-    bn = 128
-    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    split = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))
-    split = _without_empty_split(kblocks, split)
-    if tiles * split > COUNTERS:
-        split = 1
-    return GemmConfig(bm=bm, bn=bn, split=split)
+    tiles = triton.cdiv(N, 128) * triton.cdiv(M, bm)
+    split = 1 if tiles >= sms else _k_split(kblocks, min(triton.cdiv(2 * sms, tiles), kblocks // 2), tiles)
+    return GemmConfig(bm=bm, bn=128, split=split)
 
 
-def _without_empty_split(kblocks: int, split: int) -> int:
-    """The fewest splits that keep ``⌈kblocks / split⌉`` blocks each: none of them left empty."""
-    return triton.cdiv(kblocks, triton.cdiv(kblocks, split))
+def _k_split(kblocks: int, want: int, tiles: int) -> int:
+    """About ``want`` K splits of ``kblocks`` blocks for ``tiles`` output tiles: the fewest that keep
+    ``⌈kblocks / want⌉`` blocks each (none left empty), and none where the tiles would outnumber the counters."""
+    split = triton.cdiv(kblocks, triton.cdiv(kblocks, max(1, want)))
+    return split if tiles * split <= COUNTERS else 1
 
 
 @triton.jit
