@@ -229,7 +229,8 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
         x: ``[M, K]`` BF16 activations, rows contiguous.
         w: ``[N, K]`` block-scaled FP8 weight (N, K need not be multiples of 128).
         out_dtype: the output's dtype (the numerics' activation dtype).
-        config: the launch (``gemm_config(M, N, K, sms)``, made by the step's plan).
+        config: the launch (``gemm_config(M, N, K, sms)``, made by the step's plan); a TMA launch takes
+            ``M ≤ config.bm`` and K a multiple of 16 (``ValueError`` otherwise).
         workspace: where a split launch keeps its FP32 partials (``"gemm_partials"``) and tile counters
             (``"gemm_tile_counters"``, zero between launches) — the cache's, inside a step; without one, a fresh
             partial buffer and one counter buffer per device.
