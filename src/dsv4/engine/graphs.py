@@ -8,7 +8,8 @@ bucket and copied into that bucket's static batch before the replay (``dsv4.cach
   the step fills the bucket, so that a full bucket's projections run the row count their launches are planned
   and measured for, e.g. 64 rather than 65: ``kernels.project.plan``). A pad row is a fake request of ``w``
   (= ``decode_tokens``) tokens at positions ``0 … w−1`` in the *pad slot* (a state slot the engine reserves for
-  this, ``Engine.PAD_REQUEST``) with block table ``[pad_block]`` (a pool block reserved likewise). Pad rows only ever read and write the pad slot and block.
+  this, ``Engine.PAD_REQUEST``) with block table ``[pad_block]`` (a pool block reserved likewise). Pad rows only
+  ever read and write the pad slot and block.
 * **block tables**: ``[c, max_blocks]``, −1 padded, ``max_blocks`` = blocks of the longest request of the run.
 * **emitted entries**: the batch's fixed-capacity ``emit_pad_request`` / ``emit_pad_entry`` (−1 padded, length
   ``Σ_b ⌈w / m⌉``) and ``num_emit_device``; the variable-length ``emit_*`` lists are for eager ops only.

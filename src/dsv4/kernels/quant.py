@@ -32,11 +32,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = [
-    "expf", "logf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round", "bf16_pairs",
-    "bf16_pair_words",
-    "with_sign_of",
-    "ue8m0_exponent", "exp2i", "e4m3_round", "e4m3_round_bits", "e4m3_round_cvt", "fp8_block_qdq", "e2m1_magnitude", "e2m1_round", "mxfp4_block_qdq",
-    "hadamard128",
+    "expf", "logf", "cosf", "sinf", "rsqrtf", "divide_rn", "reciprocal_rn", "divide_by_reciprocal", "bf16_round",
+    "bf16_pairs", "bf16_pair_words", "with_sign_of",
+    "ue8m0_exponent", "exp2i", "e4m3_round", "e4m3_round_bits", "e4m3_round_cvt", "fp8_block_qdq",
+    "e2m1_magnitude", "e2m1_round", "mxfp4_block_qdq", "hadamard128",
     "pack_nibbles", "split_halves", "seq_sum4_last", "shuffle_down_sum",
 ]
 

@@ -45,46 +45,44 @@ SCALED_MM_ALIGN = 4
 
 
 @triton.jit
-def _quantize_activations_kernel(x_ptr, stride_x, out_ptr, scale_ptr, SCALE_ROWS, K, NB,
+def _quantize_activations_kernel(x_ptr, stride_x, out_ptr, scale_ptr, M, SCALE_ROWS, K, NB,
                                  VALUES: tl.constexpr, BLOCKS: tl.constexpr):
-    """Row ``pid0``, blocks ``pid1·BLOCKS …`` of ``x`` ``[M, K]``: E4M3 codes (uint8 ``[M, K]``) or, ``VALUES``,
-    their values (bf16 ``[M, K]``); the block scales (fp32, column-major ``[NB, SCALE_ROWS]``:
-    ``scale_ptr + b·SCALE_ROWS + row``)."""
+    """Row ``pid0``, blocks ``pid1·BLOCKS …`` of ``x`` ``[M, K]``: E4M3 codes (uint8 ``[SCALE_ROWS, K]``) or,
+    ``VALUES``, their values (bf16 ``[SCALE_ROWS, K]``); the block scales (fp32, column-major ``[NB, SCALE_ROWS]``:
+    ``scale_ptr + b·SCALE_ROWS + row``). Rows ``M … SCALE_ROWS − 1`` are pad rows: zeros and zero scales."""
     row = tl.program_id(0).to(tl.int64)
+    pad = row >= M
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     ok = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok & ~pad, other=0.0).to(tl.float32)
     code, val, ebyte = fp8_block_qdq(x, 1)
     if VALUES:
-        tl.store(out_ptr + row * K + cols, val.to(tl.bfloat16), mask=ok)
+        tl.store(out_ptr + row * K + cols, tl.where(pad, 0.0, val).to(tl.bfloat16), mask=ok)
     else:
-        tl.store(out_ptr + row * K + cols, code.to(tl.uint8), mask=ok)
-    tl.store(scale_ptr + blk.to(tl.int64) * SCALE_ROWS + row, exp2i(ebyte - 127), mask=blk < NB)
+        tl.store(out_ptr + row * K + cols, tl.where(pad, 0, code).to(tl.uint8), mask=ok)
+    tl.store(scale_ptr + blk.to(tl.int64) * SCALE_ROWS + row, tl.where(pad, 0.0, exp2i(ebyte - 127)), mask=blk < NB)
 
 
 def quantize_activations(x: Tensor, values: bool = False, pad_rows: int = 0) -> tuple[Tensor, Tensor]:
     """The official ``act_quant`` of ``x`` ``[M, K]`` (bit for bit ``formats.block_fp8.quantize_activations``).
 
     ``pad_rows``: that many rows of zero codes and zero scales after x's (what ``torch._scaled_mm`` needs to reach
-    a row count it takes).
+    a row count it takes), written by the same launch.
 
     Returns:
-        ``(q, scales)``: ``q`` float8_e4m3fn ``[M + pad_rows, K]`` codes — or, ``values``, bf16 ``[M, K]`` their
-        values (exact) — and float32 scales ``[M + pad_rows, ⌈K/128⌉]``, column-major (a transposed view of a
-        contiguous ``[⌈K/128⌉, M + pad_rows]``).
+        ``(q, scales)``: ``q`` float8_e4m3fn ``[M + pad_rows, K]`` codes — or, ``values``, bf16
+        ``[M + pad_rows, K]`` their values (exact) — and float32 scales ``[M + pad_rows, ⌈K/128⌉]``, column-major
+        (a transposed view of a contiguous ``[⌈K/128⌉, M + pad_rows]``).
     """
     M, K = x.shape
     nb = -(-K // ACT_BLOCK)
     rows = M + pad_rows
     out = torch.empty((rows, K), dtype=torch.bfloat16 if values else torch.uint8, device=x.device)
     scales = torch.empty((nb, rows), dtype=torch.float32, device=x.device)
-    if pad_rows:
-        out[M:].zero_()
-        scales[:, M:].zero_()
-    if M:
-        _quantize_activations_kernel[(M, triton.cdiv(nb, BLOCKS_PER_PROGRAM))](
-            x, x.stride(0), out, scales, rows, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM,
+    if rows:
+        _quantize_activations_kernel[(rows, triton.cdiv(nb, BLOCKS_PER_PROGRAM))](
+            x, x.stride(0), out, scales, M, rows, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM,
             num_warps=QUANTIZE_WARPS, enable_fp_fusion=False)
     return (out if values else out.view(torch.float8_e4m3fn)), scales.t()
 

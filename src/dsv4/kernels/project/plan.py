@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from ...config import ModelConfig
 from .block_gemm import GemmConfig, gemm_config
 
-__all__ = ["EXACT_SUMS", "STACK_PARTS", "ProjectionPlan", "fp8_projection_shapes", "plan_projections", "triton_gemm_wins"]
+__all__ = ["EXACT_SUMS", "STACK_PARTS", "ProjectionPlan", "fp8_projection_shapes", "plan_projections",
+           "triton_gemm_wins"]
 
 #: steps of at most this many rows (decode) take the Triton GEMM ...
 TRITON_ROWS = 64
