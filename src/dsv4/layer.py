@@ -22,6 +22,7 @@ from .cache.errors import NonFiniteError
 from .cache.guard import nonfinite_requests, restore_rows, save_rows
 from .cache.manager import HybridCache
 from .config import LayerKind, ModelConfig, require_config
+from .input_stack import input_stack
 from .layer_stacks import stack_layer_weights
 from .numerics import Numerics
 from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
@@ -167,6 +168,16 @@ class Attention:
         """The step's launch decisions for this layer's backend (build it once per step and pass it to every
         layer's ``forward``; see ``dsv4.ops.plan``)."""
         return self.ops_for(cache.device).plan_step(batch, cache)
+
+    def input_takes_codes(self, cache: HybridCache, plan: StepPlan) -> bool:
+        """Whether this layer's input GEMM (the stacked ``[W_qa; W_kv]``) reads activations already quantized by
+        the launch that made them, as ``plan`` runs it (a TMA launch of the block GEMM): the engine's residual
+        norm then makes the input's FP8 codes too (``kernels.project.residual_norm``'s ``quantize``)."""
+        proj = plan.layer(self.kind).projection
+        if proj is None:
+            return False
+        stack = input_stack(self._weights_on(cache.device, cache.numerics)[0])
+        return stack is not None and proj.takes_codes(*stack.shape)
 
     def __repr__(self) -> str:
         split = f", {self.parallel.describe()}" if self.parallel is not None else ""

@@ -7,7 +7,8 @@ adds the layer's output back. ``residual_step`` picks, once per engine, how:
 * ``TorchResidualStep`` (the torch backend, the CPU): ``h + y.float()`` and ``reference.primitives.rms_norm``,
   about eight kernels per layer;
 * ``TritonResidualStep`` (the Triton backend on CUDA): ``dsv4.kernels.project.residual_norm``, one launch per
-  layer that adds and normalizes, writing the sum in place when the caller says ``h`` is its own.
+  layer that adds and normalizes, writing the sum in place when the caller says ``h`` is its own, and — where the
+  next layer's input GEMM reads pre-quantized activations — the input's FP8 codes too.
 
 Both are graph-safe (no host synchronisation) and compute the same ``h`` bit for bit; ``x`` differs at most by one
 step of the activation dtype (the mean's summation order).
@@ -26,8 +27,8 @@ __all__ = ["ResidualStep", "TorchResidualStep", "TritonResidualStep", "residual_
 
 
 class ResidualStep(Protocol):
-    def __call__(self, h: Tensor, y: Tensor | None, *, norm: bool = True, in_place: bool = False
-                 ) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, h: Tensor, y: Tensor | None, *, norm: bool = True, in_place: bool = False,
+                 quantize: bool = False) -> tuple[Tensor, Tensor | None]:
         """``(h + y.float(), norm(h + y.float()))``.
 
         Args:
@@ -36,6 +37,9 @@ class ResidualStep(Protocol):
             norm: compute the next layer's input; ``False``: only the add (after the last layer).
             in_place: ``h`` belongs to the caller's step and may be overwritten with the sum (never the stack's
                 input, which is the graph's static input during capture).
+            quantize: the next layer's input GEMM reads pre-quantized activations
+                (``Attention.input_takes_codes``): make the input's FP8 codes in the same launch where the step
+                can (the Triton step; the torch step leaves them to the GEMM).
         Returns:
             fp32 ``[T, d]`` the residual after the add, and the activation-dtype ``[T, d]`` next input (a new tensor
             each call, so the traces can keep it; ``None`` when not ``norm``).
@@ -50,8 +54,8 @@ class TorchResidualStep:
     def __init__(self, act_dtype: torch.dtype, eps: float) -> None:
         self.act_dtype, self.eps = act_dtype, float(eps)
 
-    def __call__(self, h: Tensor, y: Tensor | None, *, norm: bool = True, in_place: bool = False
-                 ) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, h: Tensor, y: Tensor | None, *, norm: bool = True, in_place: bool = False,
+                 quantize: bool = False) -> tuple[Tensor, Tensor | None]:
         if y is not None:
             h = h + y.float()
         return h, (rms_norm(h, None, self.eps).to(self.act_dtype) if norm else None)
@@ -66,10 +70,11 @@ class TritonResidualStep:
         self._launch = residual_rms_norm
         self.act_dtype, self.eps = act_dtype, float(eps)
 
-    def __call__(self, h: Tensor, y: Tensor | None, *, norm: bool = True, in_place: bool = False
-                 ) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, h: Tensor, y: Tensor | None, *, norm: bool = True, in_place: bool = False,
+                 quantize: bool = False) -> tuple[Tensor, Tensor | None]:
         h_out = h if in_place and y is not None else None
-        return self._launch(h, y, eps=self.eps, act_dtype=self.act_dtype, norm=norm, h_out=h_out)
+        return self._launch(h, y, eps=self.eps, act_dtype=self.act_dtype, norm=norm, h_out=h_out,
+                            quantize=quantize and norm and self.act_dtype == torch.bfloat16)
 
 
 def residual_step(backend: str, device: torch.device, act_dtype: torch.dtype, eps: float) -> ResidualStep:

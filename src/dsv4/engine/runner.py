@@ -231,14 +231,16 @@ class Engine:
         plan = self.layers[0].plan_step(batch, self.cache)  # once per step, shared by every layer
         self._remember_plan(batch, plan)
         last = len(self.layers) - 1
-        _, x = self.residual(h, None)  # the first layer's input; the caller's h is only read
+        # whether each layer's input GEMM takes the FP8 codes of its input from the norm that makes it
+        codes = [layer.input_takes_codes(self.cache, plan) for layer in self.layers]
+        _, x = self.residual(h, None, quantize=codes[0])  # the first layer's input; the caller's h is only read
         for i, layer in enumerate(self.layers):
             out = layer.forward_with_aux(x, batch, self.cache, plan)
             if layer.layer_idx in keep:
                 kept[layer.layer_idx] = (x, out.y, out.entry_idx)
             # h + y, and the next layer's input; the first sum is a new tensor (the step's own), later ones may
             # overwrite it
-            h, x = self.residual(h, out.y, norm=i < last, in_place=i > 0)
+            h, x = self.residual(h, out.y, norm=i < last, in_place=i > 0, quantize=i < last and codes[i + 1])
         return h, kept
 
     def _remember_plan(self, batch: StepBatch, plan: StepPlan) -> None:

@@ -19,7 +19,7 @@ from ..weights import Projection
 from . import projections
 from .step import LayerStep
 
-__all__ = ["projector"]
+__all__ = ["projector", "takes_codes"]
 
 
 def projector(step: LayerStep) -> projections.Project:
@@ -38,6 +38,14 @@ def _project_fp8(x: Tensor, weight: Projection, numerics: Numerics, plan: Projec
     launch = plan.launch(*weight.shape)
     if launch is None:
         return fp8_gemm.fp8_linear(x, weight, numerics.act_dtype, plan.way(*weight.shape))
+    codes = fp8_gemm.attached_codes(x) if launch.tma else None  # x's producer quantized it (plan.takes_codes)
     x2 = x.reshape(-1, x.shape[-1])
-    out = block_gemm.block_fp8_linear(x2, weight, numerics.act_dtype, launch, workspace)
+    out = block_gemm.block_fp8_linear(x2, weight, numerics.act_dtype, launch, workspace, codes)
     return out.reshape(*x.shape[:-1], -1)
+
+
+def takes_codes(step: LayerStep, weight: Projection | None) -> bool:
+    """Whether the step's GEMM over ``weight`` reads pre-quantized activations (a TMA launch of the block GEMM):
+    then the launch that makes its input quantizes it too (``fp8_gemm.attach_codes``), saving a launch."""
+    plan = step.plan.projection
+    return plan is not None and weight is not None and plan.takes_codes(*weight.shape)

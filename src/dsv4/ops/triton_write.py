@@ -23,9 +23,9 @@ from ..kernels.write.launch import CompressorArgs, write_before_attention
 from ..numerics import Numerics
 from ..query_stack import query_stack
 from ..reference.primitives import rms_norm as torch_rms_norm
-from ..weights import CompressorWeights
+from ..weights import CompressorWeights, Projection
 from . import projections, torch_ops
-from .triton_project import projector
+from .triton_project import projector, takes_codes
 from .step import LayerStep
 
 __all__ = ["append_swa", "input_projections", "kernels_handle", "new_entries", "queries", "query_latent",
@@ -42,12 +42,13 @@ def kernels_handle(numerics: Numerics, nope_dim: int, kv_dim: int, index_dim: in
             and numerics.act_dtype == torch.bfloat16 and (nope_dim, kv_dim, index_dim) == (448, 512, 128))
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, quantize: bool = False) -> Tensor:
     """A weighted RMSNorm (``reference.primitives.rms_norm``) in one launch for BF16 rows of up to
-    ``RMS_NORM_MAX_CHANNELS``; else the reference's torch ops."""
+    ``RMS_NORM_MAX_CHANNELS``; else the reference's torch ops. ``quantize``: the launch also makes the result's FP8
+    codes for the GEMM that reads it (``kernels.project.rms_norm``; not for 512 channels)."""
     if not (runs_here(x) and x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[1] <= RMS_NORM_MAX_CHANNELS):
         return torch_rms_norm(x, weight, eps)
-    return rms_norm_kernels.rms_norm(x, weight, eps)
+    return rms_norm_kernels.rms_norm(x, weight, eps, quantize=quantize and x.shape[1] != 512)
 
 
 def input_projections(step: LayerStep, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -59,7 +60,8 @@ def input_projections(step: LayerStep, x: Tensor) -> tuple[Tensor, Tensor]:
         return query_latent(step, x), window_kv(step, x)
     y = projector(step)(x, stack, step.numerics)
     n, w, eps = step.cfg.q_lora_rank, step.weights, step.cfg.norm_eps
-    return rms_norm(y[:, :n], w.q_norm, eps), rms_norm(y[:, n:], w.kv_norm, eps)
+    q_latent = rms_norm(y[:, :n], w.q_norm, eps, quantize=takes_codes(step, _query_weight(step)))
+    return q_latent, rms_norm(y[:, n:], w.kv_norm, eps)
 
 
 def query_latent(step: LayerStep, x: Tensor) -> Tensor:
@@ -83,14 +85,23 @@ def query_projections(step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor
     ``[T, H·D + H_I·c_I]`` output (rows that far apart), as the step's plan says; else (no stack, or the plan runs
     it as its parts: ``ProjectionPlan.stacked``) ``W_qb c^Q`` alone (its own GEMM, contiguous) and ``None``.
     Act dtype."""
-    stack = query_stack(step.weights)
-    plan = step.plan.projection
-    if stack is None or plan is None or not plan.stacked(*stack.shape) or not runs_here(q_latent):
+    stack = _query_weight(step)
+    if stack is step.weights.wq_b or not runs_here(q_latent):
         return projections.query_projection(step, q_latent, projector(step)), None
     y = projector(step)(q_latent, stack, step.numerics)
     cfg = step.cfg
     n = cfg.num_heads * cfg.head_dim
     return y[:, :n].unflatten(-1, (cfg.num_heads, cfg.head_dim)), y[:, n:]
+
+
+def _query_weight(step: LayerStep) -> Projection:
+    """The weight the query latent's GEMM multiplies: the stack ``[W_qb; W_Iq]`` (``dsv4.query_stack``: CSA) where
+    the step's plan runs it whole, else ``W_qb``."""
+    stack = query_stack(step.weights)
+    plan = step.plan.projection
+    if stack is None or plan is None or not plan.stacked(*stack.shape):
+        return step.weights.wq_b
+    return stack
 
 
 def window_kv(step: LayerStep, x: Tensor) -> Tensor:

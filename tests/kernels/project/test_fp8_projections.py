@@ -30,18 +30,23 @@ for M, K in ((3, 128), (5, 200), (2, 640)):
 
 # the Triton block GEMM: FP32 sums of the same exact products (codes bit-cast, never float-cast to FP8, so the
 # interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K; the TMA kernel
-# one program per tile, split, and on a persistent grid whose last round runs past the last tile
+# one program per tile, split, and on a persistent grid whose last round runs past the last tile; weight rows of
+# different magnitudes, so that a wrong scale row shows
 from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_linear
 from dsv4.kernels.project.block_gemm import GemmConfig, block_fp8_linear
 for M, N, K, bm, bn, split, tma, programs in (
         (3, 256, 512, 16, 64, 1, False, 0), (17, 128, 384, 32, 32, 2, False, 0), (1, 64, 200, 16, 64, 2, False, 0),
         (5, 192, 640, 16, 64, 3, True, 0), (21, 192, 640, 32, 128, 1, True, 0), (9, 320, 384, 16, 64, 1, True, 2)):
-    w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g) * K**-0.5)
+    # rows of different magnitudes: the 128-row blocks get different scales (a wrong scale row shows)
+    magnitudes = torch.exp(2 * torch.randn(N, 1, generator=g))
+    w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g) * K**-0.5 * magnitudes)
     x = (torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))).bfloat16()
     config = GemmConfig(bm=bm, bn=bn, split=split, tma=tma, programs=programs)
     got = block_fp8_linear(x, w, torch.float32, config)
     want = reference_linear(x, w, torch.float32)
     assert ((got - want).norm() / want.norm()).item() < 1e-6, (M, N, K, config)
+    if tma:  # codes made by the launch before (a norm's): the same result
+        assert torch.equal(block_fp8_linear(x, w, torch.float32, config, codes=quantize_activations(x)), got)
 print("ok")
 """
 

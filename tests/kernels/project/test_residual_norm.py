@@ -118,6 +118,29 @@ def test_given_outputs_and_no_rows_interpreted() -> None:
     assert e_h.shape == (0, 64) and e_x.shape == (0, 64) and e_x.dtype == torch.bfloat16
 
 
+def _check_codes(T: int, d: int, device: str, seed: int) -> None:
+    """``quantize=True``: the same ``h_out`` and ``x`` as without, and ``x``'s attached FP8 codes and scales are
+    ``quantize_activations(x)``'s bit for bit (a view of ``x`` has none)."""
+    from dsv4.kernels.project.fp8_gemm import attached_codes, quantize_activations
+    from dsv4.kernels.project.residual_norm import residual_rms_norm
+
+    h, y = _inputs(T, d, torch.bfloat16, device, seed)
+    h_q, x_q = residual_rms_norm(h, y, eps=EPS, quantize=True)
+    h_p, x_p = residual_rms_norm(h, y, eps=EPS)
+    assert torch.equal(_bits(h_q), _bits(h_p)) and torch.equal(_bits(x_q), _bits(x_p))
+    codes, scales = attached_codes(x_q)
+    want_codes, want_scales = quantize_activations(x_q)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (T, d)
+    assert torch.equal(scales, want_scales) and scales.stride() == want_scales.stride(), (T, d)
+    assert attached_codes(x_q[:1]) is None and attached_codes(x_p) is None
+
+
+@interpreted
+def test_codes_for_the_next_gemm_interpreted() -> None:
+    for i, (T, d) in enumerate(((3, 256), (5, 1000), (2, 4096))):
+        _check_codes(T, d, "cpu", seed=40 + i)
+
+
 # ----------------------------------------------------------------------------------------- CPU: bad input
 def test_residual_norm_rejects_bad_input() -> None:
     pytest.importorskip("triton")
@@ -140,6 +163,8 @@ def test_residual_norm_rejects_bad_input() -> None:
         (dict(h=h, y=y, x_out=torch.zeros(4, 64)), r"x_out must be torch.bfloat16"),
         (dict(h=torch.zeros(64, 4).t(), y=y), r"rows must be contiguous"),
         (dict(h=h, y=y, x_out=h.view(torch.bfloat16)[:, :64]), r"x_out overlaps"),
+        (dict(h=h, y=y, act_dtype=torch.float32, quantize=True), r"quantize needs"),
+        (dict(h=h, y=y, norm=False, quantize=True), r"quantize needs"),
     ]
     buf = torch.zeros(5, 64)
     bad.append((dict(h=buf[:4], y=y, h_out=buf[1:]), r"h_out overlaps h"))
@@ -163,6 +188,17 @@ def test_variants_on_gpu(variant: str, act: torch.dtype, in_place: bool) -> None
     for T in (1, 65, 2000):
         for d in (4096, 7168, 1000, 1):
             _check_case(T, d, act, variant, in_place, "cuda", seed=T * 7919 + d, row_gap=5 if T == 65 else 0)
+
+
+@pytest.mark.gpu
+def test_codes_for_the_next_gemm_on_gpu() -> None:
+    """The attached FP8 codes on CUDA (the hardware's E4M3 conversion): ``quantize_activations``' bits, at the
+    models' widths and decode / prefill row counts."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for T in (17, 64, 300):
+        for d in (4096, 7168, 1000):
+            _check_codes(T, d, "cuda", seed=T + d)
 
 
 @pytest.mark.gpu

@@ -33,6 +33,17 @@ for cols in (slice(0, 1536), slice(1536, None)):
     w = 1 + 0.1 * torch.randn(block.shape[1], generator=g)
     got = rms_norm(block, w, 1e-6)
     assert got.is_contiguous() and torch.equal(got, rms_norm(block.contiguous(), w, 1e-6))
+# quantize: the same result, with quantize_activations' codes and scales attached (a view has none)
+from dsv4.kernels.project.fp8_gemm import attached_codes, quantize_activations
+for rows, C in ((5, 1536), (3, 1024), (2, 200)):
+    x = (torch.randn(rows, C, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).bfloat16()
+    w = 1 + 0.1 * torch.randn(C, generator=g)
+    got, plain = rms_norm(x, w, 1e-6, quantize=True), rms_norm(x, w, 1e-6)
+    assert torch.equal(got, plain) and attached_codes(plain) is None and attached_codes(got[:1]) is None
+    codes, scales = attached_codes(got)
+    want_codes, want_scales = quantize_activations(got)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (rows, C)
+    assert torch.equal(scales, want_scales) and scales.stride() == want_scales.stride(), (rows, C)
 print("ok")
 """
 
@@ -50,6 +61,8 @@ def test_rms_norm_kernel_rejects_bad_input() -> None:
         rms_norm(torch.zeros(2, 512), torch.ones(512), 1e-6)
     with pytest.raises(ValueError, match=r"weight must be \[512\]"):
         rms_norm(torch.zeros(2, 512, dtype=torch.bfloat16), torch.ones(256), 1e-6)
+    with pytest.raises(ValueError, match=r"quantize is not offered"):
+        rms_norm(torch.zeros(2, 512, dtype=torch.bfloat16), torch.ones(512), 1e-6, quantize=True)
 
 
 @pytest.mark.gpu
@@ -84,3 +97,26 @@ def test_rms_norm_1536_within_one_step_on_gpu(rows: int) -> None:
                                                                                     device="cuda"))
     w = 1 + 0.1 * torch.randn(1536, generator=g, device="cuda")
     check_close(rms_norm(x.bfloat16(), w, 1e-6), primitives.rms_norm(x.bfloat16(), w, 1e-6))
+
+
+@pytest.mark.gpu
+def test_rms_norm_codes_on_gpu() -> None:
+    """``quantize=True`` on CUDA (the hardware's E4M3 conversion): the same rows, with ``quantize_activations``'
+    codes and scales attached, at ``c^Q``'s widths (V4-Flash 1,024, V4-Pro 1,536) and decode / prefill rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    from dsv4.kernels.project.fp8_gemm import attached_codes, quantize_activations
+    from dsv4.kernels.project.rms_norm import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for rows in (17, 64, 300):
+        for C in (1024, 1536):
+            x = (torch.randn(rows, C, generator=g, device="cuda")
+                 * torch.exp(torch.randn(rows, 1, generator=g, device="cuda"))).bfloat16()
+            w = 1 + 0.1 * torch.randn(C, generator=g, device="cuda")
+            got = rms_norm(x, w, 1e-6, quantize=True)
+            assert torch.equal(got, rms_norm(x, w, 1e-6))
+            codes, scales = attached_codes(got)
+            want_codes, want_scales = quantize_activations(got)
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)

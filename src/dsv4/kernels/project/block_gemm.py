@@ -222,7 +222,7 @@ def _counters(device: torch.device) -> Tensor:
 
 
 def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, config: GemmConfig,
-                     workspace: Workspace | None = None) -> Tensor:
+                     workspace: Workspace | None = None, codes: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``x @ wᵀ`` with the official FP8 quantization points (``formats.block_fp8.fp8_linear``'s math).
 
     Args:
@@ -234,6 +234,8 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
         workspace: where a split launch keeps its FP32 partials (``"gemm_partials"``) and tile counters
             (``"gemm_tile_counters"``, zero between launches) — the cache's, inside a step; without one, a fresh
             partial buffer and one counter buffer per device.
+        codes: a TMA launch's activations already quantized — ``fp8_gemm.quantize_activations(x)``'s output,
+            made by the launch that wrote ``x`` (``fp8_gemm.attached_codes``); ``None``: quantized here.
     Returns:
         ``[M, N]`` in ``out_dtype``.
     """
@@ -260,7 +262,7 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
     grid = config.grid(M, N)
     kb_per_split = triton.cdiv(nkb, config.split)
     if config.tma:
-        codes, x_scale = quantize_activations(x)
+        codes, x_scale = quantize_activations(x) if codes is None else codes
         units = triton.cdiv(N, config.bn) * config.split
         _block_fp8_gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(codes, [config.bm, ACT_BLOCK]), x_scale, _weight_descriptor(w, config.bn),

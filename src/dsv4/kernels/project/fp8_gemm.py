@@ -32,7 +32,8 @@ from ...formats.block_fp8 import ACT_BLOCK, BlockFp8Weight
 from .. import census
 from ..quant import exp2i, fp8_block_qdq
 
-__all__ = ["GEMMS", "fp8_linear", "quantize_activations", "scaled_mm_fits", "scaled_mm_works"]
+__all__ = ["GEMMS", "as_codes", "attach_codes", "attached_codes", "fp8_linear", "new_codes", "quantize_activations", "scaled_mm_fits",
+           "scaled_mm_works", "store_row_codes"]
 
 GEMMS = ("scaled_mm", "bf16")
 #: 128-value blocks per program of the quantization launch, and its warps (measured on the H200 over 4–16 blocks
@@ -85,6 +86,48 @@ def quantize_activations(x: Tensor, values: bool = False, pad_rows: int = 0) -> 
             x, x.stride(0), out, scales, M, rows, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM,
             num_warps=QUANTIZE_WARPS, enable_fp_fusion=False)
     return (out if values else out.view(torch.float8_e4m3fn)), scales.t()
+
+
+@triton.jit
+def store_row_codes(y, row, codes_ptr, scale_ptr, K, SCALE_ROWS, BLOCK: tl.constexpr):
+    """The official ``act_quant`` of one row, for a launch that makes the row: ``y`` fp32 ``[BLOCK]`` its values
+    (exact BF16 values, zero past K; BLOCK a multiple of 128) → E4M3 codes at uint8 ``codes_ptr + row·K + c`` and
+    the block scales at fp32 ``scale_ptr + b·SCALE_ROWS + row`` — ``quantize_activations``' layout and bits."""
+    NB: tl.constexpr = BLOCK // 128
+    code, _, ebyte = fp8_block_qdq(tl.reshape(y, (NB, 128)), 1)
+    blk = tl.arange(0, NB)
+    cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(codes_ptr + row * K + cols, code.to(tl.uint8), mask=cols < K)
+    tl.store(scale_ptr + blk.to(tl.int64) * SCALE_ROWS + row, exp2i(ebyte - 127), mask=blk * 128 < K)
+
+
+#: the attribute under which a launch that made activations keeps their codes (``attach_codes``)
+_CODES_ATTR = "_dsv4_fp8_block_codes"
+
+
+def attach_codes(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """Keep with ``x`` ``[M, K]`` its ``quantize_activations`` output ``(codes float8_e4m3fn [M, K], scales fp32
+    [M, ⌈K/128⌉] column-major)``, made by the launch that wrote ``x``: the next FP8 GEMM over exactly this tensor
+    object (``attached_codes``) skips its quantization launch. A view or copy of ``x`` has none. Returns ``x``."""
+    setattr(x, _CODES_ATTR, (codes, scales))
+    return x
+
+
+def attached_codes(x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The codes ``attach_codes`` kept with this tensor object, or ``None``."""
+    return getattr(x, _CODES_ATTR, None)
+
+
+def new_codes(M: int, K: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Empty ``(codes uint8 [M, K], scales fp32 [⌈K/128⌉, M])`` for ``store_row_codes``; ``as_codes`` gives them
+    ``quantize_activations``' types and layout."""
+    return (torch.empty((M, K), dtype=torch.uint8, device=device),
+            torch.empty((-(-K // ACT_BLOCK), M), dtype=torch.float32, device=device))
+
+
+def as_codes(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """``new_codes``' buffers as ``quantize_activations`` returns them (float8 codes, column-major scales)."""
+    return codes.view(torch.float8_e4m3fn), scales.t()
 
 
 def _bf16_weight(w: BlockFp8Weight) -> Tensor:

@@ -88,6 +88,12 @@ class ProjectionPlan:
         """The Triton launch of an ``[n, k]`` weight, or ``None`` (``way``)."""
         return self.launches.get((n, k))
 
+    def takes_codes(self, n: int, k: int) -> bool:
+        """Whether the ``[n, k]`` weight's GEMM reads activations quantized by the launch that made them (its
+        Triton launch is a TMA one: ``block_gemm.block_fp8_linear``'s ``codes``)."""
+        launch = self.launches.get((n, k))
+        return launch is not None and launch.tma
+
     def way(self, n: int, k: int) -> str:
         """How an ``[n, k]`` weight without a Triton launch runs (``fp8_gemm.fp8_linear``'s ``gemm``)."""
         return "bf16" if (n, k) in self.exact else self.fallback

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import bf16_round, rsqrtf
+from .fp8_gemm import as_codes, attach_codes, new_codes, store_row_codes
 
 __all__ = ["residual_rms_norm"]
 
@@ -28,10 +29,12 @@ _ACT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _residual_norm_kernel(h_ptr, y_ptr, h_out_ptr, x_ptr, d, inv_d, eps, h_stride, y_stride, h_out_stride, x_stride,
-                          ADD: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``pid``: ``h_out = h + y`` (``ADD``), ``x = norm(h_out)`` (``NORM``; bf16 when ``X_BF16``, else fp32).
-    ``d ≤ BLOCK``; strides in elements. Loads precede stores, so ``h_out`` may be ``h``."""
+def _residual_norm_kernel(h_ptr, y_ptr, h_out_ptr, x_ptr, codes_ptr, scale_ptr, rows, d, inv_d, eps, h_stride,
+                          y_stride, h_out_stride, x_stride, ADD: tl.constexpr, NORM: tl.constexpr,
+                          X_BF16: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``pid``: ``h_out = h + y`` (``ADD``), ``x = norm(h_out)`` (``NORM``; bf16 when ``X_BF16``, else fp32);
+    ``QUANTIZE`` (bf16 ``x``): also ``x``'s FP8 codes and scales (``fp8_gemm.store_row_codes``). ``d ≤ BLOCK``;
+    strides in elements. Loads precede stores, so ``h_out`` may be ``h``."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < d
@@ -44,6 +47,8 @@ def _residual_norm_kernel(h_ptr, y_ptr, h_out_ptr, x_ptr, d, inv_d, eps, h_strid
         if X_BF16:
             x = bf16_round(x)  # round to nearest even here: the interpreter's cast truncates
         tl.store(x_ptr + row * x_stride + cols, x.to(x_ptr.dtype.element_ty), mask=ok)
+        if QUANTIZE:
+            store_row_codes(tl.where(ok, x, 0.0), row, codes_ptr, scale_ptr, d, rows, BLOCK)
 
 
 def _require_rows(name: str, t: Tensor, shape: tuple[int, int], dtypes: tuple[torch.dtype, ...],
@@ -81,6 +86,7 @@ def residual_rms_norm(
     norm: bool = True,
     h_out: Tensor | None = None,
     x_out: Tensor | None = None,
+    quantize: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``h_out = h + y.float()`` and ``x = (h_out * rsqrt(mean(h_out²) + eps)).to(act_dtype)`` in one launch.
 
@@ -94,6 +100,8 @@ def residual_rms_norm(
         h_out: fp32 ``[T, d]`` where to write the sum (default: a new tensor); may be ``h`` itself (in place), must
             not otherwise overlap ``h``, ``y`` or ``x_out``. Only with ``y``.
         x_out: ``act_dtype`` ``[T, d]`` where to write ``x`` (default: a new tensor); must not overlap the others.
+        quantize: the same launch also makes ``x``'s official FP8 codes and scales and attaches them
+            (``fp8_gemm.attach_codes``: the next layer's input GEMM skips its quantization launch); bf16 ``x`` only.
     Returns:
         ``(h_out, x)``: fp32 ``[T, d]`` the residual after the add (bit for bit ``h + y.float()``; ``h`` when ``y``
         is ``None``), and ``act_dtype`` ``[T, d]`` the next layer's input (``None`` when not ``norm``).
@@ -122,6 +130,8 @@ def residual_rms_norm(
         _require_rows("y", y, shape, _ACT_DTYPES, dev)
     if not norm and x_out is not None:
         raise ValueError("x_out given with norm=False")
+    if quantize and not (norm and act_dtype == torch.bfloat16):
+        raise ValueError("quantize needs norm=True and act_dtype torch.bfloat16 (the FP8 GEMMs' activations)")
     if h_out is not None:
         _require_rows("h_out", h_out, shape, (torch.float32,), dev)
         in_place = h_out.data_ptr() == h.data_ptr() and h_out.stride() == h.stride()
@@ -137,12 +147,15 @@ def residual_rms_norm(
     x = (x_out if x_out is not None else torch.empty(shape, dtype=act_dtype, device=dev)) if norm else None
     if shape[0] > 0:
         T, d = shape
-        block = max(32, triton.next_power_of_2(d))  # at least a warp's width
+        block = max(128 if quantize else 32, triton.next_power_of_2(d))  # a warp's width; whole 128-blocks
         h_res = h_out if add else h
+        codes, scales = new_codes(T, d, dev) if quantize else (h, h)
         _residual_norm_kernel[(T,)](
-            h, y if add else h, h_res, x if norm else h, d, 1.0 / d, eps, h.stride(0),
+            h, y if add else h, h_res, x if norm else h, codes, scales, T, d, 1.0 / d, eps, h.stride(0),
             y.stride(0) if add else 0, h_res.stride(0), x.stride(0) if norm else 0,
-            ADD=add, NORM=norm, X_BF16=act_dtype == torch.bfloat16, BLOCK=block,
+            ADD=add, NORM=norm, X_BF16=act_dtype == torch.bfloat16, QUANTIZE=quantize, BLOCK=block,
             num_warps=max(1, min(16, block // 512)), enable_fp_fusion=False,
         )
+        if quantize:
+            attach_codes(x, *as_codes(codes, scales))
     return (h_out if add else h), x

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..torch_order import add_chunk_squares, entry_rms_scale, zero_square_sums
 from ..quant import bf16_round, rsqrtf
+from .fp8_gemm import as_codes, attach_codes, new_codes, store_row_codes
 
 __all__ = ["rms_norm"]
 
@@ -43,9 +44,11 @@ def _rms_norm_512_kernel(x_ptr, stride_x, w_ptr, out_ptr, rows, eps):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, C, inv_c, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, codes_ptr, scale_ptr, rows, C, inv_c, eps,
+                     BLOCK: tl.constexpr, QUANTIZE: tl.constexpr):
     """Row ``pid`` of bf16 ``x`` ``[rows, C]`` (rows ``stride_x`` apart) → bf16 ``out`` (contiguous; ``C ≤ BLOCK``;
-    Triton's summation order; the mean as torch takes it: the sum times fp32 ``inv_c = 1/C``)."""
+    Triton's summation order; the mean as torch takes it: the sum times fp32 ``inv_c = 1/C``); ``QUANTIZE``: also
+    the row's FP8 codes and scales (``fp8_gemm.store_row_codes``)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < C
@@ -53,18 +56,22 @@ def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, C, inv_c, eps, BLOCK: tl.c
     r = rsqrtf(tl.sum(x * x) * inv_c + eps)
     y = bf16_round(tl.load(w_ptr + cols, mask=ok, other=0.0) * (x * r))
     tl.store(out_ptr + row * C + cols, y.to(tl.bfloat16), mask=ok)
+    if QUANTIZE:
+        store_row_codes(y, row, codes_ptr, scale_ptr, C, rows, BLOCK)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, quantize: bool = False) -> Tensor:
     """``reference.primitives.rms_norm(x, weight, eps)`` in one launch.
 
     Args:
         x: bf16 ``[rows, C]``, rows any stride apart (a column block of a wider GEMM output is read in place).
             weight: ``[C]`` (used as fp32). eps: the epsilon.
+        quantize: the same launch also makes the result's official FP8 codes and scales and attaches them
+            (``fp8_gemm.attach_codes``: the FP8 GEMM that reads the result skips its quantization launch); C ≠ 512.
     Returns:
         bf16 ``[rows, C]``, contiguous: bit for bit the torch backend's for C = 512, else within one BF16 step.
     Raises:
-        ValueError: ``x`` not a bf16 matrix, or ``weight`` not ``[C]``.
+        ValueError: ``x`` not a bf16 matrix, ``weight`` not ``[C]``, or ``quantize`` with C = 512.
     """
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"rms_norm takes a bf16 [rows, C] tensor, got {x.dtype} {list(x.shape)}")
@@ -78,9 +85,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if rows == 0:
         return out
     if C == 512:
+        if quantize:
+            raise ValueError("rms_norm: quantize is not offered for the 512-channel (window KV) norm")
         _rms_norm_512_kernel[(rows,)](x, x.stride(0), w, out, rows, float(eps), num_warps=1, enable_fp_fusion=False)
-    else:
-        block = triton.next_power_of_2(C)
-        _rms_norm_kernel[(rows,)](x, x.stride(0), w, out, C, 1.0 / C, float(eps), BLOCK=block,
-                                  num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False)
-    return out
+        return out
+    block = max(128 if quantize else 1, triton.next_power_of_2(C))  # whole 128-blocks to quantize
+    codes, scales = new_codes(rows, C, x.device) if quantize else (out, out)
+    _rms_norm_kernel[(rows,)](x, x.stride(0), w, out, codes, scales, rows, C, 1.0 / C, float(eps), BLOCK=block,
+                              QUANTIZE=quantize, num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False)
+    return attach_codes(out, *as_codes(codes, scales)) if quantize else out
