@@ -188,3 +188,19 @@ def test_projection_shapes_of_a_tensor_parallel_rank() -> None:
     assert shapes["wq_b"] == tuple(w.wq_b.shape) and shapes["wo_b"] == tuple(w.wo_b.shape)
     stack = query_stack(stack_query_projections(w.for_numerics(dsv4.Numerics.official())))
     assert stack is not None and shapes["wq_b+indexer.wq_b"] == tuple(stack.shape)
+
+
+def test_input_codes_follow_the_plan() -> None:
+    """The engine's residual norm makes the next layer's input codes (``Attention.input_takes_codes``) exactly where
+    the step plan gives that layer's input stack ``[W_qa; W_kv]`` a TMA launch of the block GEMM: a decode step of
+    17–64 rows on a Hopper device; not 4 rows (the pointer kernel quantizes in every program), not a prefill chunk
+    (cuBLAS), not off Hopper, not without an FP8 GEMM."""
+    cfg = dsv4.ModelConfig.preset("v4-flash")
+    layer = dsv4.Attention(dsv4.AttentionWeights.random(cfg, 0), cfg, 0)
+    h200 = DeviceFacts(kernels=True, sm_count=132, sm90=True, resident_clusters=lambda n: 132 // n, fp8_gemm="bf16")
+    off_hopper = DeviceFacts(kernels=True, sm_count=108, sm90=False, fp8_gemm="bf16")
+    for requests, new, device, want in ((64, 1, h200, True), (32, 1, h200, True), (4, 1, h200, False),
+                                        (1, 2048, h200, False), (64, 1, off_hopper, False), (64, 1, H200, False)):
+        cache = _flash_cache(requests, 1024)
+        _, plan = _plan(cache, new, device)
+        assert layer.input_takes_codes(cache, plan) is want, (requests, new, device)
