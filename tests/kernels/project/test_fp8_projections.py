@@ -129,3 +129,18 @@ def test_gpu_scaled_mm_way_is_right_where_cublas_would_not_be(M: int) -> None:
         want = reference_fp8_linear(x, w, torch.float32)
         assert got.shape == (M, N)
         assert ((got - want).norm() / want.norm()).item() < 4e-3, (N, K)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_block_gemm_refuses_codes_of_another_input() -> None:
+    """Codes made for another input shape are refused before any launch (a TMA launch would read them as given)."""
+    from dsv4.formats.block_fp8 import BlockFp8Weight
+    from dsv4.kernels.project.block_gemm import GemmConfig, block_fp8_linear
+
+    w = BlockFp8Weight.quantize(torch.randn(64, 256))
+    x = torch.randn(20, 256).bfloat16()
+    config = GemmConfig(bm=32, bn=64, tma=True)
+    for codes in ((torch.zeros(20, 128, dtype=torch.float8_e4m3fn), torch.zeros(20, 1)),
+                  (torch.zeros(20, 256, dtype=torch.float8_e4m3fn), torch.zeros(19, 2))):
+        with pytest.raises(ValueError, match="not those of a \\[20, 256\\] input"):
+            block_fp8_linear(x, w, torch.float32, config, codes=codes)

@@ -261,6 +261,9 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
             counters = workspace.get("gemm_tile_counters", (COUNTERS,), torch.int32, zero=True)
     grid = config.grid(M, N)
     kb_per_split = triton.cdiv(nkb, config.split)
+    if codes is not None and (tuple(codes[0].shape) != (M, K) or tuple(codes[1].shape) != (M, nkb)):
+        raise ValueError(f"block_fp8_linear: codes {list(codes[0].shape)} and scales {list(codes[1].shape)} are not "
+                         f"those of a [{M}, {K}] input")
     if config.tma:
         codes, x_scale = quantize_activations(x) if codes is None else codes
         units = triton.cdiv(N, config.bn) * config.split

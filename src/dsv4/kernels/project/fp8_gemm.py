@@ -32,8 +32,8 @@ from ...formats.block_fp8 import ACT_BLOCK, BlockFp8Weight
 from .. import census
 from ..quant import exp2i, fp8_block_qdq
 
-__all__ = ["GEMMS", "as_codes", "attach_codes", "attached_codes", "fp8_linear", "new_codes", "quantize_activations", "scaled_mm_fits",
-           "scaled_mm_works", "store_row_codes"]
+__all__ = ["GEMMS", "as_codes", "attach_codes", "attached_codes", "fp8_linear", "new_codes", "quantize_activations",
+           "scaled_mm_fits", "scaled_mm_works", "store_row_codes"]
 
 GEMMS = ("scaled_mm", "bf16")
 #: 128-value blocks per program of the quantization launch, and its warps (measured on the H200 over 4–16 blocks
@@ -108,7 +108,8 @@ _CODES_ATTR = "_dsv4_fp8_block_codes"
 def attach_codes(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
     """Keep with ``x`` ``[M, K]`` its ``quantize_activations`` output ``(codes float8_e4m3fn [M, K], scales fp32
     [M, ⌈K/128⌉] column-major)``, made by the launch that wrote ``x``: the next FP8 GEMM over exactly this tensor
-    object (``attached_codes``) skips its quantization launch. A view or copy of ``x`` has none. Returns ``x``."""
+    object (``attached_codes``) skips its quantization launch. A view or copy of ``x`` has none; ``x`` must not be
+    written again while they are kept (the norms that attach them return a new tensor each call). Returns ``x``."""
     setattr(x, _CODES_ATTR, (codes, scales))
     return x
 
