@@ -79,13 +79,12 @@ def quantize_activations(x: Tensor, values: bool = False, pad_rows: int = 0) -> 
     M, K = x.shape
     nb = -(-K // ACT_BLOCK)
     rows = M + pad_rows
-    out = torch.empty((rows, K), dtype=torch.bfloat16 if values else torch.uint8, device=x.device)
-    scales = torch.empty((nb, rows), dtype=torch.float32, device=x.device)
+    out, scales = new_codes(rows, K, x.device, torch.bfloat16 if values else torch.uint8)
     if rows:
         _quantize_activations_kernel[(rows, triton.cdiv(nb, BLOCKS_PER_PROGRAM))](
             x, x.stride(0), out, scales, M, rows, K, nb, VALUES=values, BLOCKS=BLOCKS_PER_PROGRAM,
             num_warps=QUANTIZE_WARPS, enable_fp_fusion=False)
-    return (out if values else out.view(torch.float8_e4m3fn)), scales.t()
+    return (out, scales.t()) if values else as_codes(out, scales)
 
 
 @triton.jit
@@ -119,10 +118,11 @@ def attached_codes(x: Tensor) -> tuple[Tensor, Tensor] | None:
     return getattr(x, _CODES_ATTR, None)
 
 
-def new_codes(M: int, K: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Empty ``(codes uint8 [M, K], scales fp32 [⌈K/128⌉, M])`` for ``store_row_codes``; ``as_codes`` gives them
+def new_codes(M: int, K: int, device: torch.device, dtype: torch.dtype = torch.uint8) -> tuple[Tensor, Tensor]:
+    """Empty ``(codes uint8 [M, K], scales fp32 [⌈K/128⌉, M])`` for a launch that quantizes ``M`` rows
+    (``store_row_codes``; ``dtype`` bf16: the codes' values instead); ``as_codes`` gives the uint8 codes
     ``quantize_activations``' types and layout."""
-    return (torch.empty((M, K), dtype=torch.uint8, device=device),
+    return (torch.empty((M, K), dtype=dtype, device=device),
             torch.empty((-(-K // ACT_BLOCK), M), dtype=torch.float32, device=device))
 
 
