@@ -122,10 +122,10 @@ KERNELS = {
         dict(num_warps=1, enable_fp_fusion=False), {"stride_x"}),
     "rms_norm": ("dsv4.kernels.project.rms_norm:_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
                                                             "inv_c": "fp32", "eps": "fp32"},
-        dict(BLOCK=1024, num_warps=4, enable_fp_fusion=False), {"stride_x"}),
+        dict(BLOCK=1024, QUANTIZE=False, num_warps=4, enable_fp_fusion=False), {"stride_x"}),
     "queries": ("dsv4.kernels.project.queries:_queries_kernel", {"q_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
                                                          "out_ptr": "*bf16", "eps": "fp32"},
-        dict(ROWS=4, num_warps=4, enable_fp_fusion=False), {"stride_t"}),
+        dict(HEADS=8, num_warps=8, enable_fp_fusion=False), {"stride_t"}),
     "combine": ("dsv4.kernels.attention.combine:_combine_kernel", {
         "po_ptr": "*fp32", "plse_ptr": "*fp32", "positions_ptr": "*i64", "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32",
         "o_ptr": "*bf16", "lse_ptr": "*fp32"},
