@@ -1,9 +1,10 @@
 """The compressors' projections of one CSA and one HCA layer (``--preset``) at decode and prefill row counts, each
 GEMM way, against the roofline.
 
-Ways: ``separate`` — one ``torch.mm(x, Wᵀ, out_dtype=float32)`` per matrix (CSA 4, HCA 2: the path before the
-matrices were stacked, and still the path of weights without a stack); ``per-comp`` — one GEMM per compressor over
-its ``[W_kv; W_gate]`` (CSA only: 2); ``stacked`` — one GEMM over every compressor's matrices
+Ways: ``separate`` — one ``torch.mm(x, Wᵀ, out_dtype=float32)`` per matrix (CSA 5 with the indexer's
+``weights_proj``, HCA 2: the path before the matrices were stacked, and still the path of weights without a stack);
+``per-comp`` — one GEMM per compressor over its ``[W_kv; W_gate]`` and one for ``weights_proj`` (CSA only: 3);
+``stacked`` — one GEMM over every compressor's matrices and, CSA, ``weights_proj``
 (``ops.projections.stacked_compressor_projections`` over ``dsv4.compressor_stack``: what a layer runs on CUDA with
 BF16 activations). The column ``vs sep`` is the largest difference from ``separate``'s outputs relative to their
 largest magnitude (the FP32 sums in another order: ~1e-7).
@@ -30,7 +31,7 @@ import torch
 
 import dsv4
 from dsv4.bench.roofline import environment, measure_copy_bandwidth, measure_matmul_rate, roofline_row, time_cuda
-from dsv4.compressor_stack import compressor_stack, compressors, stack_compressor_weights
+from dsv4.compressor_stack import compressor_stack, compressors, head_rows, stack_compressor_weights
 from dsv4.ops.projections import stacked_compressor_projections
 
 REQUIRES_CUDA = True
@@ -47,22 +48,30 @@ def stacked_layer_weights(cfg: dsv4.ModelConfig, kind: str) -> tuple[int, dsv4.A
 
 
 def ways(w: dsv4.AttentionWeights) -> dict[str, tuple[int, Callable[[torch.Tensor], list[torch.Tensor]]]]:
-    """Each way's GEMM count and its call ``x -> [outputs]`` over the stacked weights ``w``."""
+    """Each way's GEMM count and its call ``x -> [outputs]`` over the stacked weights ``w`` (CSA: the indexer's
+    ``weights_proj`` is the stack's last block, a GEMM of its own in the other ways)."""
     stack = compressor_stack(w)
     widths = [c.wkv.shape[0] for c in compressors(w)]
-    mats = [m for c in compressors(w) for m in (c.wkv, c.wgate)]
+    rows = head_rows(w)
+    heads = [w.indexer.weights_proj] if rows else []
+    mats = [m for c in compressors(w) for m in (c.wkv, c.wgate)] + heads
 
-    def flat(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        return [t for pair in pairs for t in pair]
+    def flat(result: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]) -> list[torch.Tensor]:
+        pairs, head = result
+        return [t for pair in pairs for t in pair] + ([head] if head is not None else [])
+
+    def separate(x: torch.Tensor, ms: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.mm(x, m.T, out_dtype=torch.float32) for m in ms]
 
     out: dict[str, tuple[int, Callable[[torch.Tensor], list[torch.Tensor]]]] = {
-        "separate": (len(mats), lambda x: [torch.mm(x, m.T, out_dtype=torch.float32) for m in mats])}
+        "separate": (len(mats), lambda x: separate(x, mats))}
     if len(widths) > 1:
         starts = [2 * sum(widths[:i]) for i in range(len(widths))]
         per = [(stack[s : s + 2 * n], n) for s, n in zip(starts, widths)]  # each compressor's [W_kv; W_gate]
-        out["per-comp"] = (len(per),
-                           lambda x: [t for s, n in per for t in flat(stacked_compressor_projections(x, s, [n]))])
-    out["stacked"] = (1, lambda x: flat(stacked_compressor_projections(x, stack, widths)))
+        out["per-comp"] = (len(per) + len(heads),
+                           lambda x: [t for s, n in per for t in flat(stacked_compressor_projections(x, s, [n]))]
+                           + separate(x, heads))
+    out["stacked"] = (1, lambda x: flat(stacked_compressor_projections(x, stack, widths, rows)))
     return out
 
 

@@ -28,9 +28,10 @@ field                       shape                                  meaning
 
 The copy an ``Attention`` computes with under BF16 activations also has its compressor matrices stacked
 (``dsv4.compressor_stack.stack_compressor_weights``): ``compressor.wkv``, ``compressor.wgate``,
-``indexer.compressor.wkv``, ``indexer.compressor.wgate`` are then row views of one ``[N, d]`` tensor, held with
-those weights (not a field: a copy made by ``to``, ``for_numerics``, ``shard`` or ``dataclasses.replace`` has no
-stack until stacked again), so that one GEMM computes every compressor projection of the layer.
+``indexer.compressor.wkv``, ``indexer.compressor.wgate`` and ``indexer.weights_proj`` (which reads the same input)
+are then row views of one ``[N, d]`` tensor, held with those weights (not a field: a copy made by ``to``,
+``for_numerics``, ``shard`` or ``dataclasses.replace`` has no stack until stacked again), so that one GEMM computes
+every compressor projection of the layer and the indexer's head-weight projection.
 """
 
 from __future__ import annotations

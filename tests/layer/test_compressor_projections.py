@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dsv4
-from dsv4.compressor_stack import compressor_stack, compressors, stack_compressor_weights
+from dsv4.compressor_stack import compressor_stack, compressors, head_rows, stack_compressor_weights
 from dsv4.ops import projections
 
 TINY = dsv4.ModelConfig.preset("tiny")
@@ -52,8 +52,8 @@ def test_stacked_projections_within_fp64_bound(rows: int) -> None:
     x = torch.randn(rows, d, generator=g).bfloat16()
     mats = [(torch.randn(n, d, generator=g) * d**-0.5).bfloat16() for n in widths for _ in range(2)]
     stack = torch.cat(mats)
-    out = projections.stacked_compressor_projections(x, stack, widths)
-    assert len(out) == 2
+    out, head = projections.stacked_compressor_projections(x, stack, widths)
+    assert len(out) == 2 and head is None
     base = out[0][0].data_ptr()
     col = 0
     for i, (a, z) in enumerate(out):
@@ -66,6 +66,26 @@ def test_stacked_projections_within_fp64_bound(rows: int) -> None:
             col += w.shape[0]
     with pytest.raises(AssertionError):  # main's a against main's gate: far outside the bound
         _assert_within(out[0][0], *_fp64_and_bound(x, mats[1]), "another block")
+    # the indexer's weights_proj as the stack's last rows: its sums are the last column block
+    wp = (torch.randn(16, d, generator=g) * d**-0.5).bfloat16()
+    out2, head = projections.stacked_compressor_projections(x, torch.cat(mats + [wp]), widths, head_rows=16)
+    assert head.shape == (rows, 16) and head.stride() == (stack.shape[0] + 16, 1)
+    assert head.data_ptr() == out2[0][0].data_ptr() + 4 * stack.shape[0]
+    _assert_within(head, *_fp64_and_bound(x, wp), "head rows")
+    assert all(torch.equal(a, a2) and torch.equal(z, z2) for (a, z), (a2, z2) in zip(out, out2))
+
+
+def test_head_sums_are_taken_once_and_only_with_their_matrix() -> None:
+    """``attach_head_sums`` keeps the indexer's sums with the exact input tensor; ``take_head_sums`` gives them once,
+    and only to the ``weights_proj`` object they were made with (never another layer's, never twice)."""
+    x, sums, wp = torch.zeros(4, 8), torch.randn(4, 2), torch.zeros(2, 8)
+    projections.attach_head_sums(x, sums, wp)
+    assert projections.take_head_sums(x.view(4, 8), wp) is None  # a view: not the tensor they were kept with
+    assert projections.take_head_sums(x, wp) is sums
+    assert projections.take_head_sums(x, wp) is None  # taken
+    projections.attach_head_sums(x, sums, wp)
+    assert projections.take_head_sums(x, wp.clone()) is None  # another matrix: refused, and dropped
+    assert projections.take_head_sums(x, wp) is None
 
 
 def test_stacked_projections_reject_a_stack_of_other_widths() -> None:
@@ -84,7 +104,11 @@ def test_stacked_weights_are_views_of_one_tensor(li: int) -> None:
     stack = compressor_stack(sw)
     mats = [m for c in compressors(sw) for m in (c.wkv, c.wgate)]
     want = [m for c in compressors(w) for m in (c.wkv, c.wgate)]
-    assert len(mats) == (4 if li == 1 else 2)
+    if li == 1:  # CSA: the indexer's weights_proj last
+        mats.append(sw.indexer.weights_proj)
+        want.append(w.indexer.weights_proj)
+    assert len(mats) == (5 if li == 1 else 2)
+    assert head_rows(sw) == (TINY.index_n_heads if li == 1 else 0)
     assert stack is not None and stack.is_contiguous()
     assert stack.shape == (sum(m.shape[0] for m in want), TINY.hidden_size)
     row = 0
@@ -157,6 +181,36 @@ def test_layer_stacks_its_device_weights_once() -> None:
     assert torch.equal(fresh[rows : rows + w.indexer.compressor.wkv.shape[0]], w.indexer.compressor.wkv.bfloat16())
 
 
+def test_indexer_weights_take_the_stacked_sums_once() -> None:
+    """Both backends' ``indexer_weights`` use the indexer's FP32 sums that the stacked GEMM kept with ``x``, rounded
+    to BF16 as the official BF16 GEMM rounds its output, then scaled — and without them (taken, or made for another
+    input) run their own GEMM, which the rounded sums equal up to the summation order."""
+    from dsv4.ops import triton_indexer
+    from dsv4.reference.indexer import indexer_head_weights
+
+    layer = dsv4.Attention(dsv4.AttentionWeights.random(TINY, 1, seed=8), TINY, 1, backend="torch")
+    step = _layer_step(layer, "official")
+    wp = step.weights.indexer.weights_proj
+    assert wp.data_ptr() == compressor_stack(step.weights)[-head_rows(step.weights):].data_ptr()  # in the stack
+    x = torch.randn(9, TINY.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    sums = x.float() @ wp.float().T  # FP32 sums of exact BF16 products
+    scale = TINY.index_weight_scale
+    own = indexer_head_weights(x, step.weights.indexer, TINY, step.numerics)
+    assert ((sums.bfloat16().float() * scale - own).abs() <= own.abs() * 2.0**-7).all()  # one BF16 step at most
+    kept = sums * 3  # what is kept is what is used (3x: tells it from the layer's own GEMM)
+    projections.attach_head_sums(x, kept, wp)
+    assert torch.equal(projections.indexer_weights(step, x), kept.bfloat16().float() * scale)
+    assert torch.equal(projections.indexer_weights(step, x), own)  # taken: the layer's own GEMM
+    projections.attach_head_sums(x, kept, wp.clone())  # made with another matrix: not used
+    assert torch.equal(projections.indexer_weights(step, x), own)
+    projections.attach_head_sums(x, sums, wp)
+    hw = triton_indexer.head_weights(step, x)
+    assert hw.projection is sums and not hw.rounded and hw.scale == scale
+    assert torch.equal(hw.rounded_projection(), sums.bfloat16())
+    again = triton_indexer.head_weights(step, x)
+    assert again.rounded and again.projection.dtype == torch.bfloat16
+
+
 def test_engine_weights_are_stacked_once_and_the_layer_reuses_them() -> None:
     """An engine's BF16 weights come stacked (``engine.weights.engine_weights``), and the layer's device copy is the
     same memory: no second copy of the compressor matrices on the device."""
@@ -200,7 +254,10 @@ def test_cuda_stacked_gemm_within_fp64_bound(li: int, rows: int) -> None:
     widths = [c.wkv.shape[0] for c in compressors(sw)]
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, FLASH.hidden_size, device="cuda", generator=g).bfloat16()
-    got = projections.stacked_compressor_projections(x, compressor_stack(sw), widths)
+    got, head = projections.stacked_compressor_projections(x, compressor_stack(sw), widths, head_rows(sw))
+    if li == 2:  # CSA: the indexer's head weights' sums
+        exact, bound = _fp64_and_bound(x, sw.indexer.weights_proj)
+        _assert_within(head, exact, bound, f"head sums, {rows} rows")
     for (a, z), c in zip(got, compressors(sw)):
         for fused, m in ((a, c.wkv), (z, c.wgate)):
             exact, bound = _fp64_and_bound(x, m)
@@ -224,6 +281,11 @@ def test_cuda_layer_step_runs_one_gemm(li: int) -> None:
     storages = {t.untyped_storage().data_ptr() for pair in got for t in pair}
     assert len(storages) == 1 and len(got) == (2 if li == 2 else 1)
     stack = compressor_stack(step.weights)
-    want = projections.stacked_compressor_projections(x, stack, [c.wkv.shape[0] for c in compressors(step.weights)])
+    want, head = projections.stacked_compressor_projections(x, stack, [c.wkv.shape[0] for c in compressors(step.weights)],
+                                                            head_rows(step.weights))
     for (a, z), (wa, wz) in zip(got, want):
         assert torch.equal(a, wa) and torch.equal(z, wz)
+    sums = projections.take_head_sums(x, step.weights.indexer.weights_proj) if li == 2 else None
+    assert (sums is not None) == (li == 2)  # CSA: the indexer's sums kept with x, from the same GEMM
+    if sums is not None:
+        assert torch.equal(sums, head) and sums.untyped_storage().data_ptr() in storages

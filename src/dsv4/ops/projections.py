@@ -10,9 +10,12 @@ are BF16 GEMMs in the official model and here.
 The compressors' projections (``a = x W_kvᵀ``, ``z_raw = x W_gateᵀ`` of the main compressor and, CSA, the indexer's;
 SPEC §4: FP32 products and sums) are BF16 matrices: with BF16 activations on CUDA they run on BF16 tensor cores with
 FP32 accumulation and output — all of a layer's in ONE GEMM over the stacked matrix ``[main.wkv; main.wgate;
-indexer.wkv; indexer.wgate]`` (``dsv4.compressor_stack``; ``Attention`` stacks its device weights once), each
-projection a column block of the one FP32 output; elsewhere (the CPU, the exact numerics) one FP32 GEMM per matrix.
-Both backends call ``layer_compressor_projections``, so they compute the same bits on a device.
+indexer.wkv; indexer.wgate; indexer.weights_proj]`` (``dsv4.compressor_stack``; ``Attention`` stacks its device
+weights once), each projection a column block of the one FP32 output; elsewhere (the CPU, the exact numerics) one
+FP32 GEMM per matrix. Both backends call ``layer_compressor_projections``, so they compute the same bits on a device.
+The stack's last block, the FP32 sums of the indexer's ``W_w x``, is kept with ``x`` (``attach_head_sums``) for
+``indexer_weights``, which rounds it to BF16 as the official BF16 GEMM rounds its output: the same products, summed
+in another order, and one GEMM fewer per CSA layer.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from torch import Tensor
 
-from ..compressor_stack import compressor_stack, compressors
+from ..compressor_stack import compressor_stack, compressors, head_rows
 from ..reference.indexer import indexer_head_weights
 from ..numerics import Numerics
 from ..reference.layer import grouped_output
@@ -31,9 +34,9 @@ from ..reference.primitives import project as reference_project
 from ..weights import CompressorWeights, Projection
 from .step import LayerStep
 
-__all__ = ["Norm", "Project", "compressor_projections", "grouped_latent", "indexer_query_projection",
+__all__ = ["Norm", "Project", "attach_head_sums", "compressor_projections", "grouped_latent", "indexer_query_projection",
            "indexer_weights", "layer_compressor_projections", "output", "query_latent", "query_projection",
-           "stacked_compressor_projections", "window_kv"]
+           "stacked_compressor_projections", "take_head_sums", "window_kv"]
 
 #: a weighted RMSNorm ``(x [rows, C], weight [C], eps) -> [rows, C]`` in x's dtype
 Norm = Callable[[Tensor, Tensor, float], Tensor]
@@ -65,7 +68,11 @@ def indexer_query_projection(step: LayerStep, q_latent: Tensor, project: Project
 
 
 def indexer_weights(step: LayerStep, x: Tensor) -> Tensor:
-    """The indexer's per-head weights, float32 ``[T, H_I]`` (``reference.indexer.indexer_head_weights``)."""
+    """The indexer's per-head weights, float32 ``[T, H_I]`` (``reference.indexer.indexer_head_weights``): from the
+    stacked compressor GEMM's sums where ``layer_compressor_projections`` kept them with ``x``, else one GEMM."""
+    sums = take_head_sums(x, step.weights.indexer.weights_proj)
+    if sums is not None:
+        return sums.to(step.numerics.act_dtype).float() * step.cfg.index_weight_scale
     return indexer_head_weights(x, step.weights.indexer, step.cfg, step.numerics)
 
 
@@ -99,33 +106,61 @@ def layer_compressor_projections(step: LayerStep, x: Tensor) -> list[tuple[Tenso
 
     With BF16 activations on CUDA and stacked weights (``compressor_stack(step.weights)``: the weights ``Attention``
     computes with) one GEMM computes them all (``stacked_compressor_projections``): column views of one
-    ``[T, N]`` output, row stride N. Otherwise ``compressor_projections`` of each compressor."""
+    ``[T, N]`` output, row stride N; where the stack holds the indexer's ``weights_proj``, its columns are kept with
+    ``x`` for ``indexer_weights`` (``attach_head_sums``). Otherwise ``compressor_projections`` of each compressor."""
     comps = compressors(step.weights)
     if comps and x.is_cuda and step.numerics.act_dtype == torch.bfloat16:
         stack = compressor_stack(step.weights)
         if stack is not None:
-            return stacked_compressor_projections(x.to(torch.bfloat16), stack, [c.wkv.shape[0] for c in comps])
+            rows = head_rows(step.weights)
+            pairs, head = stacked_compressor_projections(x.to(torch.bfloat16), stack,
+                                                         [c.wkv.shape[0] for c in comps], rows)
+            if head is not None:
+                attach_head_sums(x, head, step.weights.indexer.weights_proj)
+            return pairs
     return [compressor_projections(step, x, cw) for cw in comps]
 
 
-def stacked_compressor_projections(x: Tensor, stack: Tensor, widths: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
+def stacked_compressor_projections(x: Tensor, stack: Tensor, widths: Sequence[int], head_rows: int = 0
+                                   ) -> tuple[list[tuple[Tensor, Tensor]], Tensor | None]:
     """Several compressors' projections in one GEMM: ``x`` BF16 ``[T, d]`` times ``stackᵀ``, ``stack`` BF16
-    ``[N, d]`` = ``[W_kv,0; W_gate,0; W_kv,1; W_gate,1; …]`` with compressor i's matrices ``[widths[i], d]``
-    (N = 2·Σ widths), on BF16 tensor cores with FP32 accumulation and output (``torch.mm(out_dtype=)``; where torch
-    lacks it, the CPU, an FP32 GEMM of the same operands). Returns per compressor ``(a, z_raw)``, float32
-    ``[T, widths[i]]`` column views of the one ``[T, N]`` output (row stride N, not contiguous unless N is one
-    width): the products are exact in FP32, the sums in the GEMM's order.
+    ``[N, d]`` = ``[W_kv,0; W_gate,0; W_kv,1; W_gate,1; …; W_w]`` with compressor i's matrices ``[widths[i], d]``
+    and, when ``head_rows`` > 0, the indexer's ``weights_proj`` ``[head_rows, d]`` last (N = 2·Σ widths +
+    head_rows), on BF16 tensor cores with FP32 accumulation and output (``torch.mm(out_dtype=)``; where torch lacks
+    it, the CPU, an FP32 GEMM of the same operands). The products are exact in FP32, the sums in the GEMM's order.
 
-    Raises ``ValueError`` when ``stack`` does not have 2·Σ widths rows."""
-    if stack.dim() != 2 or stack.shape[0] != 2 * sum(widths):
-        raise ValueError(f"stack must be [2 * sum(widths) = {2 * sum(widths)}, d] for widths {list(widths)}, got "
-                         f"{list(stack.shape)}")
+    Returns:
+        per compressor ``(a, z_raw)``, float32 ``[T, widths[i]]``, and the head sums float32 ``[T, head_rows]``
+        (``None`` without head rows): column views of the one ``[T, N]`` output (row stride N).
+    Raises:
+        ValueError: ``stack`` does not have 2·Σ widths + head_rows rows."""
+    if stack.dim() != 2 or stack.shape[0] != 2 * sum(widths) + head_rows:
+        raise ValueError(f"stack must be [2 * sum(widths) + head_rows = {2 * sum(widths) + head_rows}, d] for widths "
+                         f"{list(widths)} and {head_rows} head rows, got {list(stack.shape)}")
     out = _bf16_mm_fp32_out(x, stack)
     views, col = [], 0
     for width in widths:
         views.append((out[:, col : col + width], out[:, col + width : col + 2 * width]))
         col += 2 * width
-    return views
+    return views, (out[:, col:] if head_rows else None)
+
+
+_HEAD_SUMS_ATTR = "_dsv4_head_sums"
+
+
+def attach_head_sums(x: Tensor, sums: Tensor, weights_proj: Tensor) -> None:
+    """Keep with the tensor object ``x`` (the layer's attention input) the FP32 sums ``x W_wᵀ`` ``[T, H_I]`` that the
+    stacked GEMM made with this ``weights_proj`` (the exact tensor object), for ``take_head_sums``."""
+    setattr(x, _HEAD_SUMS_ATTR, (sums, weights_proj))
+
+
+def take_head_sums(x: Tensor, weights_proj: Tensor) -> Tensor | None:
+    """The sums ``attach_head_sums`` kept with ``x``, removed from it — or ``None`` when there are none or they were
+    made with another matrix than this ``weights_proj`` object (another layer's): taken once, never stale."""
+    kept = x.__dict__.pop(_HEAD_SUMS_ATTR, None)
+    if kept is None or kept[1] is not weights_proj:
+        return None
+    return kept[0]
 
 
 def compressor_projections(step: LayerStep, x: Tensor, cw: CompressorWeights) -> tuple[Tensor, Tensor]:

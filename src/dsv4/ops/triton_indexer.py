@@ -70,18 +70,29 @@ class HeadWeights:
     """The indexer's per-head weights before their scale (the Triton backend's ``indexer_weights``).
 
     Attributes:
-        projection: ``[T, H_I]`` act dtype: ``W_w x`` as the official model rounds it.
+        projection: ``[T, H_I]``: ``W_w x`` as the official model rounds it (act dtype) or, ``rounded`` False, its
+            FP32 sums (the stacked compressor GEMM's columns, any row stride), which their reader rounds to BF16.
         scale: ``c_I^{-1/2} H_I^{-1/2}`` (``ModelConfig.index_weight_scale``).
+        rounded: whether ``projection`` is already in the act dtype.
     """
 
     projection: Tensor
     scale: float
+    rounded: bool = True
+
+    def rounded_projection(self) -> Tensor:
+        """``projection`` in BF16 (as the official BF16 GEMM rounds its output) where it holds FP32 sums."""
+        return self.projection if self.rounded else self.projection.to(torch.bfloat16)
 
 
 def head_weights(step: LayerStep, x: Tensor) -> HeadWeights:
     """The per-head weight projection of ``x`` ``[T, d]`` (``reference.indexer.indexer_head_weights`` before its
-    scale: one GEMM)."""
+    scale): the stacked compressor GEMM's FP32 sums where ``projections.layer_compressor_projections`` kept them
+    with ``x`` (BF16 activations; rounded by ``score_weights``), else one GEMM."""
     w = step.weights.indexer
+    sums = projections.take_head_sums(x, w.weights_proj)
+    if sums is not None:
+        return HeadWeights(sums, step.cfg.index_weight_scale, rounded=False)
     return HeadWeights(linear(x, w.weights_proj, step.numerics.act_dtype), step.cfg.index_weight_scale)
 
 
@@ -220,14 +231,16 @@ def topk_layer(
                          f"{q_idx.fmt} queries)")
     visible = batch.visible_entries[m]
     scores = score_buffer(layer, batch, m, score_dtype)
-    projection, scale = ((head_weights.projection, head_weights.scale) if isinstance(head_weights, HeadWeights)
-                         else (head_weights, 1.0))
+    if not isinstance(head_weights, HeadWeights):
+        head_weights = HeadWeights(head_weights, 1.0)
+    projection, scale = head_weights.projection, head_weights.scale
     if plan.scores is not None:
-        w = score_weights(projection, scale, q_idx.scale)  # one launch: the scale, the queries' scales, padding
+        # one launch: the rounding of FP32 sums, the scale, the queries' scales, padding
+        w = score_weights(projection, scale, q_idx.scale, round_bf16=not head_weights.rounded)
         index_scores(layer.index_pages, batch.block_tables, batch.cu_seqlens, visible, q_idx.q, w, scores,
                      plan.scores)
     else:  # nvfp4: the torch backend's scores (host loop), then the same top-k
-        values, weights = q_idx.values, projection.float() * scale
+        values, weights = q_idx.values, head_weights.rounded_projection().float() * scale
         for rows, keys in torch_ops.request_index_keys(layer, batch, m):
             scores[rows, : keys.shape[0]] = _reference_scores(values[rows], weights[rows], keys, score_dtype)
     return radix_topk(scores, visible, plan.topk, **topk_scratch(layer, plan.topk))

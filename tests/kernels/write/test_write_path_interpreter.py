@@ -28,13 +28,15 @@ if len(sys.argv) > 2 and sys.argv[2] == "fused":  # CSA entries as entry program
     launch = {"separate_entries": False}
 elif len(sys.argv) > 2 and sys.argv[2] == "stacked":
     # both backends take the projections as on CUDA: one GEMM over the stacked matrices, column views of its output
-    from dsv4.compressor_stack import compressor_stack, compressors
+    from dsv4.compressor_stack import compressor_stack, compressors, head_rows
     from dsv4.ops import projections
 
     def stacked(step, x):
         widths = [c.wkv.shape[0] for c in compressors(step.weights)]
-        out = projections.stacked_compressor_projections(x.to(torch.bfloat16), compressor_stack(step.weights), widths)
-        assert all(a.stride(0) == 2 * sum(widths) > a.shape[1] for a, _ in out)
+        rows = head_rows(step.weights)  # CSA: the indexer's weights_proj, the stack's last rows
+        out, _ = projections.stacked_compressor_projections(x.to(torch.bfloat16), compressor_stack(step.weights),
+                                                            widths, rows)
+        assert all(a.stride(0) == 2 * sum(widths) + rows > a.shape[1] for a, _ in out)
         return out
 
     projections.layer_compressor_projections = stacked
