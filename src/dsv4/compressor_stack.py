@@ -88,7 +88,7 @@ def stack_compressor_weights(w: AttentionWeights) -> AttentionWeights:
     comps = [dataclasses.replace(c, wkv=views[2 * i], wgate=views[2 * i + 1]) for i, c in enumerate(compressors(w))]
     indexer = None
     if w.indexer is not None:
-        head = views[4] if len(views) == 5 else w.indexer.weights_proj
+        head = views[-1] if _stacks_head_weights(w) else w.indexer.weights_proj
         indexer = dataclasses.replace(w.indexer, compressor=comps[1], weights_proj=head)
     out = replace_keeping_stacks(w, compressor=comps[0], indexer=indexer)
     record_stack(out, _ATTR, stacked, views)
