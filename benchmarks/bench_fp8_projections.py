@@ -4,8 +4,8 @@ plan can pick, against the weight-read roofline.
 Ways: ``bf16`` (the activations' quantized values times the weight's BF16 copy on cuBLAS), ``scaled_mm``
 (``torch._scaled_mm`` with blockwise scales, where this torch takes it and gets it right; the probe's figures are
 printed either way), ``triton`` (``kernels.project.block_gemm``: the block-scaled FP8 GEMM on FP8 tensor cores) —
-``gemm_config``'s launch and, with ``--sweep``, other kernel / tile / split / stage / grid choices. Each timing includes the
-activation quantization (the user's call). Errors are relative L2 against the reference's FP32 sums of the same
+``gemm_config``'s launch and, with ``--sweep``, other kernel / tile / split / stage / grid choices. Each timing
+includes the activation quantization (the user's call). Errors are relative L2 against the reference's FP32 sums of the same
 products (``formats.block_fp8.fp8_linear``).
 
 Each timing is a CUDA graph of calls that each read another copy of the weight (none in L2 when its GEMM starts, as

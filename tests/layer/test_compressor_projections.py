@@ -281,8 +281,8 @@ def test_cuda_layer_step_runs_one_gemm(li: int) -> None:
     storages = {t.untyped_storage().data_ptr() for pair in got for t in pair}
     assert len(storages) == 1 and len(got) == (2 if li == 2 else 1)
     stack = compressor_stack(step.weights)
-    want, head = projections.stacked_compressor_projections(x, stack, [c.wkv.shape[0] for c in compressors(step.weights)],
-                                                            head_rows(step.weights))
+    widths = [c.wkv.shape[0] for c in compressors(step.weights)]
+    want, head = projections.stacked_compressor_projections(x, stack, widths, head_rows(step.weights))
     for (a, z), (wa, wz) in zip(got, want):
         assert torch.equal(a, wa) and torch.equal(z, wz)
     sums = projections.take_head_sums(x, step.weights.indexer.weights_proj) if li == 2 else None

@@ -269,7 +269,8 @@ def e2m1_magnitude(m):
     * from 1 up a code is the exponent and one significand bit: the fp32 bits rounded to their top 10 bits (RNE),
       less the bits of 1.0's code (``127·2 − 2``).
 
-    Equal to the thresholds on every fp32 in ``[0, 6]`` (checked exhaustively on the GPU, ``tests/kernels/test_e2m1_magnitude.py``)."""
+    Equal to the thresholds on every fp32 in ``[0, 6]`` (checked exhaustively on the GPU,
+    ``tests/kernels/test_e2m1_magnitude.py``)."""
     b = m.to(tl.int32, bitcast=True)
     below_one = (m * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
     from_one = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252

@@ -34,9 +34,9 @@ from ..reference.primitives import project as reference_project
 from ..weights import CompressorWeights, Projection
 from .step import LayerStep
 
-__all__ = ["Norm", "Project", "attach_head_sums", "compressor_projections", "grouped_latent", "indexer_query_projection",
-           "indexer_weights", "layer_compressor_projections", "output", "query_latent", "query_projection",
-           "stacked_compressor_projections", "take_head_sums", "window_kv"]
+__all__ = ["Norm", "Project", "attach_head_sums", "compressor_projections", "grouped_latent",
+           "indexer_query_projection", "indexer_weights", "layer_compressor_projections", "output", "query_latent",
+           "query_projection", "stacked_compressor_projections", "take_head_sums", "window_kv"]
 
 #: a weighted RMSNorm ``(x [rows, C], weight [C], eps) -> [rows, C]`` in x's dtype
 Norm = Callable[[Tensor, Tensor, float], Tensor]

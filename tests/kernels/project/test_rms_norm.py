@@ -119,4 +119,5 @@ def test_rms_norm_codes_on_gpu() -> None:
             assert torch.equal(got, rms_norm(x, w, 1e-6))
             codes, scales = attached_codes(got)
             want_codes, want_scales = quantize_activations(got)
-            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+            assert torch.equal(scales, want_scales)

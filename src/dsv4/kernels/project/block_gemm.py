@@ -247,10 +247,13 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
     if (WEIGHT_BLOCK % config.bn or (config.split > 1 and config.split * M * N >= 2**31)
             or (config.tma and (M > config.bm or K % 16))):
         raise ValueError(f"block_fp8_linear: {config} does not fit a [{M}, {K}] x [{N}, {K}] GEMM")
+    nkb = triton.cdiv(K, ACT_BLOCK)
+    if codes is not None and (tuple(codes[0].shape) != (M, K) or tuple(codes[1].shape) != (M, nkb)):
+        raise ValueError(f"block_fp8_linear: codes {list(codes[0].shape)} and scales {list(codes[1].shape)} are not "
+                         f"those of a [{M}, {K}] input")
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return out
-    nkb = triton.cdiv(K, ACT_BLOCK)
     part, counters = out, out
     if config.split > 1:
         if workspace is None:
@@ -261,9 +264,6 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
             counters = workspace.get("gemm_tile_counters", (COUNTERS,), torch.int32, zero=True)
     grid = config.grid(M, N)
     kb_per_split = triton.cdiv(nkb, config.split)
-    if codes is not None and (tuple(codes[0].shape) != (M, K) or tuple(codes[1].shape) != (M, nkb)):
-        raise ValueError(f"block_fp8_linear: codes {list(codes[0].shape)} and scales {list(codes[1].shape)} are not "
-                         f"those of a [{M}, {K}] input")
     if config.tma:
         codes, x_scale = quantize_activations(x) if codes is None else codes
         units = triton.cdiv(N, config.bn) * config.split
