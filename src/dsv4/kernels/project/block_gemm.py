@@ -72,7 +72,6 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False
     programs: int = 0
-    rotate: bool = False
 
     def __post_init__(self) -> None:
         if self.programs and (not self.tma or self.split != 1):
@@ -188,8 +187,7 @@ def _block_fp8_gemm_kernel(x_ptr, stride_x, w_ptr, w_scale_ptr, out_ptr, part_pt
 @triton.jit
 def _block_fp8_gemm_tma_kernel(x_desc, x_scale_ptr, w_desc, w_scale_ptr, out_ptr, part_ptr, count_ptr, M, N, NKB,
                                MN, PROGRAMS, ROUNDS: tl.constexpr, KB_PER_SPLIT: tl.constexpr, BM: tl.constexpr,
-                               BN: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr,
-                               ROTATE: tl.constexpr = False):
+                               BN: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
     """Output tiles ``pid + r·PROGRAMS`` (r < ``ROUNDS``; a persistent grid) — or, K split, tile ``pid // SPLIT``'s
     K blocks ``(pid % SPLIT)·KB_PER_SPLIT …`` — of ``out`` ``[M, N]`` (M ≤ BM), the activations quantized before.
 
@@ -208,7 +206,7 @@ def _block_fp8_gemm_tma_kernel(x_desc, x_scale_ptr, w_desc, w_scale_ptr, out_ptr
         n0 = tile * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for i in tl.range(0, KB_PER_SPLIT, num_stages=STAGES):
-            kb = split * KB_PER_SPLIT + ((i + tile) % KB_PER_SPLIT if ROTATE else i)
+            kb = split * KB_PER_SPLIT + i
             block = tl.dot(x_desc.load([0, kb * 128]), w_desc.load([n0, kb * 128]).T)
             x_scale = tl.load(x_scale_ptr + kb * M + rows, mask=row_ok & (kb < NKB), other=0.0)
             w_scale = tl.load(w_scale_ptr + (n0 // 128) * NKB + kb, mask=(kb < NKB) & (n0 < N), other=0.0)
@@ -273,7 +271,7 @@ def block_fp8_linear(x: Tensor, w: BlockFp8Weight, out_dtype: torch.dtype, confi
             TensorDescriptor.from_tensor(codes, [config.bm, ACT_BLOCK]), x_scale, _weight_descriptor(w, config.bn),
             w.scale, out, part, counters, M, N, nkb, M * N, grid[0], ROUNDS=triton.cdiv(units, grid[0]),
             KB_PER_SPLIT=kb_per_split, BM=config.bm, BN=config.bn, SPLIT=config.split, STAGES=config.num_stages,
-            FLATTEN=config.split == 1, ROTATE=config.rotate, num_warps=config.num_warps)
+            FLATTEN=config.split == 1, num_warps=config.num_warps)
     else:
         _block_fp8_gemm_kernel[grid](
             x, x.stride(0), w.data, w.scale, out, part, counters, M, N, K, nkb, M * N, KB_PER_SPLIT=kb_per_split,
