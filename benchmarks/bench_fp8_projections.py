@@ -12,7 +12,8 @@ Each timing is a CUDA graph of calls that each read another copy of the weight (
 in a layer), per call. Roofline: the FP8 weight (values + scales) read once at the copy bandwidth measured in the
 same run.
 
-    python benchmarks/bench_fp8_projections.py [--preset v4-flash] [--rows 1 4 16 64 128 8192] [--sweep] [--json out]
+    python benchmarks/bench_fp8_projections.py [--preset v4-flash] [--rows 1 4 16 64 128 8192] [--sweep]
+        [--weights wq_b wo_b] [--ways triton] [--json out]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dsv4.kernels.project import block_gemm, fp8_gemm
 
 REQUIRES_CUDA = True
 #: row counts ``--sweep`` explores (each launch shape compiles once: a wider sweep costs minutes)
-SWEEP_ROWS = (32, 64)
+SWEEP_ROWS = (17, 32, 64)
 #: bytes of weight copies each timing cycles through (3x the H200's 50 MB L2)
 L2_SPAN = 150 << 20
 #: weights ``--sweep`` explores: the large square-ish one, the long-K one and the narrow one
@@ -81,7 +82,7 @@ def run_way(x: torch.Tensor, w: BlockFp8Weight, way: str, config: block_gemm.Gem
 def sweep_configs(plan: block_gemm.GemmConfig, sms: int) -> list[block_gemm.GemmConfig]:
     """The plan's launch and neighbours of it (4 warps, the plan's kernel): 64- or 128-column tiles, K split as
     planned, half or twice as much; the TMA kernel with 6 stages, unsplit on a persistent grid or one program per
-    tile; the pointer kernel with 3 or 5 stages."""
+    tile, also with 64-row tiles where the plan's are smaller; the pointer kernel with 3 or 5 stages."""
     out = [plan]
     splits = sorted({plan.split, max(1, plan.split // 2), plan.split * 2})
     for bn in (64, 128):
@@ -90,8 +91,8 @@ def sweep_configs(plan: block_gemm.GemmConfig, sms: int) -> list[block_gemm.Gemm
                 out += [block_gemm.GemmConfig(bm=plan.bm, bn=bn, split=split, num_stages=st) for st in (3, 5)]
                 continue
             for programs in ((0, sms) if split == 1 else (0,)):
-                out.append(block_gemm.GemmConfig(bm=plan.bm, bn=bn, split=split, num_stages=6, tma=True,
-                                                 programs=programs))
+                out += [block_gemm.GemmConfig(bm=bm, bn=bn, split=split, num_stages=6, tma=True, programs=programs)
+                        for bm in dict.fromkeys((plan.bm, 64))]
     return list(dict.fromkeys(out))
 
 
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 8192])
     ap.add_argument("--sweep", action="store_true", help="also time neighbouring Triton launches")
     ap.add_argument("--triton-rows", type=int, default=8192, help="time the Triton GEMM up to this many rows")
+    ap.add_argument("--weights", nargs="+", help="only these weights (names as printed; default: all)")
+    ap.add_argument("--ways", nargs="+", choices=["bf16", "triton", "scaled_mm"], help="only these ways")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = dsv4.ModelConfig.preset(a.preset)
@@ -110,7 +113,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  {a.preset}; copy bandwidth {bw / 1e12:.2f} TB/s; {sms} SMs")
     print(f"torch {torch.__version__} _scaled_mm blockwise probe: {probe}")
     ways = ["bf16", "triton"] + (["scaled_mm"] if fp8_gemm.scaled_mm_works(torch.device("cuda")) else [])
-    weights = fp8_projections(cfg)
+    ways = [w for w in ways if not a.ways or w in a.ways]
+    weights = {n: w for n, w in fp8_projections(cfg).items() if not a.weights or n in a.weights}
     print(f"{'weight':<18}{'N x K':>14}{'M':>6}{'way':>10}{'us':>9}{'roof us':>9}{'roof %':>8}{'rel err':>10}  launch")
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)

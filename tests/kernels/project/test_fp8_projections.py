@@ -30,13 +30,15 @@ for M, K in ((3, 128), (5, 200), (2, 640)):
 
 # the Triton block GEMM: FP32 sums of the same exact products (codes bit-cast, never float-cast to FP8, so the
 # interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K; the TMA kernel
-# one program per tile, split, and on a persistent grid whose last round runs past the last tile; weight rows of
+# one program per tile, split, and on a persistent grid whose last round runs past the last tile (also 64-row tiles
+# holding 19 rows, as the rule's persistent launches take); weight rows of
 # different magnitudes, so that a wrong scale row shows
 from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_linear
 from dsv4.kernels.project.block_gemm import GemmConfig, block_fp8_linear
 for M, N, K, bm, bn, split, tma, programs in (
         (3, 256, 512, 16, 64, 1, False, 0), (17, 128, 384, 32, 32, 2, False, 0), (1, 64, 200, 16, 64, 2, False, 0),
-        (5, 192, 640, 16, 64, 3, True, 0), (21, 192, 640, 32, 128, 1, True, 0), (9, 320, 384, 16, 64, 1, True, 2)):
+        (5, 192, 640, 16, 64, 3, True, 0), (21, 192, 640, 32, 128, 1, True, 0), (9, 320, 384, 16, 64, 1, True, 2),
+        (19, 384, 256, 64, 128, 1, True, 2)):
     # rows of different magnitudes: the 128-row blocks get different scales (a wrong scale row shows)
     magnitudes = torch.exp(2 * torch.randn(N, 1, generator=g))
     w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g) * K**-0.5 * magnitudes)
@@ -94,6 +96,42 @@ def test_gpu_fp8_projection_matches_reference(gemm: str, M: int) -> None:
     want = reference_fp8_linear(x, w, torch.float32)  # FP32 sums of the same products
     rel = ((got - want).norm() / want.norm()).item()
     assert torch.isfinite(got).all() and rel < 4e-3, rel  # BF16 output rounding and summation order only
+
+
+def test_gemm_rule_gives_persistent_launches_64_row_tiles() -> None:
+    """Whatever the row count, a persistent TMA launch takes 64-row tiles (one warpgroup's tensor-core rows); a
+    split launch keeps the smallest tile that holds the rows."""
+    from dsv4.kernels.project.block_gemm import gemm_config
+
+    for M in (17, 32, 64):
+        persistent = gemm_config(M, 32768, 1024, 132)
+        assert persistent.tma and persistent.programs == 132 and persistent.bm == 64, (M, persistent)
+        split = gemm_config(M, 4096, 8192, 132)
+        assert split.tma and split.split > 1 and split.bm == min(64, 1 << (M - 1).bit_length()), (M, split)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [17, 32])
+def test_gpu_persistent_tma_launch_matches_reference(M: int) -> None:
+    """The rule's persistent launch (more 128-column tiles than SMs, ragged N) at few rows in 64-row tiles."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU (TMA)")
+    from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_fp8_linear
+    from dsv4.kernels.device import sm_count
+    from dsv4.kernels.project import block_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    N, K = 128 * sm_count("cuda") + 64, 1024
+    w = BlockFp8Weight.quantize(torch.randn(N, K, generator=g, device="cuda") * K**-0.5
+                                * torch.exp(2 * torch.randn(N, 1, generator=g, device="cuda")))
+    x = (torch.randn(M, K, generator=g, device="cuda") * torch.exp(torch.randn(M, 1, generator=g, device="cuda")))
+    x = x.bfloat16()
+    config = block_gemm.gemm_config(M, N, K, sm_count("cuda"))
+    assert config.programs and config.bm == 64
+    got = block_gemm.block_fp8_linear(x, w, torch.float32, config)
+    want = reference_fp8_linear(x, w, torch.float32)
+    assert ((got - want).norm() / want.norm()).item() < 1e-3  # the tensor cores' block sums (~14 bits) only
+    assert torch.equal(block_gemm.block_fp8_linear(x, w, torch.float32, config), got)
 
 
 def test_scaled_mm_fits_every_v4_projection() -> None:
