@@ -35,7 +35,7 @@ from dsv4.kernels.project import block_gemm, fp8_gemm
 
 REQUIRES_CUDA = True
 #: row counts ``--sweep`` explores (each launch shape compiles once: a wider sweep costs minutes)
-SWEEP_ROWS = (17, 32, 64)
+SWEEP_ROWS = (1, 8, 16, 17, 32, 64)
 #: bytes of weight copies each timing cycles through (3x the H200's 50 MB L2)
 L2_SPAN = 150 << 20
 #: weights ``--sweep`` explores: the large square-ish one, the long-K one and the narrow one
@@ -82,13 +82,18 @@ def run_way(x: torch.Tensor, w: BlockFp8Weight, way: str, config: block_gemm.Gem
 def sweep_configs(plan: block_gemm.GemmConfig, sms: int) -> list[block_gemm.GemmConfig]:
     """The plan's launch and neighbours of it (4 warps, the plan's kernel): 64- or 128-column tiles, K split as
     planned, half or twice as much; the TMA kernel with 6 stages, unsplit on a persistent grid or one program per
-    tile, also with 64-row tiles where the plan's are smaller; the pointer kernel with 3 or 5 stages."""
+    tile, also with 64-row tiles where the plan's are smaller; the pointer kernel with 3 or 5 stages, and there the
+    TMA kernel in 64-row tiles as well."""
     out = [plan]
     splits = sorted({plan.split, max(1, plan.split // 2), plan.split * 2})
     for bn in (64, 128):
         for split in splits:
             if not plan.tma:
                 out += [block_gemm.GemmConfig(bm=plan.bm, bn=bn, split=split, num_stages=st) for st in (3, 5)]
+                # the TMA kernel at these rows too (64-row tiles; its quantization launch included)
+                out += [block_gemm.GemmConfig(bm=64, bn=bn, split=split, num_stages=6, tma=True)]
+                if split == 1 and bn == 128:
+                    out += [block_gemm.GemmConfig(bm=64, bn=128, num_stages=6, tma=True, programs=sms)]
                 continue
             for programs in ((0, sms) if split == 1 else (0,)):
                 out += [block_gemm.GemmConfig(bm=bm, bn=bn, split=split, num_stages=6, tma=True, programs=programs)
