@@ -30,9 +30,9 @@ for M, K in ((3, 128), (5, 200), (2, 640)):
 
 # the Triton block GEMM: FP32 sums of the same exact products (codes bit-cast, never float-cast to FP8, so the
 # interpreter's FP8 conversion is not involved); ragged K, several row / column tiles, split K; the TMA kernel
-# one program per tile, split, and on a persistent grid whose last round runs past the last tile (also 64-row tiles
-# holding 19 rows, as the rule's persistent launches take); weight rows of
-# different magnitudes, so that a wrong scale row shows
+# one program per tile, split, and on a persistent grid whose last round runs past the last tile (also in 64-row
+# tiles holding 19 rows, as the rule's persistent launches run); weight rows of different magnitudes, so that a
+# wrong scale row shows
 from dsv4.formats.block_fp8 import BlockFp8Weight, fp8_linear as reference_linear
 from dsv4.kernels.project.block_gemm import GemmConfig, block_fp8_linear
 for M, N, K, bm, bn, split, tma, programs in (
