@@ -11,9 +11,10 @@ slot. Persistent (one program per SM walks tiles ``pid, pid + P, …``), unsplit
 
 Result (the archive of ``benchmarks/RESULTS.md``, "Norms that quantize for the next GEMM; wide TMA tiles and an FP8
 ``wo_a`` tried"): the same bits as the Triton kernel at 64 rows; faster at 17 and 32 rows (query stack 19.9 → 16.9
-and 20.8 → 18.1 µs), slower at 64 (18.0 → 19.6): every program reads the whole activation box from L2 (at 64 rows
-half as many bytes as its weight boxes). Not wired into any rule; the next step is the activation box multicast over
-a cluster of programs, judged inside the decode step.
+and 20.8 → 18.1 µs), slower at 64 (18.0 → 19.6). Not wired into any rule. The guess then — every program reading
+the activation box from L2 — did not hold: a stream-K form of this kernel with wider tiles and a rotated K order was
+still slower at 64 rows, its consumers stalled on the named barriers around each slot and on the scales
+(``docs/perf/2026-11-29-stream-k-gemm.md``).
 
     python benchmarks/probe_gluon_gemm.py          (CUDA, Hopper)
 """

@@ -98,6 +98,5 @@ def stack_compressor_weights(w: AttentionWeights) -> AttentionWeights:
 def compressor_stack(w: AttentionWeights) -> Tensor | None:
     """The stacked matrix ``[N, d]`` of ``w`` (made by ``stack_compressor_weights``; its last ``head_rows(w)`` rows
     the indexer's ``weights_proj``), or ``None`` when ``w`` has none or its stacked matrices are no longer the stack's
-    row views (checked on every call: a few
-    identity and address comparisons on the host, no device work)."""
+    row views (checked on every call: a few identity and address comparisons on the host, no device work)."""
     return current_stack(w, _ATTR, _matrices(w))
