@@ -6,7 +6,10 @@ ops (``dsv4.ops.backend``) top to bottom, SPEC §3 in order: the query path, the
 entries whose window closes in this step go into the paged pool), the indexer (CSA), attention over window ∪
 compressed keys with the sink, the ring commit, the output projection. ``backend="torch"`` runs
 ``dsv4.ops.torch_ops`` on any device; ``backend="triton"`` runs ``dsv4.ops.triton_ops`` (Hopper kernels, CUDA
-tensors); ``"auto"`` picks Triton for CUDA inputs when it is available, else torch.
+tensors); ``"auto"`` picks Triton for CUDA inputs when it is available, else torch. Where the step's plan says so
+(``LayerPlan.overlap``), two stages run on a second CUDA stream beside the stage that follows them in the code (the
+writes beside the queries, the ring commit beside the output projection; ``dsv4.ops.side_stream``); the layer's
+result and cache bytes are the same either way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .input_stack import input_stack
 from .layer_stacks import stack_layer_weights
 from .numerics import Numerics
 from .ops import BACKENDS, LayerStep, StepPlan, backend_ops, triton_available
+from .ops.side_stream import SideStream
 from .reference.rope import rope_inv_freq
 from .validate import require_bool, require_choice, require_instance, require_int
 from .weights import AttentionWeights
@@ -331,19 +335,23 @@ class Attention:
         x = x.to(cache.numerics.act_dtype)
 
         q_latent, kv = ops.input_projections(step, x)           # SPEC §3 steps 1 and 3: c^Q, the window KV
-        q, q_index = ops.queries(step, q_latent)                # step 2; CSA: W_Iq c^Q if the same GEMM made it
         if batch.prefix_captures:                               # prefix caching: states at block boundaries
             ops.capture_prefix_states(step, x, kv)              # inside the step, before any write
-        kv = ops.new_entries(step, x, kv)                       # SPEC §4: windows closing → the pool
+        with SideStream(x.device, step.plan.overlap) as side:  # as planned, the writes beside the queries on a
+            kv = side.run(ops.new_entries, step, x, kv)         # second stream, joined at the block's end; SPEC §4:
+                                                                # windows closing → the pool
+            q, q_index = ops.queries(step, q_latent)            # step 2; CSA: W_Iq c^Q if the same GEMM made it
+            if self.kind is LayerKind.CSA:
+                q_idx = ops.indexer_queries(step, q_latent, q_index)
         entry_idx = None
         if self.kind is LayerKind.CSA:                          # SPEC §5–6: the lightning indexer's top-k
-            q_idx = ops.indexer_queries(step, q_latent, q_index)
             entry_idx = ops.indexer_topk(step, q_idx, ops.indexer_weights(step, x))
         elif self.kind is LayerKind.HCA:                        # every visible entry
             entry_idx = ops.visible_entries(step)
         o, lse = ops.attend(step, q, kv, entry_idx)             # steps 4–6
-        ops.append_swa(step, kv)
-        y = ops.output(step, o)                                 # step 7
+        with SideStream(x.device, step.plan.overlap) as side:  # the ring commit beside the output projection
+            side.run(ops.append_swa, step, kv)
+            y = ops.output(step, o)                             # step 7
         if entry_idx is None:
             entry_idx = torch.empty((batch.num_tokens, 0), dtype=torch.int64, device=x.device)
         return StepOutputs(y, lse, entry_idx)

@@ -103,6 +103,7 @@ class DeviceFacts:
             (``None``: never merge split partials in clusters).
         fp8_gemm: how the FP8 projections' GEMM runs there (``kernels.project.fp8_gemm.GEMMS``: ``"scaled_mm"``
             where torch takes the blockwise recipe, else ``"bf16"``; ``None`` off CUDA: the torch reference).
+        streams: independent launches can run on a second stream beside the current one (a CUDA device).
     """
 
     kernels: bool
@@ -110,3 +111,4 @@ class DeviceFacts:
     sm90: bool
     resident_clusters: Callable[[int], int] | None = None
     fp8_gemm: str | None = None
+    streams: bool = False

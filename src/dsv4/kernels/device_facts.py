@@ -31,4 +31,5 @@ def facts(device: torch.device | str) -> DeviceFacts:
 
         fp8_gemm = "scaled_mm" if scaled_mm_works(device) else "bf16"
     return DeviceFacts(kernels=device.type == "cuda" or interpreting(), sm_count=sm_count(device), sm90=sm90,
-                       resident_clusters=clusters, fp8_gemm=fp8_gemm)
+                       resident_clusters=clusters, fp8_gemm=fp8_gemm,
+                       streams=device.type == "cuda" and not interpreting())

@@ -5,21 +5,26 @@ Triton / Gluon kernels for Hopper) plus ``NAME``, ``GRAPH_SAFE`` (a step can be 
 synchronisation, no allocation that depends on data) and ``plan_step`` (the step's launch decisions, built once on
 the host and shared by every layer of the step). Every op takes the layer's ``LayerStep`` first.
 
-SPEC §3 in call order::
+SPEC §3 in call order (``new_entries`` and ``append_swa`` may run on a second CUDA stream beside the ops after
+them, up to the marked joins: ``LayerPlan.overlap``, ``ops.side_stream``)::
 
     c^Q, kv = input_projections(step, x)       RMSNorm(W_qa x), RMSNorm(W_kv x)                [T, q_lora], [T, D]
-    q, q_I = queries(step, c^Q)                 W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
-                                                (CSA: q_I = W_Iq c^Q where the same GEMM made it, else None)
-    capture_prefix_states(step, x, kv)          prefix caching: the state at block boundaries inside the step
+    capture_prefix_states(step, x, kv)          prefix caching: the state at block boundaries inside the step,
+                                                before any write
     kv   = new_entries(step, x, kv)             the step's window entries (RoPE, rounded as stored); CSA/HCA also
                                                 every compressor: accumulate into the tails, pool every window
                                                 that closes, store its entries in the pool
-    CSA:     idx = indexer_topk(step, indexer_queries(step, c^Q, q_I), indexer_weights(step, x)) [T, k], −1 padded
+    q, q_I = queries(step, c^Q)                 W_qb c^Q per head: RMSNorm, RoPE                      [T, H, D]
+                                                (CSA: q_I = W_Iq c^Q where the same GEMM made it, else None)
+    CSA:     q_idx = indexer_queries(step, c^Q, q_I)
+    -- join: the pool's new entries are written --
+    CSA:     idx = indexer_topk(step, q_idx, indexer_weights(step, x))                   [T, k], −1 padded
     HCA:     idx = visible_entries(step)        per-token count of visible entries              [T]
     o, lse = attend(step, q, kv, idx)           one softmax over window ∪ compressed keys + sink, inverse RoPE
-    append_swa(step, kv)                        last: a multi-token step must not overwrite ring slots its own
-                                                earlier queries still read
+    append_swa(step, kv)                        after attention: a multi-token step must not overwrite ring slots
+                                                its own earlier queries still read
     y    = output(step, o)                      grouped W_oa, then W_ob                               [T, d]
+    -- join: the ring is committed --
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ __all__ = ["AttentionBackend", "OP_NAMES"]
 
 #: the ops of a layer step, in call order
 OP_NAMES = (
-    "input_projections", "queries", "capture_prefix_states", "new_entries", "indexer_queries", "indexer_weights",
+    "input_projections", "capture_prefix_states", "new_entries", "queries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 )
 
@@ -56,12 +61,6 @@ class AttentionBackend(Protocol):
         ``[T, q_lora_rank]`` and the window KV ``RMSNorm_{kv_norm}(W_kv x)`` ``[T, D]`` (before RoPE and rounding),
         both act dtype. x: ``[T, d]`` act dtype. A backend may run both projections as one GEMM."""
 
-    def queries(self, step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``W_qb c^Q`` per head, unweighted RMSNorm, RoPE at each position: ``[T, H, D]`` act dtype. A backend may
-        compute a CSA layer's indexer projection ``W_Iq c^Q`` in the same GEMM (both read ``c^Q``); it returns that
-        ``[T, H_I·c_I]`` act dtype (possibly a column view of a wider output) for ``indexer_queries``, else
-        ``None``."""
-
     def capture_prefix_states(self, step: LayerStep, x: Tensor, kv: Tensor) -> None:
         """Prefix caching: for each of ``step.batch.prefix_captures`` (a block boundary strictly inside a request's
         new tokens) the state the layer would hold there, into its snapshot row — before any op writes the cache
@@ -72,6 +71,12 @@ class AttentionBackend(Protocol):
         format; ``[T, D]``: ``attend`` reads them, ``append_swa`` writes them to the ring). CSA/HCA layers also run
         every compressor: accumulate the step's tokens into the tails, pool every window that closes, finish and
         store its entry in the pool (main entries; CSA also indexer keys). x: ``[T, d]``; kv: ``input_projections``'."""
+
+    def queries(self, step: LayerStep, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``W_qb c^Q`` per head, unweighted RMSNorm, RoPE at each position: ``[T, H, D]`` act dtype. A backend may
+        compute a CSA layer's indexer projection ``W_Iq c^Q`` in the same GEMM (both read ``c^Q``); it returns that
+        ``[T, H_I·c_I]`` act dtype (possibly a column view of a wider output) for ``indexer_queries``, else
+        ``None``."""
 
     def indexer_queries(self, step: LayerStep, q_latent: Tensor, projection: Tensor | None = None) -> Any:
         """CSA: the indexer queries ``W_Iq c^Q`` per head, RoPE, rounded as the index format; only the same

@@ -33,6 +33,10 @@ class LayerPlan:
         write: ``kernels.write.plan.WritePlan`` of the writes before attention (``None``: torch).
         indexer: the CSA indexer's plan (scores kernel and top-k; ``None``: torch, or not a CSA layer).
         attention: the sparse attention's plan (kernel, splits, key source, merge; ``None``: torch).
+        overlap: two stages run on a second CUDA stream (``ops.side_stream.SideStream``): the writes before
+            attention beside the query path, the ring commit beside the output projection. ``False``: every
+            launch on the current stream (the torch backend; no CUDA streams; a layer whose writes run the torch
+            ops).
     """
 
     kind: LayerKind
@@ -41,6 +45,7 @@ class LayerPlan:
     write: Any = None
     indexer: Any = None
     attention: Any = None
+    overlap: bool = False
 
     def describe(self) -> list[str]:
         """One line per planned stage."""
@@ -51,6 +56,8 @@ class LayerPlan:
                 lines.append(f"{stage}: {p.describe()}")
             elif stage != "indexer" or self.kind is LayerKind.CSA:
                 lines.append(f"{stage}: torch")
+        if self.overlap:
+            lines.append("streams: the writes beside the queries, the ring commit beside the output (a second stream)")
         return lines
 
 

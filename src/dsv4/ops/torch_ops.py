@@ -34,7 +34,7 @@ from .step import LayerStep
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
     # the ops, in call order (ops.backend.OP_NAMES)
-    "input_projections", "queries", "capture_prefix_states", "new_entries", "indexer_queries", "indexer_weights",
+    "input_projections", "capture_prefix_states", "new_entries", "queries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
     # building blocks
     "query_latent", "window_kv", "attend_layer", "compressor_step", "entry_lists", "gather", "request_index_keys",

@@ -1,7 +1,7 @@
 """The Triton backend: the ops of one layer step (``ops.backend``) on Triton / Gluon kernels for Hopper GPUs
 (CUDA tensors; the Triton interpreter runs them on the CPU for tests), in call order:
 
-* ``input_projections``, ``queries``, ``new_entries``, ``append_swa`` — ``triton_write`` (``kernels.project``,
+* ``input_projections``, ``new_entries``, ``queries``, ``append_swa`` — ``triton_write`` (``kernels.project``,
   ``kernels.write``);
 * ``indexer_queries``, ``indexer_weights``, ``indexer_topk`` — ``triton_indexer`` (``kernels.indexer``);
 * ``visible_entries``, ``attend`` — ``triton_attention`` (``kernels.attention``);
@@ -35,7 +35,7 @@ from .triton_write import append_swa, input_projections, kernels_handle, new_ent
 
 __all__ = [
     "GRAPH_SAFE", "NAME", "plan_step",
-    "input_projections", "queries", "capture_prefix_states", "new_entries", "indexer_queries", "indexer_weights",
+    "input_projections", "capture_prefix_states", "new_entries", "queries", "indexer_queries", "indexer_weights",
     "indexer_topk", "visible_entries", "attend", "append_swa", "output",
 ]
 
@@ -75,8 +75,9 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
         if dev.kernels and kind is LayerKind.CSA:
             indexer = triton_indexer.indexer_plan(cache.layer(schema.layer_idx), batch, m, cfg.index_topk,
                                                   cfg.index_n_heads, nm.score_dtype, dev)
+        overlap = dev.streams and write is not None
         layers[kind] = LayerPlan(kind, kernels=kernels, projection=projection, write=write, indexer=indexer,
-                                 attention=attention)
+                                 attention=attention, overlap=overlap)
     summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"
     return StepPlan(NAME, layers, summary, batch.shape_key())
 
