@@ -168,10 +168,11 @@ class Attention:
         policy ``"flag"`` or ``"off"``)."""
         return bool(self.ops_for(device).GRAPH_SAFE) and not self.check_inputs and self.nan_policy != "raise"
 
-    def plan_step(self, batch: StepBatch, cache: HybridCache) -> StepPlan:
+    def plan_step(self, batch: StepBatch, cache: HybridCache, *, streams: bool = True) -> StepPlan:
         """The step's launch decisions for this layer's backend (build it once per step and pass it to every
-        layer's ``forward``; see ``dsv4.ops.plan``)."""
-        return self.ops_for(cache.device).plan_step(batch, cache)
+        layer's ``forward``; see ``dsv4.ops.plan``). ``streams=False``: every launch on the caller's current stream
+        (the Triton backend otherwise runs two stages of each layer on a second CUDA stream; ``ops.side_stream``)."""
+        return self.ops_for(cache.device).plan_step(batch, cache, streams=streams)
 
     def input_takes_codes(self, cache: HybridCache, plan: StepPlan) -> bool:
         """Whether this layer's input GEMM (the stacked ``[W_qa; W_kv]``) reads activations already quantized by

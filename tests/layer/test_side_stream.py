@@ -49,11 +49,23 @@ def test_plan_overlaps_where_the_writes_run_as_kernels_on_a_device_with_streams(
     assert lp.write is not None
     assert lp.overlap is streams
     assert any("second stream" in line for line in lp.describe()) is streams
+    # the caller's choice: every launch on its own stream
+    off = triton_ops.plan_step(batch, cache, device=dataclasses.replace(H200, streams=streams), streams=False)
+    assert not off.layer(LayerKind.CSA).overlap and off.layer(LayerKind.CSA).write == lp.write
     # a format the write kernels do not handle: the torch ops write, nothing to overlap
     exact = dsv4.HybridCache(cfg, layers=[2], max_requests=1, num_blocks=8, device="cpu", numerics="exact")
     exact.add_request("r0")
     b = exact.prepare_forward({"r0": 1})
     assert not triton_ops.plan_step(b, exact, device=H200).layer(LayerKind.CSA).overlap
+
+
+def test_layer_plans_with_or_without_streams() -> None:
+    cfg = dsv4.ModelConfig.preset("v4-flash")
+    layer = dsv4.Attention(dsv4.AttentionWeights.random(cfg, 2, seed=0), cfg, 2, backend="torch")
+    cache = _cache(cfg, 2, "cpu")
+    batch = cache.prepare_forward({f"r{r}": 1 for r in range(3)})
+    for streams in (True, False):  # the torch backend plans nothing either way
+        assert layer.plan_step(batch, cache, streams=streams).layers == {}
 
 
 def test_side_stream_off_cuda_runs_in_place() -> None:

@@ -53,8 +53,9 @@ class AttentionBackend(Protocol):
     NAME: str
     GRAPH_SAFE: bool
 
-    def plan_step(self, batch: StepBatch, cache: HybridCache) -> StepPlan:
-        """Every launch decision of the step, for each layer kind the cache holds (host only)."""
+    def plan_step(self, batch: StepBatch, cache: HybridCache, *, streams: bool = True) -> StepPlan:
+        """Every launch decision of the step, for each layer kind the cache holds (host only). ``streams=False``:
+        every launch on the caller's current stream (no stage on a second stream, ``LayerPlan.overlap``)."""
 
     def input_projections(self, step: LayerStep, x: Tensor) -> tuple[Tensor, Tensor]:
         """The layer's two projections of its input (SPEC §3 steps 1 and 3): ``c^Q = RMSNorm_{q_norm}(W_qa x)``

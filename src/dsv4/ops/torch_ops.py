@@ -45,8 +45,8 @@ NAME = "torch"
 GRAPH_SAFE = False
 
 
-def plan_step(batch: StepBatch, cache: HybridCache) -> StepPlan:
-    """The torch backend decides nothing ahead: an empty plan."""
+def plan_step(batch: StepBatch, cache: HybridCache, *, streams: bool = True) -> StepPlan:
+    """The torch backend decides nothing ahead: an empty plan (every op on the current stream)."""
     return StepPlan.empty(NAME)
 
 

@@ -43,12 +43,14 @@ NAME = "triton"
 GRAPH_SAFE = True
 
 
-def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None = None, heads: int | None = None
-              ) -> StepPlan:
+def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None = None, heads: int | None = None,
+              *, streams: bool = True) -> StepPlan:
     """The step's launch decisions for every layer kind ``cache`` holds (host arithmetic on the batch's shape).
 
     ``device``: plan for these device facts instead of the cache's device's (tests plan for an H200 on the CPU).
     ``heads``: the query heads a layer computes (default the config's; a tensor-parallel rank's ``H/tp``).
+    ``streams``: where the device has them, run the writes and the ring commit on a second CUDA stream
+    (``LayerPlan.overlap``); ``False``: every launch on the caller's current stream.
     """
     dev = device if device is not None else facts(cache.device)
     nm, cfg = cache.numerics, cache.cfg
@@ -75,7 +77,7 @@ def plan_step(batch: StepBatch, cache: HybridCache, device: DeviceFacts | None =
         if dev.kernels and kind is LayerKind.CSA:
             indexer = triton_indexer.indexer_plan(cache.layer(schema.layer_idx), batch, m, cfg.index_topk,
                                                   cfg.index_n_heads, nm.score_dtype, dev)
-        overlap = dev.streams and write is not None
+        overlap = streams and dev.streams and write is not None
         layers[kind] = LayerPlan(kind, kernels=kernels, projection=projection, write=write, indexer=indexer,
                                  attention=attention, overlap=overlap)
     summary = f"B={batch.num_requests}, T={batch.num_tokens}, max new {batch.max_new}"
