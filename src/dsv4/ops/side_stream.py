@@ -3,9 +3,9 @@
 Two stages of a layer step share no data with the launches that follow them in the code. The writes before
 attention (the compressors' GEMM, the window and compressor entries) and the query path (query projection, query
 norm and RoPE, the indexer's queries) read only the layer's input and write different tensors; the ring commit
-after attention and the output projection likewise. On one stream their small, latency-bound kernels run one after another with the weight-streaming GEMMs
-and leave most of the GPU idle while they run; on a second stream they run beside those GEMMs. ``SideStream`` forks
-and joins that second stream:
+after attention and the output projection likewise. On one stream their small, latency-bound kernels run one after
+another with the weight-streaming GEMMs and leave most of the GPU idle while they run; on a second stream they run
+beside those GEMMs. ``SideStream`` forks and joins that second stream:
 
 * ``run(fn, *args)``: the second stream first waits for everything launched so far on the current stream, then
   ``fn``'s launches go to it;
