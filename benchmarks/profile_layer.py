@@ -16,7 +16,8 @@ Roofline of a layer step: the longer of two times, each with its device rate mea
   projections and CSA's index scores at the FP8 GEMM rate, the BF16 matrices and attention at the BF16 GEMM rate
   (``measure_matmul_rate``): what bounds a prefill chunk.
 
-    python benchmarks/profile_layer.py [--preset v4-flash] [--batch 64 4] [--context 8192] [--json out.json]
+    python benchmarks/profile_layer.py [--preset v4-flash] [--batch 64 4] [--context 8192] [--side-stream on|off]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ def host_launch_costs(calls: int = 2000) -> dict[str, float]:
 
 
 def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefill: int, rates: dict[str, float],
-                 host: int = 0) -> dict:
-    """Time, launches and roofline of one step of layer ``li``."""
+                 host: int = 0, streams: bool = True) -> dict:
+    """Time, launches and roofline of one step of layer ``li`` (``streams``: the plan may put two stages on a second
+    stream, ``Attention.plan_step``)."""
     kind = cfg.layer_kind(li)
     w = dsv4.AttentionWeights.random(cfg, li, seed=0, device="cuda")
     layer = dsv4.Attention(w, cfg, li, backend="triton", check_inputs=False, nan_policy="off")
@@ -124,7 +126,7 @@ def profile_kind(cfg: dsv4.ModelConfig, li: int, batch: int, context: int, prefi
         cache.claim_step(cache.prepare_forward({f"r{r}": context for r in range(batch)}))  # positions only
     step = cache.repeatable(cache.prepare_forward({f"r{r}": new for r in range(batch)}))
     x = torch.randn(batch * new, cfg.hidden_size, device="cuda").bfloat16()
-    plan = layer.plan_step(step, cache)
+    plan = layer.plan_step(step, cache, streams=streams)
 
     def run() -> None:
         layer(x, step, cache, plan)
@@ -159,6 +161,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192, help="tokens each request holds before the step")
     ap.add_argument("--prefill", type=int, default=0, help="a prefill chunk of this many tokens per request")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per layer kind (0: none)")
+    ap.add_argument("--side-stream", default="on", choices=("on", "off"),
+                    help="each layer's writes and ring commit on a second CUDA stream (the engine's default) or not")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also print the N functions that take an eager call's host time, and its host syncs")
     ap.add_argument("--triton-gemm-min-values", type=int, metavar="N",
@@ -188,7 +192,7 @@ def main() -> None:
     rows = []
     for b in a.batch:
         for kind, li in kinds.items():
-            r = profile_kind(cfg, li, b, a.context, a.prefill, rates, a.host_profile)
+            r = profile_kind(cfg, li, b, a.context, a.prefill, rates, a.host_profile, a.side_stream == "on")
             rows.append(r)
             print(f"{kind.name + ' ' + str(li):<10}{b:>5}{r['graph_us']:>10.1f}{r['eager_us']:>10.1f}"
                   f"{r['eager_over_graph']:>9.2f}{r['launches']:>9}{r['bytes'] / 1e6:>8.1f}"

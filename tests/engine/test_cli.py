@@ -33,6 +33,23 @@ def test_run_json_to_stdout_only(capsys) -> None:
                "--layers", "kinds", "--check-requests", "1", "--no-progress", "--json"])
     res = json.loads(capsys.readouterr().out)  # nothing but JSON on stdout
     assert rc == 0 and res["layers"] == [0, 1, 2] and len(res["spot_check"]) == 3
+    assert res["side_stream"] is True  # the default; on the CPU no stage has a second stream to go to
+
+
+def test_run_side_stream_off_reaches_every_step_plan(capsys, monkeypatch) -> None:
+    streams = []
+    plan_step = dsv4.Attention.plan_step
+
+    def recording(self, batch, cache, **kw):
+        streams.append(kw["streams"])
+        return plan_step(self, batch, cache, **kw)
+
+    monkeypatch.setattr(dsv4.Attention, "plan_step", recording)
+    rc = main(["run", "--device", "cpu", "--requests", "2", "--prompt-len", "20", "--gen-len", "2", "--layers", "kinds",
+               "--check-requests", "0", "--side-stream", "off", "--no-progress", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and res["side_stream"] is False
+    assert streams and not any(streams)  # every step planned with every launch on the engine's stream
 
 
 def test_run_prefix_caching_prints_and_records_hits(tmp_path, capsys) -> None:

@@ -251,6 +251,8 @@ def test_engine_rejects_bad_configs() -> None:
         Engine(TINY, layers=[0, 0], config=EngineConfig(device="cpu"))
     with pytest.raises(ValueError):
         EngineConfig(cuda_graphs="maybe")
+    with pytest.raises(TypeError, match="side_stream"):
+        EngineConfig(side_stream="off")
     with pytest.raises(ValueError, match="cuda_graphs='on'"):
         Engine(TINY, config=EngineConfig(device="cpu", cuda_graphs="on", block_size=64)).submit(make_requests(1, 4, 1))
     assert default_batch_sizes(64) == (1, 2, 4, 8, 16, 32, 64) and default_batch_sizes(6) == (1, 2, 4, 6)

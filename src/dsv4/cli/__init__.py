@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "length; smaller budgets make requests wait)")
         r.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                        help="decode steps as CUDA graph replays (auto: when the backend is graph-safe)")
+        r.add_argument("--side-stream", default="on", choices=("on", "off"),
+                       help="on CUDA, run each layer's writes and ring commit on a second stream beside its GEMMs "
+                            "(the same results; off: one stream)")
         r.add_argument("--weights", default="random", choices=("random", "shared"),
                        help="random per layer, or one random set per layer kind shared by its layers")
         r.add_argument("--checkpoint", help="HF-format safetensors checkpoint directory (official or transformers names)")

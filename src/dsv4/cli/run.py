@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace, parallel: Any, device: torch.device | None) -
             max_running=max_running, max_batched_tokens=budget, max_prefill_chunk=args.max_prefill_chunk,
             decode_tokens=args.decode_tokens, cache_memory=cache_memory, cuda_graphs=args.cuda_graphs,
             weights=weights_mode, seed=args.seed, prefix_caching=args.prefix_caching, prefix_states=args.prefix_states,
-            warmup={"auto": None, "on": True, "off": False}[args.warmup],
+            warmup={"auto": None, "on": True, "off": False}[args.warmup], side_stream=args.side_stream == "on",
         )
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -284,7 +284,7 @@ def _run(args: argparse.Namespace, parallel: Any, device: torch.device | None) -
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine()),
             "torch": torch.__version__, "config": cfg.name, "layers": layers, "backend": engine.backend,
             "numerics": args.numerics, "weights": weights_mode, "seed": args.seed,
-            "parallel": {"tp": args.tp, "cp": args.cp},
+            "parallel": {"tp": args.tp, "cp": args.cp}, "side_stream": args.side_stream == "on",
             "workload": {"requests": n_req, "prompt_len": str(p_spec), "gen_len": str(g_spec), "prompt_tokens": tot_p,
                          "gen_tokens": tot_g, "max_running": max_running, "max_batched_tokens": budget,
                          "decode_tokens": args.decode_tokens, "block_size": block_size,

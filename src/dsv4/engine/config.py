@@ -64,6 +64,9 @@ class EngineConfig:
         warmup: before the first step, compile every kernel the run will launch, in parallel over the CPU cores,
             into Triton's on-disk cache (``dsv4.engine.warmup``), and capture CUDA graphs only for the decode
             batch sizes the run uses. Default: on for the Triton backend on CUDA.
+        side_stream: on CUDA, run two stages of each layer on a second stream beside the others (the writes beside
+            the queries, the ring commit beside the output projection: ``dsv4.ops.side_stream``; the same results).
+            Off: every launch on the engine's stream.
     """
 
     backend: str = "auto"
@@ -85,6 +88,7 @@ class EngineConfig:
     vocab: int = DEFAULT_VOCAB
     overlap_host: bool | None = None
     warmup: bool | None = None
+    side_stream: bool = True
 
     def __post_init__(self) -> None:
         """Validate every field: ``TypeError`` / ``ValueError`` naming it (nothing is truncated or defaulted)."""
@@ -116,3 +120,4 @@ class EngineConfig:
             require_bool("overlap_host", self.overlap_host)
         if self.warmup is not None:
             require_bool("warmup", self.warmup)
+        require_bool("side_stream", self.side_stream)

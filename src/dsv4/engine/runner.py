@@ -228,7 +228,7 @@ class Engine:
         assert self.cache is not None
         keep = set(keep)
         kept: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-        plan = self.layers[0].plan_step(batch, self.cache)  # once per step, shared by every layer
+        plan = self.layers[0].plan_step(batch, self.cache, streams=self.config.side_stream)  # once per step, every layer
         self._remember_plan(batch, plan)
         last = len(self.layers) - 1
         # whether each layer's input GEMM takes the FP8 codes of its input from the norm that makes it
