@@ -10,7 +10,7 @@ times one layer of each kind alone; this script shows the same kernels in the ru
 batch and the caches the run's.
 
     python benchmarks/profile_decode_step.py [--preset v4-flash] [--requests 64] [--prompt-len 8192]
-        [--gen-len 96] [--steps 16] [--json out.json]
+        [--gen-len 96] [--steps 16] [--side-stream on|off] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=8192, help="the step's token budget")
     ap.add_argument("--steps", type=int, default=16, help="decode-only steps profiled")
     ap.add_argument("--top", type=int, default=30, help="kernel names to list")
+    ap.add_argument("--side-stream", default="on", choices=("on", "off"),
+                    help="each layer's writes and ring commit on a second CUDA stream (the default) or not")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    cfg, engine = cuda_engine("profile_decode_step.py", args.preset, args.requests, args.max_batched_tokens)
+    cfg, engine = cuda_engine("profile_decode_step.py", args.preset, args.requests, args.max_batched_tokens,
+                              side_stream=args.side_stream == "on")
 
     def requests() -> list:
         return make_requests(args.requests, args.prompt_len, args.gen_len, seed=0)

@@ -19,7 +19,8 @@ decode rows of the requests already prefilled (as in the acceptance workload). T
 ``wall − kernel sum`` is the time the GPU sat idle during a step (host-bound stretches, synchronisations, the
 allocator); the kernel table says which kernels — the layers', the residual glue's, the hidden states' — cost what.
 
-    python benchmarks/profile_step.py [--preset v4-flash] [--requests 6] [--prompt-len 8192] [--json out.json]
+    python benchmarks/profile_step.py [--preset v4-flash] [--requests 6] [--prompt-len 8192] [--side-stream on|off]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,16 +47,17 @@ REQUIRES_CUDA = True
 _ALLOCATOR_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
-def cuda_engine(script: str, preset: str, requests: int, max_batched_tokens: int, weights: str = "random"
-                ) -> tuple[dsv4.ModelConfig, Engine]:
+def cuda_engine(script: str, preset: str, requests: int, max_batched_tokens: int, weights: str = "random",
+                side_stream: bool = True) -> tuple[dsv4.ModelConfig, Engine]:
     """The engine of ``dsv4 run``'s Triton CUDA path over every layer of ``preset``, at most ``requests`` running
-    and ``max_batched_tokens`` per step (its warm-up done); ``script`` names the caller when there is no CUDA."""
+    and ``max_batched_tokens`` per step (its warm-up done; ``side_stream``: ``EngineConfig.side_stream``);
+    ``script`` names the caller when there is no CUDA."""
     if not torch.cuda.is_available():
         raise SystemExit(f"{script} needs a CUDA device")
     cfg = dsv4.ModelConfig.preset(preset)
     return cfg, Engine(cfg, list(range(cfg.num_layers)), EngineConfig(
         backend="triton", device="cuda", max_running=requests, max_batched_tokens=max_batched_tokens,
-        weights=weights))
+        weights=weights, side_stream=side_stream))
 
 
 def timed_run(engine: Engine, requests: Callable[[], list]) -> dict:
@@ -163,9 +165,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="kernel names to list")
     ap.add_argument("--gap-us", type=float, default=20.0, help="GPU idle gaps longer than this are listed")
     ap.add_argument("--host-top", type=int, default=25, help="host functions to list (cProfile, per prefill step)")
+    ap.add_argument("--side-stream", default="on", choices=("on", "off"),
+                    help="each layer's writes and ring commit on a second CUDA stream (the default) or not")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    cfg, engine = cuda_engine("profile_step.py", args.preset, args.requests, args.max_batched_tokens, args.weights)
+    cfg, engine = cuda_engine("profile_step.py", args.preset, args.requests, args.max_batched_tokens, args.weights,
+                              args.side_stream == "on")
 
     def requests() -> list:
         return make_requests(args.requests, args.prompt_len, args.gen_len, seed=0)
