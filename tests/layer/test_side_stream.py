@@ -20,16 +20,10 @@ import dsv4
 from dsv4.cache.snapshot import cache_tensors
 from dsv4.config import LayerKind
 from dsv4.kernels.device import DeviceFacts
-from dsv4.ops import StepPlan, triton_ops
+from dsv4.ops import triton_ops
 from dsv4.ops.side_stream import SideStream
 
 H200 = DeviceFacts(kernels=True, sm_count=132, sm90=False, fp8_gemm="scaled_mm", streams=True)
-
-
-def _serial(plan: StepPlan) -> StepPlan:
-    """``plan`` with every layer kind's writes on the current stream."""
-    layers = {kind: dataclasses.replace(lp, overlap=False) for kind, lp in plan.layers.items()}
-    return dataclasses.replace(plan, layers=layers)
 
 
 def _cache(cfg: dsv4.ModelConfig, li: int, device: str, requests: int = 3) -> dsv4.HybridCache:
@@ -123,7 +117,7 @@ def test_gpu_overlapped_steps_equal_serial_steps_bit_for_bit(li: int, slow: bool
         assert plan.layer(cfg.layer_kind(li)).overlap
         x = torch.randn(ba.num_tokens, cfg.hidden_size, generator=g, device="cuda").bfloat16()
         ya = layer.forward_with_aux(x, ba, overlapped, plan)
-        yb = layer.forward_with_aux(x, bb, serial, _serial(plan))
+        yb = layer.forward_with_aux(x, bb, serial, triton_ops.plan_step(bb, serial, streams=False))
         assert torch.equal(ya.y, yb.y), f"step {n}: outputs differ"
         assert torch.equal(ya.entry_idx, yb.entry_idx), f"step {n}: selected entries differ"
         _assert_same_caches(overlapped, serial, f"step {n}")
@@ -143,8 +137,7 @@ def test_gpu_overlapped_graph_replays_equal_serial_ones(li: int) -> None:
         layer(torch.randn(b.num_tokens, cfg.hidden_size, generator=torch.Generator(device="cuda").manual_seed(1),
                           device="cuda").bfloat16(), b, cache)
         step = cache.repeatable(cache.prepare_forward({r: 1 for r in prompt}))
-        plan = triton_ops.plan_step(step, cache)
-        plan = plan if overlap else _serial(plan)
+        plan = triton_ops.plan_step(step, cache, streams=overlap)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
