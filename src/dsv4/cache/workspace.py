@@ -32,7 +32,7 @@ class Workspace:
         ``zero=True``: the buffer is zero-filled when it is (re)allocated, for kernels that expect zeros on entry and
         leave zeros on exit (e.g. the top-k's barrier counters); every user of that name must keep that contract.
         """
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < nbytes:
             if torch.cuda.is_available() and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
