@@ -5,8 +5,8 @@ Ways: ``bf16`` (the activations' quantized values times the weight's BF16 copy o
 (``torch._scaled_mm`` with blockwise scales, where this torch takes it and gets it right; the probe's figures are
 printed either way), ``triton`` (``kernels.project.block_gemm``: the block-scaled FP8 GEMM on FP8 tensor cores) —
 ``gemm_config``'s launch and, with ``--sweep``, other kernel / tile / split / stage / grid choices. Each timing
-includes the activation quantization (the user's call). Errors are relative L2 against the reference's FP32 sums of the same
-products (``formats.block_fp8.fp8_linear``).
+includes the activation quantization (the user's call). Errors are relative L2 against the reference's FP32 sums of
+the same products (``formats.block_fp8.fp8_linear``).
 
 Each timing is a CUDA graph of calls that each read another copy of the weight (none in L2 when its GEMM starts, as
 in a layer), per call. Roofline: the FP8 weight (values + scales) read once at the copy bandwidth measured in the
@@ -55,6 +55,16 @@ def fp8_projections(cfg: dsv4.ModelConfig) -> dict[str, BlockFp8Weight]:
         if stack is not None:
             out[name] = stack
     return out
+
+
+def weight_copies(w: BlockFp8Weight | torch.Tensor) -> list[BlockFp8Weight | torch.Tensor]:
+    """``w`` and copies of it, together at least ``L2_SPAN`` bytes: a timed graph whose every call reads the next
+    copy finds none of its weight in L2 when the call starts, as in a layer."""
+    if isinstance(w, BlockFp8Weight):
+        nbytes, clone = w.nbytes, lambda: BlockFp8Weight(w.data.clone(), w.scale.clone())
+    else:
+        nbytes, clone = w.numel() * w.element_size(), w.clone
+    return [w] + [clone() for _ in range(max(1, -(-L2_SPAN // nbytes)) - 1)]
 
 
 def scaled_mm_probe() -> str:
@@ -126,10 +136,7 @@ def main() -> None:
     for name, w in weights.items():
         N, K = w.shape
         floor = w.nbytes / bw
-        # every call of a timed graph reads another copy of the weight: none is in L2 when its GEMM starts, as in
-        # a layer (the copies together at least 3x the L2)
-        copies = [w] + [BlockFp8Weight(w.data.clone(), w.scale.clone())
-                        for _ in range(max(1, -(-L2_SPAN // w.nbytes)) - 1)]
+        copies = weight_copies(w)
         for M in a.rows:
             x = (torch.randn(M, K, generator=g, device="cuda") * torch.exp(torch.randn(M, 1, generator=g,
                                                                                         device="cuda"))).bfloat16()

@@ -13,8 +13,9 @@ For every weight a V4 decode step multiplies (the FP8 block GEMMs ``wq_a+wkv``, 
   reach at this size, launch and ramp included.
 
 Each timing is a CUDA graph of calls that each read another copy of the weight (none in L2 when its call starts,
-as in a layer), per call. The last table weights each row by how many of that GEMM a decode step runs (per layer
-kind) and gives the step's GEMM time against the same GEMMs at the streaming figure.
+as in a layer: ``bench_fp8_projections.weight_copies``), per call. The last table weights each row by how many of
+that GEMM a decode step runs (per layer kind) and gives the step's GEMM time against the same GEMMs at the
+streaming figure.
 
     python benchmarks/bench_weight_streaming.py [--preset v4-flash] [--rows 64] [--json out.json]
 
@@ -41,9 +42,9 @@ from dsv4.kernels.device import sm_count
 from dsv4.kernels.project import block_gemm, fp8_gemm
 from dsv4.query_stack import query_stack, stack_query_projections
 
+from bench_fp8_projections import weight_copies
+
 REQUIRES_CUDA = True
-#: bytes of weight copies each timing cycles through (3x the H200's 50 MB L2)
-L2_SPAN = 150 << 20
 #: int32 words each program of the streaming kernel loads per iteration (16 KiB)
 STREAM_BLOCK = 4096
 #: programs per SM the streaming kernel tries (the best is kept)
@@ -95,13 +96,6 @@ def decode_weights(cfg: dsv4.ModelConfig) -> dict[str, tuple[object, dict[LayerK
     return out
 
 
-def _clone(w: object) -> object:
-    """Another copy of the weight's bytes (so that a timed call finds none of it in L2)."""
-    if isinstance(w, BlockFp8Weight):
-        return BlockFp8Weight(w.data.clone(), w.scale.clone())
-    return w.clone()
-
-
 def _nbytes(w: object) -> int:
     """The bytes a GEMM over ``w`` must read (FP8: values and block scales)."""
     return w.nbytes if isinstance(w, BlockFp8Weight) else w.numel() * w.element_size()
@@ -147,7 +141,7 @@ def run(quick: bool = False, roofline: Any = None, preset: str = "v4-flash", row
     out, step_gemm, step_stream, step_bytes = [], 0.0, 0.0, 0
     for name, (w, per_kind) in decode_weights(cfg).items():
         nbytes = _nbytes(w)
-        copies = [w] + [_clone(w) for _ in range(max(1, -(-L2_SPAN // nbytes)) - 1)]
+        copies = weight_copies(w)
         words = [_words(c) for c in copies]
         sink = torch.empty(max(STREAM_PROGRAMS_PER_SM) * sms, dtype=torch.int32, device="cuda")
         stream = {}
